@@ -1,0 +1,55 @@
+// Attention over one rank's shard, as a plan says (SPEC §1, §4). CPU kernels here;
+// the CUDA kernels take the same parameter struct with device pointers.
+#pragma once
+
+#include <cstdint>
+
+#include "dcpmla/numeric.h"
+#include "dcpmla/plan.h"
+#include "dcpmla/types.h"
+
+namespace dcpmla {
+
+// Plain pointers and sizes; no ownership.
+struct AttentionParams {
+  const bf16* q;       // [batch, qlen, heads, D]
+  const uint8_t* kv;   // [num_subpages, page, D] in kv_dtype (the paged cache)
+  KvDtype kv_dtype;
+  float kv_scale;      // read = stored * kv_scale
+  float softmax_scale; // scores = softmax_scale * <q, k>
+  int heads;
+  int dim;             // D
+  int rank_dim;        // R: the value is the first R values of a latent
+  PlanView plan;
+  bf16* out;           // [batch, qlen, heads, R]
+  float* lse;          // [batch, qlen, heads], natural log; -inf for an empty window
+  // split_k workspace: [work_capacity, max_qlen, heads, R] and [work_capacity, max_qlen, heads]
+  float* part_o;
+  float* part_m;       // base-2 running max of scores * log2(e)
+  float* part_l;       // sum of 2^(s * log2(e) - m)
+};
+
+// Runs the plan's route over the sharded cache: one_stage and two_stage's stage A write
+// (out, lse) directly; split_k writes partials and merges them. Rows with no local key
+// get out = 0, lse = -inf.
+void attention_cpu(const AttentionParams& p);
+
+// Workspace floats attention_cpu needs for a plan of this capacity (split_k partials).
+int64_t split_workspace_floats(const PlanView& plan, int heads, int rank_dim);
+
+// two_stage stage B: dense causal attention of each request's query block over its own
+// block latents (identical on every rank). Heads [head_begin, head_begin + heads) of q.
+struct BlockAttentionParams {
+  const bf16* q;            // [batch, qlen, q_heads, D]
+  const bf16* block_kv;     // [batch, qlen, D] the block's latents (as the model made them)
+  const int32_t* seq_lens;  // [batch]; 0 = padding (rows get out = 0, lse = -inf)
+  KvDtype kv_dtype;         // the block is read as the cache stores it (quantised alike)
+  float kv_scale;
+  float softmax_scale;
+  int batch, qlen, q_heads, head_begin, heads, dim, rank_dim;
+  bf16* out;  // [batch, qlen, heads, R]
+  float* lse; // [batch, qlen, heads]
+};
+void block_attention_cpu(const BlockAttentionParams& p);
+
+}  // namespace dcpmla

@@ -1,0 +1,27 @@
+// Merging partial attention results with the LSE rule (SPEC §2, §4).
+// All lse here are natural log; split-K statistics are base 2 and say so.
+#pragma once
+
+#include <cstdint>
+
+#include "dcpmla/numeric.h"
+
+namespace dcpmla {
+
+// (o, lse) = merge of two partials over disjoint key sets, row by row:
+// lse = ln(e^a + e^b), o = e^(a-lse) o_a + e^(b-lse) o_b. -inf partials contribute nothing;
+// both -inf gives o = 0, lse = -inf. Output may alias either input.
+void merge_state(const bf16* o_a, const float* lse_a, const bf16* o_b, const float* lse_b, bf16* o,
+                 float* lse, int64_t rows, int width);
+
+// Combine n partials stacked [n, rows, width] / [n, rows] into one (the cross-rank merge
+// after an all-gather or all-to-all).
+void combine_partials(const bf16* o_parts, const float* lse_parts, int n, bf16* o, float* lse,
+                      int64_t rows, int width);
+
+// Split-K: segments s of one row, o_s normalised, (m_s, l_s) base 2:
+// M = max m_s, l = sum l_s 2^(m_s - M), lse = (M + log2 l) ln 2 (natural log).
+void merge_split_k(const float* part_o, const float* part_m, const float* part_l, int segments,
+                   int64_t segment_stride_o, int64_t segment_stride_ml, int width, bf16* o, float* lse);
+
+}  // namespace dcpmla

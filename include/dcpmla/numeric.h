@@ -1,0 +1,46 @@
+// Storage number formats: bf16 and the two OCP fp8 formats, bit-exact on the host.
+// fp8 storage follows SPEC §3: stored = rne(sat(bf16(x) / scale)) in float32, read = stored * scale.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "dcpmla/types.h"
+
+namespace dcpmla {
+
+// Same layout as CUDA's __nv_bfloat16, so buffers cross into kernels unchanged.
+struct bf16 {
+  uint16_t bits = 0;
+};
+
+inline float bf16_to_float(bf16 h) {
+  uint32_t u = uint32_t(h.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to nearest even; NaN stays NaN (quiet), inf stays inf.
+inline bf16 float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{uint16_t((u >> 16) | 0x40u)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bf16{uint16_t(u >> 16)};
+}
+
+inline float round_to_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+// Largest finite value of each fp8 format (e4m3fn: 448, e5m2: 57344).
+float fp8_max(KvDtype d);
+
+// x saturated to the format's range, rounded to nearest even (the caller divides by
+// the scale first, in float32). NaN -> NaN.
+uint8_t float_to_fp8(float x, KvDtype d);
+float fp8_to_float(uint8_t bits, KvDtype d);
+
+// One stored value of a cache of dtype d with the given scale, read back as float.
+float quantize_roundtrip(float x, KvDtype d, float scale);
+
+}  // namespace dcpmla

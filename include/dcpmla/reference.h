@@ -1,0 +1,36 @@
+// Float64 reference over global windows: no ranks, no pages (SPEC §1). Inputs are
+// rounded as the system stores them (q to bf16; kv to bf16, then to fp8 when asked).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "dcpmla/types.h"
+
+namespace dcpmla {
+
+struct ReferenceResult {
+  std::vector<double> out;  // [B, qlen, H, R]
+  std::vector<double> lse;  // [B, qlen, H] natural log, -inf for an empty window
+};
+
+ReferenceResult reference_attention(std::span<const float> q, std::span<const float> kv,
+                                    std::span<const int32_t> seq_lens, int batch, int qlen,
+                                    int heads, int64_t max_len, int dim, Mode mode,
+                                    KvDtype kv_dtype, float kv_scale, double softmax_scale,
+                                    int rank_dim);
+
+// Worst per-(request, row) errors of a result against the reference: relative L2 of
+// out over (heads, R), absolute lse error (inf == inf counts as 0), NaN count.
+struct ErrorReport {
+  double max_rel_l2 = 0;
+  double max_lse_err = 0;
+  int64_t nan_count = 0;
+  bool within(double bound) const { return nan_count == 0 && max_rel_l2 <= bound && max_lse_err <= bound; }
+};
+ErrorReport compare(std::span<const float> out, std::span<const float> lse,
+                    std::span<const double> ref_out, std::span<const double> ref_lse, int batch,
+                    int qlen, int heads, int rank_dim);
+
+}  // namespace dcpmla

@@ -1,0 +1,88 @@
+// The data's way through one rank, and the whole DCP path in one call:
+// shard -> page -> write -> plan -> per-rank attention -> cross-rank merge.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "dcpmla/attention.h"
+#include "dcpmla/cache.h"
+#include "dcpmla/comm.h"
+#include "dcpmla/plan.h"
+
+namespace dcpmla {
+
+// How the merged result is laid out across ranks (SPEC §2).
+enum class MergeForm : int32_t {
+  all_heads,      // every rank keeps all H heads (all-gather of partials, local combine)
+  scatter_heads,  // each rank keeps H/N heads (all-gather of lse, correction, reduce-scatter)
+};
+MergeForm parse_merge_form(std::string_view s);
+std::string_view to_string(MergeForm f);
+
+// Merges this rank's partial (o, lse over all H heads of `rows` query rows) with the
+// other ranks'. all_heads: out/lse hold [rows, H, R] / [rows, H]. scatter_heads: they
+// hold this rank's heads [rows, H/N, R] / [rows, H/N] (H % N == 0 required).
+void merge_across_ranks(Communicator& comm, MergeForm form, const bf16* o, const float* lse,
+                        int64_t rows, int heads, int width, bf16* out, float* out_lse);
+
+// One rank's state: its cache shard, its planner and a plan at a stable address.
+class RankRunner {
+ public:
+  RankRunner(const PlannerConfig& config, float kv_scale, float softmax_scale);
+
+  PagedCache& cache() { return cache_; }
+  const Planner& planner() const { return planner_; }
+  const Plan& current_plan() const { return plan_; }
+
+  // Write path: latents [n, D] of global positions[n] of requests[n]; tokens this
+  // rank does not own get the PAD slot and are skipped.
+  void write(std::span<const bf16> latents, std::span<const int64_t> positions,
+             std::span<const int32_t> requests, const BatchDesc& batch);
+
+  void plan(const BatchDesc& batch) { planner_.plan(batch, plan_); }
+
+  // Attention over this rank's shard with the current plan: out [B, qlen, H, R], lse [B, qlen, H].
+  void attend(const bf16* q, bf16* out, float* lse);
+
+  AttentionParams params(const bf16* q, bf16* out, float* lse);
+
+ private:
+  Planner planner_;
+  PagedCache cache_;
+  Plan plan_;
+  float kv_scale_;
+  float softmax_scale_;
+  std::vector<float> workspace_;
+};
+
+struct AttentionOptions {
+  Mode mode = Mode::verify;
+  int world_size = 1;
+  int interleave = 1;
+  int block_size = 64;
+  KvDtype kv_dtype = KvDtype::bf16;
+  float kv_scale = 1.0f;
+  float softmax_scale = 0.0f;  // 0 -> D^-0.5
+  int kv_lora_rank = 512;
+  Route route = Route::automatic;
+  MergeForm merge = MergeForm::all_heads;
+  Backend backend = Backend::cpu;
+  uint64_t seed = 0;  // draws the block tables (a random permutation, not identity)
+  bool poison = true; // fill the caches with NaN before writing
+};
+
+struct AttentionResult {
+  std::vector<float> out;  // [B, qlen, H, R] as the bf16 output holds it
+  std::vector<float> lse;  // [B, qlen, H] natural log
+  std::vector<Route> routes;  // the route each rank's planner took
+};
+
+// The conformance entry point (SPEC §5) for the CPU backend.
+AttentionResult mla_attention(std::span<const float> q, std::span<const float> kv,
+                              std::span<const int32_t> seq_lens, int batch, int qlen, int heads,
+                              int64_t max_len, int dim, const AttentionOptions& options);
+
+}  // namespace dcpmla

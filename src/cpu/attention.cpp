@@ -1,0 +1,218 @@
+// CPU kernels: the reference every backend is checked against, and the default that runs
+// anywhere. Same numerics as the GPU: bf16 q, dequantised kv, float32 scores and
+// accumulators, base-2 online softmax, bf16 output, natural-log lse.
+#include "dcpmla/attention.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "dcpmla/merge.h"
+
+namespace dcpmla {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kTokensPerChunk = 64;
+constexpr int kHeadsPerTask = 16;
+
+// Eight independent sums so the compiler vectorises without reassociating.
+float dot(const float* a, const float* b, int n) {
+  float s[8] = {};
+  int j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int k = 0; k < 8; ++k) s[k] += a[j + k] * b[j + k];
+  for (; j < n; ++j) s[0] += a[j] * b[j];
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+struct Dequantizer {
+  KvDtype dtype;
+  float scale;
+  std::array<float, 256> table{};
+
+  Dequantizer(KvDtype d, float s) : dtype(d), scale(s) {
+    if (d != KvDtype::bf16)
+      for (int v = 0; v < 256; ++v) table[size_t(v)] = fp8_to_float(uint8_t(v), d) * s;
+  }
+  void row(const uint8_t* src, int dim, float* dst) const {
+    if (dtype == KvDtype::bf16) {
+      const auto* h = reinterpret_cast<const bf16*>(src);
+      for (int j = 0; j < dim; ++j) dst[j] = bf16_to_float(h[j]);
+    } else {
+      for (int j = 0; j < dim; ++j) dst[j] = table[src[j]];
+    }
+  }
+};
+
+// Running base-2 softmax state of one (row, head): m = max of s*log2(e), l = sum 2^(s*log2e - m).
+struct RowState {
+  float m = kNegInf;
+  float l = 0.0f;
+};
+
+// Attention of heads [h0, h1) of request b over local tokens [tok_begin, tok_end) of the
+// sharded cache, each row masked at its own local length. Leaves (acc, state) per (t, h).
+void attend_range(const AttentionParams& p, const Dequantizer& deq, int b, int h0, int h1,
+                  int64_t tok_begin, int64_t tok_end, std::vector<float>& acc,
+                  std::vector<RowState>& state) {
+  const PlanView& plan = p.plan;
+  const int qlen = plan.header->qlen, page = plan.header->page;
+  const int D = p.dim, R = p.rank_dim, nh = h1 - h0;
+  const int64_t row_bytes = int64_t(D) * bytes_per_value(p.kv_dtype);
+  const int32_t* lens = plan.row_local_len + int64_t(b) * qlen;
+  const int32_t* subpages = plan.subpage_table + int64_t(b) * plan.table_stride;
+
+  std::vector<float> qf(size_t(qlen) * nh * D);
+  for (int t = 0; t < qlen; ++t)
+    for (int h = h0; h < h1; ++h) {
+      const bf16* src = p.q + ((int64_t(b) * qlen + t) * p.heads + h) * D;
+      float* dst = qf.data() + (size_t(t) * nh + size_t(h - h0)) * D;
+      for (int j = 0; j < D; ++j) dst[j] = bf16_to_float(src[j]);
+    }
+  // Tiles are whole sub-pages; tokens past the longest row are never read (they may be NaN).
+  tok_end = std::min<int64_t>(tok_end, *std::max_element(lens, lens + qlen));
+  acc.assign(size_t(qlen) * nh * R, 0.0f);
+  state.assign(size_t(qlen) * nh, RowState{});
+
+  std::vector<float> kbuf(size_t(kTokensPerChunk) * D);
+  std::array<float, kTokensPerChunk> s{};
+  for (int64_t c0 = tok_begin; c0 < tok_end; c0 += kTokensPerChunk) {
+    const int n = int(std::min<int64_t>(kTokensPerChunk, tok_end - c0));
+    for (int j = 0; j < n; ++j) {
+      const int64_t i = c0 + j;
+      const int64_t slot = int64_t(subpages[i / page]) * page + i % page;
+      deq.row(p.kv + slot * row_bytes, D, kbuf.data() + size_t(j) * D);
+    }
+    for (int t = 0; t < qlen; ++t) {
+      const int valid = int(std::clamp<int64_t>(lens[t] - c0, 0, n));
+      if (valid == 0) continue;
+      for (int hh = 0; hh < nh; ++hh) {
+        const float* q = qf.data() + (size_t(t) * nh + size_t(hh)) * D;
+        float chunk_max = kNegInf;
+        for (int j = 0; j < valid; ++j) {
+          s[size_t(j)] = dot(q, kbuf.data() + size_t(j) * D, D) * p.softmax_scale * kLog2e;
+          chunk_max = std::max(chunk_max, s[size_t(j)]);
+        }
+        RowState& st = state[size_t(t) * nh + size_t(hh)];
+        float* a = acc.data() + (size_t(t) * nh + size_t(hh)) * R;
+        const float m_new = std::max(st.m, chunk_max);
+        const float alpha = std::exp2(st.m - m_new);  // 0 when st.m = -inf
+        if (alpha != 1.0f) {
+          for (int r = 0; r < R; ++r) a[r] *= alpha;
+          st.l *= alpha;
+        }
+        for (int j = 0; j < valid; ++j) {
+          const float w = std::exp2(s[size_t(j)] - m_new);
+          st.l += w;
+          const float* v = kbuf.data() + size_t(j) * D;
+          for (int r = 0; r < R; ++r) a[r] += w * v[r];
+        }
+        st.m = m_new;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int64_t split_workspace_floats(const PlanView& plan, int heads, int rank_dim) {
+  return int64_t(plan.work_capacity) * plan.max_qlen * heads * (rank_dim + 2);
+}
+
+void attention_cpu(const AttentionParams& p) {
+  const PlanView& plan = p.plan;
+  const PlanHeader& h = *plan.header;
+  const int qlen = h.qlen, R = p.rank_dim, H = p.heads;
+  const bool split = Route(h.route) == Route::split_k;
+  const Dequantizer deq(p.kv_dtype, p.kv_scale);
+  const int head_blocks = (H + kHeadsPerTask - 1) / kHeadsPerTask;
+  const int64_t tasks = int64_t(h.work_count) * head_blocks;
+
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t task = 0; task < tasks; ++task) {
+    const WorkItem item = plan.work[task / head_blocks];
+    const int h0 = int(task % head_blocks) * kHeadsPerTask, h1 = std::min(H, h0 + kHeadsPerTask);
+    std::vector<float> acc;
+    std::vector<RowState> state;
+    attend_range(p, deq, item.request, h0, h1, int64_t(item.tile_begin) * h.page,
+                 int64_t(item.tile_end) * h.page, acc, state);
+    const int nh = h1 - h0;
+    for (int t = 0; t < qlen; ++t)
+      for (int hh = 0; hh < nh; ++hh) {
+        const RowState& st = state[size_t(t) * nh + size_t(hh)];
+        const float* a = acc.data() + (size_t(t) * nh + size_t(hh)) * R;
+        const float inv = st.l > 0.0f ? 1.0f / st.l : 0.0f;
+        if (split) {
+          const int64_t row = (int64_t(task / head_blocks) * qlen + t) * H + h0 + hh;
+          float* o = p.part_o + row * R;
+          for (int r = 0; r < R; ++r) o[r] = a[r] * inv;
+          p.part_m[row] = st.m;
+          p.part_l[row] = st.l;
+        } else {
+          const int64_t row = (int64_t(item.request) * qlen + t) * H + h0 + hh;
+          bf16* o = p.out + row * R;
+          for (int r = 0; r < R; ++r) o[r] = float_to_bf16(a[r] * inv);
+          p.lse[row] = st.l > 0.0f ? (st.m + std::log2(st.l)) * kLn2 : kNegInf;
+        }
+      }
+  }
+  if (!split) return;
+
+  // Merge each request's segments; a request with none (padding, or no local token on
+  // this rank) gets out = 0, lse = -inf.
+  const int64_t rows = int64_t(h.batch) * qlen * H;
+  const int64_t item_stride = int64_t(qlen) * H;
+#pragma omp parallel for schedule(static)
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t b = row / item_stride, in_item = row % item_stride;
+    const int first = plan.request_work[b], segments = plan.request_work[b + 1] - first;
+    const int64_t base = int64_t(first) * item_stride + in_item;
+    merge_split_k(p.part_o + base * R, p.part_m + base, p.part_l + base, segments, item_stride * R,
+                  item_stride, R, p.out + row * R, p.lse + row);
+  }
+}
+
+void block_attention_cpu(const BlockAttentionParams& p) {
+  const int D = p.dim, R = p.rank_dim;
+  const int64_t rows = int64_t(p.batch) * p.qlen * p.heads;
+#pragma omp parallel for schedule(static)
+  for (int64_t row = 0; row < rows; ++row) {
+    const int b = int(row / (int64_t(p.qlen) * p.heads));
+    const int t = int(row / p.heads % p.qlen);
+    const int h = p.head_begin + int(row % p.heads);
+    bf16* out = p.out + row * R;
+    const int keys = p.seq_lens[b] == 0 ? 0 : t + 1;  // causal inside the block
+    if (keys == 0) {
+      std::fill(out, out + R, bf16{});
+      p.lse[row] = kNegInf;
+      continue;
+    }
+    std::vector<float> q(static_cast<size_t>(D)), k(static_cast<size_t>(keys) * D), s(static_cast<size_t>(keys));
+    const bf16* qs = p.q + ((int64_t(b) * p.qlen + t) * p.q_heads + h) * D;
+    for (int j = 0; j < D; ++j) q[size_t(j)] = bf16_to_float(qs[j]);
+    float m = kNegInf;
+    for (int i = 0; i < keys; ++i) {
+      const bf16* ks = p.block_kv + (int64_t(b) * p.qlen + i) * D;
+      for (int j = 0; j < D; ++j)
+        k[size_t(i) * D + j] = quantize_roundtrip(bf16_to_float(ks[j]), p.kv_dtype, p.kv_scale);
+      s[size_t(i)] = dot(q.data(), k.data() + size_t(i) * D, D) * p.softmax_scale * kLog2e;
+      m = std::max(m, s[size_t(i)]);
+    }
+    std::vector<float> acc(static_cast<size_t>(R), 0.0f);
+    float l = 0.0f;
+    for (int i = 0; i < keys; ++i) {
+      const float w = std::exp2(s[size_t(i)] - m);
+      l += w;
+      for (int r = 0; r < R; ++r) acc[size_t(r)] += w * k[size_t(i) * D + r];
+    }
+    for (int r = 0; r < R; ++r) out[r] = float_to_bf16(acc[size_t(r)] / l);
+    p.lse[row] = (m + std::log2(l)) * kLn2;
+  }
+}
+
+}  // namespace dcpmla

@@ -1,0 +1,82 @@
+#include "dcpmla/merge.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace dcpmla {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Row-wise LSE merge of n partials at o_at(k), lse_at(k). Ranks whose lse is -inf
+// hold no key of the row and get weight 0; all -inf gives o = 0, lse = -inf.
+template <class OAt, class LseAt>
+void merge_row(int n, OAt o_at, LseAt lse_at, int width, bf16* o, float* lse) {
+  float m = kNegInf;
+  for (int k = 0; k < n; ++k) m = std::max(m, lse_at(k));
+  if (m == kNegInf) {
+    std::fill(o, o + width, bf16{});
+    *lse = kNegInf;
+    return;
+  }
+  std::vector<float> acc(size_t(width), 0.0f);
+  float sum = 0.0f;
+  for (int k = 0; k < n; ++k) {
+    const float l = lse_at(k);
+    if (l == kNegInf) continue;
+    const float w = std::exp(l - m);
+    sum += w;
+    const bf16* src = o_at(k);
+    for (int j = 0; j < width; ++j) acc[size_t(j)] += w * bf16_to_float(src[j]);
+  }
+  for (int j = 0; j < width; ++j) o[j] = float_to_bf16(acc[size_t(j)] / sum);
+  *lse = m + std::log(sum);
+}
+
+}  // namespace
+
+void merge_state(const bf16* o_a, const float* lse_a, const bf16* o_b, const float* lse_b, bf16* o,
+                 float* lse, int64_t rows, int width) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const bf16* parts[2] = {o_a + r * width, o_b + r * width};
+    const float lses[2] = {lse_a[r], lse_b[r]};
+    merge_row(2, [&](int k) { return parts[k]; }, [&](int k) { return lses[k]; }, width,
+              o + r * width, lse + r);
+  }
+}
+
+void combine_partials(const bf16* o_parts, const float* lse_parts, int n, bf16* o, float* lse,
+                      int64_t rows, int width) {
+  for (int64_t r = 0; r < rows; ++r)
+    merge_row(n, [&](int k) { return o_parts + (int64_t(k) * rows + r) * width; },
+              [&](int k) { return lse_parts[int64_t(k) * rows + r]; }, width, o + r * width, lse + r);
+}
+
+void merge_split_k(const float* part_o, const float* part_m, const float* part_l, int segments,
+                   int64_t segment_stride_o, int64_t segment_stride_ml, int width, bf16* o, float* lse) {
+  float m = kNegInf;
+  for (int s = 0; s < segments; ++s)
+    if (part_l[s * segment_stride_ml] > 0.0f) m = std::max(m, part_m[s * segment_stride_ml]);
+  if (m == kNegInf) {
+    std::fill(o, o + width, bf16{});
+    *lse = kNegInf;
+    return;
+  }
+  std::vector<float> acc(size_t(width), 0.0f);
+  float l = 0.0f;
+  for (int s = 0; s < segments; ++s) {
+    const float ls = part_l[s * segment_stride_ml];
+    if (ls <= 0.0f) continue;
+    const float w = ls * std::exp2(part_m[s * segment_stride_ml] - m);
+    l += w;
+    const float* src = part_o + s * segment_stride_o;
+    for (int j = 0; j < width; ++j) acc[size_t(j)] += w * src[j];
+  }
+  for (int j = 0; j < width; ++j) o[j] = float_to_bf16(acc[size_t(j)] / l);
+  *lse = (m + std::log2(l)) * kLn2;
+}
+
+}  // namespace dcpmla

@@ -1,0 +1,77 @@
+#include "dcpmla/numeric.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace dcpmla {
+namespace {
+
+struct Fp8Format {
+  int mantissa_bits;
+  int bias;
+  float max;
+  bool has_inf;  // e5m2 is IEEE-like; e4m3fn has no inf and one NaN pattern per sign
+};
+
+Fp8Format format_of(KvDtype d) {
+  return d == KvDtype::fp8_e4m3 ? Fp8Format{3, 7, 448.0f, false} : Fp8Format{2, 15, 57344.0f, true};
+}
+
+}  // namespace
+
+float fp8_max(KvDtype d) { return format_of(d).max; }
+
+uint8_t float_to_fp8(float x, KvDtype d) {
+  const Fp8Format f = format_of(d);
+  if (std::isnan(x)) return uint8_t(0x7f);  // a NaN pattern in both formats
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+  float a = std::fabs(x);
+  if (a > f.max) a = f.max;  // saturate (inf too)
+  // Quantum at a's binade; below the smallest normal the subnormal quantum applies.
+  const int min_exp = 1 - f.bias;
+  int e;
+  std::frexp(a, &e);
+  e = std::max(e - 1, min_exp);
+  const float quantum = std::ldexp(1.0f, e - f.mantissa_bits);
+  const float q = std::nearbyint(a / quantum);  // ties to even in the default mode
+  const float v = q * quantum;                  // <= max: max lies on the grid
+  if (v == 0.0f) return sign;
+  int ve;
+  std::frexp(v, &ve);
+  ve -= 1;
+  uint32_t exp_field, mant;
+  if (ve < min_exp) {
+    exp_field = 0;
+    mant = uint32_t(v / std::ldexp(1.0f, min_exp - f.mantissa_bits));
+  } else {
+    exp_field = uint32_t(ve + f.bias);
+    mant = uint32_t(v / std::ldexp(1.0f, ve - f.mantissa_bits)) - (1u << f.mantissa_bits);
+  }
+  return uint8_t(sign | (exp_field << f.mantissa_bits) | mant);
+}
+
+float fp8_to_float(uint8_t bits, KvDtype d) {
+  const Fp8Format f = format_of(d);
+  const int exp_bits = 7 - f.mantissa_bits;
+  const uint32_t exp_field = (bits >> f.mantissa_bits) & ((1u << exp_bits) - 1);
+  const uint32_t mant = bits & ((1u << f.mantissa_bits) - 1);
+  const float sign = (bits & 0x80) ? -1.0f : 1.0f;
+  const uint32_t exp_all = (1u << exp_bits) - 1;
+  if (f.has_inf && exp_field == exp_all)
+    return mant == 0 ? sign * std::numeric_limits<float>::infinity()
+                     : std::numeric_limits<float>::quiet_NaN();
+  if (!f.has_inf && exp_field == exp_all && mant == (1u << f.mantissa_bits) - 1)
+    return std::numeric_limits<float>::quiet_NaN();
+  if (exp_field == 0) return sign * std::ldexp(float(mant), 1 - f.bias - f.mantissa_bits);
+  return sign * std::ldexp(float(mant + (1u << f.mantissa_bits)),
+                           int(exp_field) - f.bias - f.mantissa_bits);
+}
+
+float quantize_roundtrip(float x, KvDtype d, float scale) {
+  const float b = round_to_bf16(x);
+  if (d == KvDtype::bf16) return b;
+  return fp8_to_float(float_to_fp8(b / scale, d), d) * scale;
+}
+
+}  // namespace dcpmla

@@ -1,0 +1,78 @@
+#include "dcpmla/reference.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "dcpmla/layout.h"
+#include "dcpmla/numeric.h"
+
+namespace dcpmla {
+
+ReferenceResult reference_attention(std::span<const float> q, std::span<const float> kv,
+                                    std::span<const int32_t> seq_lens, int batch, int qlen,
+                                    int heads, int64_t max_len, int dim, Mode mode,
+                                    KvDtype kv_dtype, float kv_scale, double softmax_scale,
+                                    int rank_dim) {
+  ReferenceResult r;
+  r.out.assign(size_t(batch) * qlen * heads * rank_dim, 0.0);
+  r.lse.assign(size_t(batch) * qlen * heads, -std::numeric_limits<double>::infinity());
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t bt = 0; bt < int64_t(batch) * qlen; ++bt) {
+    const int b = int(bt / qlen), t = int(bt % qlen);
+    const int64_t w = row_window(mode, seq_lens[size_t(b)], qlen, t);
+    if (w <= 0) continue;
+    std::vector<double> k(size_t(w) * dim);
+    for (int64_t j = 0; j < w; ++j)
+      for (int d = 0; d < dim; ++d)
+        k[size_t(j * dim + d)] = quantize_roundtrip(kv[size_t((b * max_len + j) * dim + d)], kv_dtype, kv_scale);
+    std::vector<double> s(static_cast<size_t>(w)), qd(static_cast<size_t>(dim));
+    for (int h = 0; h < heads; ++h) {
+      const int64_t row = bt * heads + h;
+      for (int d = 0; d < dim; ++d) qd[size_t(d)] = round_to_bf16(q[size_t(row * dim + d)]);
+      double m = -std::numeric_limits<double>::infinity();
+      for (int64_t j = 0; j < w; ++j) {
+        double acc = 0;
+        for (int d = 0; d < dim; ++d) acc += qd[size_t(d)] * k[size_t(j * dim + d)];
+        s[size_t(j)] = acc * softmax_scale;
+        m = std::max(m, s[size_t(j)]);
+      }
+      double sum = 0;
+      for (int64_t j = 0; j < w; ++j) sum += std::exp(s[size_t(j)] - m);
+      double* o = r.out.data() + row * rank_dim;
+      for (int64_t j = 0; j < w; ++j) {
+        const double p = std::exp(s[size_t(j)] - m) / sum;
+        for (int d = 0; d < rank_dim; ++d) o[d] += p * k[size_t(j * dim + d)];
+      }
+      r.lse[size_t(row)] = m + std::log(sum);
+    }
+  }
+  return r;
+}
+
+ErrorReport compare(std::span<const float> out, std::span<const float> lse,
+                    std::span<const double> ref_out, std::span<const double> ref_lse, int batch,
+                    int qlen, int heads, int rank_dim) {
+  ErrorReport e;
+  for (int64_t bt = 0; bt < int64_t(batch) * qlen; ++bt) {
+    double diff = 0, norm = 0;
+    for (int64_t i = bt * heads * rank_dim; i < (bt + 1) * heads * rank_dim; ++i) {
+      if (std::isnan(out[size_t(i)])) ++e.nan_count;
+      const double d = double(out[size_t(i)]) - ref_out[size_t(i)];
+      diff += d * d;
+      norm += ref_out[size_t(i)] * ref_out[size_t(i)];
+    }
+    // A row whose reference is all zero (empty window) is judged by its absolute norm.
+    const double rel = norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+    e.max_rel_l2 = std::max(e.max_rel_l2, std::isnan(rel) ? INFINITY : rel);
+    for (int64_t i = bt * heads; i < (bt + 1) * heads; ++i) {
+      const double a = lse[size_t(i)], b = ref_lse[size_t(i)];
+      if (std::isnan(a)) ++e.nan_count;
+      const double err = (std::isinf(a) && std::isinf(b) && (a > 0) == (b > 0)) ? 0.0 : std::fabs(a - b);
+      e.max_lse_err = std::max(e.max_lse_err, std::isnan(err) ? INFINITY : err);
+    }
+  }
+  return e;
+}
+
+}  // namespace dcpmla

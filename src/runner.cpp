@@ -1,0 +1,255 @@
+#include "dcpmla/runner.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+
+#include "dcpmla/error.h"
+#include "dcpmla/merge.h"
+
+namespace dcpmla {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+MergeForm parse_merge_form(std::string_view s) {
+  if (s == "all_heads") return MergeForm::all_heads;
+  if (s == "scatter_heads") return MergeForm::scatter_heads;
+  fail("merge", fmt::format("'{}'", s), "all_heads or scatter_heads");
+}
+
+std::string_view to_string(MergeForm f) {
+  return f == MergeForm::all_heads ? "all_heads" : "scatter_heads";
+}
+
+void merge_across_ranks(Communicator& comm, MergeForm form, const bf16* o, const float* lse,
+                        int64_t rows, int heads, int width, bf16* out, float* out_lse) {
+  const int n = comm.world_size();
+  const int64_t cells = rows * heads;  // (row, head) pairs
+  std::vector<float> all_lse(size_t(n * cells));
+  comm.all_gather(lse, all_lse.data(), size_t(cells), DataType::f32);
+  if (form == MergeForm::all_heads) {
+    std::vector<bf16> all_o(size_t(n * cells * width));
+    comm.all_gather(o, all_o.data(), size_t(cells * width), DataType::bf16);
+    combine_partials(all_o.data(), all_lse.data(), n, out, out_lse, cells, width);
+    return;
+  }
+  require(heads % n == 0, "heads", heads,
+          fmt::format("a multiple of world_size ({}) for merge = scatter_heads", n));
+  // Scale this rank's partial by exp(lse_r - lse) and sum over ranks with a reduce-scatter
+  // whose chunk k holds the heads rank k keeps, in float32.
+  const int kept = heads / n, me = comm.rank();
+  std::vector<float> chunks(size_t(cells * width));
+  for (int64_t c = 0; c < cells; ++c) {
+    float m = kNegInf;
+    for (int k = 0; k < n; ++k) m = std::max(m, all_lse[size_t(k * cells + c)]);
+    float sum = 0.0f;
+    if (m != kNegInf)
+      for (int k = 0; k < n; ++k) sum += std::exp(all_lse[size_t(k * cells + c)] - m);
+    const float global = m == kNegInf ? kNegInf : m + std::log(sum);
+    const float own = lse[c];
+    const float scale = (global == kNegInf || own == kNegInf) ? 0.0f : std::exp(own - global);
+    const int64_t row = c / heads, h = c % heads, dest_rank = h / kept;
+    float* dst = chunks.data() + ((dest_rank * rows + row) * kept + h % kept) * width;
+    for (int j = 0; j < width; ++j) dst[j] = scale * bf16_to_float(o[c * width + j]);
+    if (dest_rank == me) out_lse[row * kept + h % kept] = global;
+  }
+  std::vector<float> mine(size_t(rows * kept * width));
+  comm.reduce_scatter_sum(chunks.data(), mine.data(), mine.size(), DataType::f32);
+  for (size_t i = 0; i < mine.size(); ++i) out[i] = float_to_bf16(mine[i]);
+}
+
+RankRunner::RankRunner(const PlannerConfig& config, float kv_scale, float softmax_scale)
+    : planner_(config),
+      cache_(CacheConfig{config.num_blocks, config.block_size, config.dims.dim(), config.kv_dtype, kv_scale}),
+      plan_(planner_.make_plan()),
+      kv_scale_(kv_scale),
+      softmax_scale_(softmax_scale) {
+  require(config.backend == Backend::cpu, "backend", to_string(config.backend),
+          "cpu for RankRunner (CudaRankRunner serves cuda)");
+  require(std::isfinite(softmax_scale) && softmax_scale > 0.0f, "softmax_scale", softmax_scale,
+          "a finite value > 0");
+  workspace_.resize(size_t(split_workspace_floats(plan_.view(), config.heads, config.dims.kv_lora_rank)));
+}
+
+void RankRunner::write(std::span<const bf16> latents, std::span<const int64_t> positions,
+                       std::span<const int32_t> requests, const BatchDesc& batch) {
+  const auto& c = planner_.config();
+  require(requests.size() == positions.size(), "requests", requests.size(),
+          fmt::format("one request index per position ({})", positions.size()));
+  std::vector<int64_t> slots(positions.size());
+  for (size_t n = 0; n < positions.size(); ++n) {
+    const int32_t b = requests[n];
+    require(b >= 0 && size_t(b) < batch.seq_lens.size(), fmt::format("requests[{}]", n), b,
+            fmt::format("a request in [0, {})", batch.seq_lens.size()));
+    const auto table = batch.block_tables.subspan(size_t(b) * size_t(batch.table_width), size_t(batch.table_width));
+    slots[n] = slot_of(positions[n], table, c.block_size, c.num_blocks, c.layout);
+  }
+  cache_.write(latents, slots);
+}
+
+AttentionParams RankRunner::params(const bf16* q, bf16* out, float* lse) {
+  const auto& c = planner_.config();
+  const PlanView view = plan_.view();
+  const int64_t parts = int64_t(view.work_capacity) * view.max_qlen * c.heads;
+  return AttentionParams{q,
+                         cache_.data(),
+                         c.kv_dtype,
+                         kv_scale_,
+                         softmax_scale_,
+                         c.heads,
+                         c.dims.dim(),
+                         c.dims.kv_lora_rank,
+                         view,
+                         out,
+                         lse,
+                         workspace_.data(),
+                         workspace_.data() + parts * c.dims.kv_lora_rank,
+                         workspace_.data() + parts * (c.dims.kv_lora_rank + 1)};
+}
+
+void RankRunner::attend(const bf16* q, bf16* out, float* lse) { attention_cpu(params(q, out, lse)); }
+
+AttentionResult mla_attention(std::span<const float> q, std::span<const float> kv,
+                              std::span<const int32_t> seq_lens, int batch, int qlen, int heads,
+                              int64_t max_len, int dim, const AttentionOptions& o) {
+  require(batch >= 1, "batch", batch, ">= 1");
+  require(qlen >= 1, "qlen", qlen, ">= 1");
+  require(heads >= 1, "heads", heads, ">= 1");
+  require(max_len >= 0, "max_len", max_len, ">= 0");
+  require(o.kv_lora_rank >= 1 && o.kv_lora_rank < dim, "kv_lora_rank", o.kv_lora_rank,
+          fmt::format("in [1, D) with D = {}", dim));
+  require(q.size() == size_t(batch) * qlen * heads * dim, "q", fmt::format("{} values", q.size()),
+          fmt::format("batch x qlen x heads x D = {}", size_t(batch) * qlen * heads * dim));
+  require(kv.size() == size_t(batch) * size_t(max_len) * dim, "kv", fmt::format("{} values", kv.size()),
+          fmt::format("batch x max_len x D = {}", size_t(batch) * size_t(max_len) * dim));
+  require(seq_lens.size() == size_t(batch), "seq_lens", fmt::format("{} entries", seq_lens.size()),
+          fmt::format("batch = {}", batch));
+  require(o.backend == Backend::cpu, "device", to_string(o.backend),
+          "cpu (this entry point runs the CPU backend; the CUDA backend has its own)");
+  for (int b = 0; b < batch; ++b) {
+    validate_seq_len(o.mode, seq_lens[size_t(b)], qlen, b);
+    require(seq_lens[size_t(b)] <= max_len, fmt::format("seq_lens[{}]", b), seq_lens[size_t(b)],
+            fmt::format("<= kv's length axis ({})", max_len));
+  }
+  const Layout group{o.world_size, 0, o.interleave};
+  group.validate_with_block_size(o.block_size);
+  const float softmax_scale = o.softmax_scale == 0.0f ? 1.0f / std::sqrt(float(dim)) : o.softmax_scale;
+
+  // The model's numbers are bf16: round once on entry.
+  std::vector<bf16> q16(q.size()), kv16(kv.size());
+  std::transform(q.begin(), q.end(), q16.begin(), float_to_bf16);
+  std::transform(kv.begin(), kv.end(), kv16.begin(), float_to_bf16);
+
+  // One shared block table: each request takes the entries its largest shard (rank 0's)
+  // needs, from a random permutation of the blocks. The last block is a spare that stays
+  // poisoned and fills unused table entries, so a stray read shows as NaN.
+  std::vector<int64_t> needed(static_cast<size_t>(batch));
+  int64_t total = 0, width = 1, longest = 1;
+  for (int b = 0; b < batch; ++b) {
+    const int64_t largest = group.local_length_of(seq_lens[size_t(b)], 0);
+    needed[size_t(b)] = ceil_div(largest, o.block_size);
+    total += needed[size_t(b)];
+    width = std::max(width, needed[size_t(b)]);
+    longest = std::max(longest, largest);
+  }
+  const int64_t num_blocks = total + 1;
+  std::vector<int32_t> ids(static_cast<size_t>(total));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::mt19937_64 rng(o.seed);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::vector<int32_t> tables(size_t(batch * width), int32_t(num_blocks - 1));
+  for (int b = 0, next = 0; b < batch; ++b)
+    for (int64_t j = 0; j < needed[size_t(b)]; ++j) tables[size_t(b * width + j)] = ids[size_t(next++)];
+  const BatchDesc desc{seq_lens, qlen, tables, int(width)};
+
+  // Every token of every request, in request order (the write path skips unowned ones).
+  std::vector<int64_t> positions;
+  std::vector<int32_t> requests;
+  std::vector<bf16> latents;
+  for (int b = 0; b < batch; ++b)
+    for (int64_t p = 0; p < seq_lens[size_t(b)]; ++p) {
+      positions.push_back(p);
+      requests.push_back(b);
+      const bf16* row = kv16.data() + (size_t(b) * size_t(max_len) + size_t(p)) * dim;
+      latents.insert(latents.end(), row, row + dim);
+    }
+
+  const int R = o.kv_lora_rank, N = o.world_size;
+  const int64_t rows = int64_t(batch) * qlen;
+  if (o.merge == MergeForm::scatter_heads)
+    require(heads % N == 0, "heads", heads,
+            fmt::format("a multiple of world_size ({}) for merge = scatter_heads", N));
+  AttentionResult result;
+  result.out.assign(size_t(rows * heads * R), 0.0f);
+  result.lse.assign(size_t(rows * heads), 0.0f);
+  result.routes.assign(size_t(N), Route::automatic);
+
+  run_ranks(N, [&](int rank, Communicator& comm) {
+    PlannerConfig config;
+    config.backend = Backend::cpu;
+    config.mode = o.mode;
+    config.kv_dtype = o.kv_dtype;
+    config.heads = heads;
+    config.dims = LatentDims{R, dim - R};
+    config.layout = Layout{N, rank, o.interleave};
+    config.block_size = o.block_size;
+    config.num_blocks = num_blocks;
+    config.route = o.route;
+    config.limits = PlanLimits{batch, qlen, longest};
+    RankRunner runner(config, o.kv_scale, softmax_scale);
+    if (o.poison) runner.cache().poison();
+    runner.write(latents, positions, requests, desc);
+    runner.plan(desc);
+    const Route route = runner.current_plan().route();
+    result.routes[size_t(rank)] = route;
+
+    std::vector<bf16> part(size_t(rows * heads * R));
+    std::vector<float> part_lse(size_t(rows * heads));
+    runner.attend(q16.data(), part.data(), part_lse.data());
+
+    const bool scatter = o.merge == MergeForm::scatter_heads;
+    const int kept = scatter ? heads / N : heads, head_begin = scatter ? rank * kept : 0;
+    std::vector<bf16> merged(size_t(rows * kept * R));
+    std::vector<float> merged_lse(size_t(rows * kept));
+    merge_across_ranks(comm, o.merge, part.data(), part_lse.data(), rows, heads, R, merged.data(),
+                       merged_lse.data());
+
+    if (route == Route::two_stage) {
+      // Balanced two_stage: the prefix (stage A) is merged across ranks first, then each
+      // rank attends the verify block (stage B) for the heads it keeps and merges locally.
+      std::vector<bf16> block(size_t(rows * dim));
+      for (int b = 0; b < batch; ++b)
+        for (int t = 0; t < qlen && seq_lens[size_t(b)] > 0; ++t) {
+          const bf16* src = kv16.data() + (size_t(b) * size_t(max_len) + size_t(seq_lens[size_t(b)] - qlen + t)) * dim;
+          std::copy(src, src + dim, block.begin() + (int64_t(b) * qlen + t) * dim);
+        }
+      std::vector<bf16> ob(merged.size());
+      std::vector<float> lb(merged_lse.size());
+      block_attention_cpu(BlockAttentionParams{q16.data(), block.data(), seq_lens.data(), o.kv_dtype,
+                                               o.kv_scale, softmax_scale, batch, qlen, heads, head_begin,
+                                               kept, dim, R, ob.data(), lb.data()});
+      merge_state(merged.data(), merged_lse.data(), ob.data(), lb.data(), merged.data(),
+                  merged_lse.data(), rows * kept, R);
+    }
+
+    if (!scatter && rank != 0) return;
+    for (int64_t row = 0; row < rows; ++row)
+      for (int k = 0; k < kept; ++k) {
+        const int64_t dst = row * heads + head_begin + k, src = row * kept + k;
+        result.lse[size_t(dst)] = merged_lse[size_t(src)];
+        for (int j = 0; j < R; ++j)
+          result.out[size_t(dst * R + j)] = bf16_to_float(merged[size_t(src * R + j)]);
+      }
+  });
+  return result;
+}
+
+}  // namespace dcpmla

@@ -1,0 +1,91 @@
+// The CPU kernel on one rank's shard, against the float64 reference over global windows.
+#include "dcpmla/attention.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "dcpmla/reference.h"
+#include "dcpmla/runner.h"
+#include "test_helpers.h"
+
+namespace dcpmla {
+namespace {
+
+// World 1, so the shard is the whole request: the kernel alone must match the reference.
+AttentionResult run(const std::vector<float>& q, const std::vector<float>& kv, const std::vector<int32_t>& lens,
+                    int qlen, int heads, int64_t max_len, Route route, int block_size, Mode mode) {
+  AttentionOptions o;
+  o.mode = mode;
+  o.route = route;
+  o.block_size = block_size;
+  o.seed = 11;
+  return mla_attention(q, kv, lens, int(lens.size()), qlen, heads, max_len, 576, o);
+}
+
+}  // namespace
+
+TEST(Attention, RoutesAgreeWithReferenceAcrossTileBoundaries) {
+  const int qlen = 3, heads = 4;
+  // Lengths around sub-page (16) boundaries, one padding request, one exactly qlen.
+  const std::vector<int32_t> lens{15, 16, 17, 0, 3, 33, 700};
+  const int64_t max_len = 700;
+  const int B = int(lens.size());
+  const auto q = testing::random_normal(size_t(B) * qlen * heads * 576, 21);
+  const auto kv = testing::random_normal(size_t(B) * max_len * 576, 22);
+  const auto ref = reference_attention(q, kv, lens, B, qlen, heads, max_len, 576, Mode::verify,
+                                       KvDtype::bf16, 1.0f, 1.0 / std::sqrt(576.0), 512);
+  for (Route route : {Route::one_stage, Route::split_k, Route::two_stage}) {
+    const auto got = run(q, kv, lens, qlen, heads, max_len, route, 16, Mode::verify);
+    EXPECT_EQ(got.routes[0], route);
+    const auto err = compare(got.out, got.lse, ref.out, ref.lse, B, qlen, heads, 512);
+    EXPECT_TRUE(err.within(1e-2)) << to_string(route) << ": rel " << err.max_rel_l2 << " lse "
+                                  << err.max_lse_err << " nan " << err.nan_count;
+  }
+}
+
+TEST(Attention, EmptyRowsGiveZeroAndMinusInf) {
+  // Rank 3 of 4 holds nothing of a request of length 2.
+  PlannerConfig c;
+  c.mode = Mode::decode;
+  c.heads = 2;
+  c.layout = Layout{4, 3, 1};
+  c.block_size = 16;
+  c.num_blocks = 2;
+  c.limits = PlanLimits{2, 1, 64};
+  RankRunner runner(c, 1.0f, 0.05f);
+  runner.cache().poison();
+  const std::vector<int32_t> lens{2, 0}, tables{0, 1};
+  runner.plan(BatchDesc{lens, 1, tables, 1});
+  const auto qf = testing::random_normal(2 * 2 * 576, 5);
+  std::vector<bf16> q;
+  for (float x : qf) q.push_back(float_to_bf16(x));
+  std::vector<bf16> out(2 * 2 * 512, float_to_bf16(7.0f));
+  std::vector<float> lse(4, 7.0f);
+  runner.attend(q.data(), out.data(), lse.data());
+  for (float l : lse) EXPECT_EQ(l, -INFINITY);
+  for (bf16 o : out) EXPECT_EQ(bf16_to_float(o), 0.0f);
+}
+
+TEST(Attention, BlockAttentionIsCausalInsideTheBlock) {
+  const int qlen = 3, heads = 2, D = 576, R = 512;
+  const auto qf = testing::random_normal(size_t(qlen) * heads * D, 8);
+  const auto kf = testing::random_normal(size_t(qlen) * D, 9);
+  std::vector<bf16> q, k;
+  for (float x : qf) q.push_back(float_to_bf16(x));
+  for (float x : kf) k.push_back(float_to_bf16(x));
+  const std::vector<int32_t> lens{qlen};
+  std::vector<bf16> out(size_t(qlen) * heads * R);
+  std::vector<float> lse(size_t(qlen) * heads);
+  block_attention_cpu(BlockAttentionParams{q.data(), k.data(), lens.data(), KvDtype::bf16, 1.0f, 0.04f, 1,
+                                           qlen, heads, 0, heads, D, R, out.data(), lse.data()});
+  // Row 0 sees only key 0: its output is that key's value and lse its score.
+  for (int h = 0; h < heads; ++h) {
+    double s = 0;
+    for (int j = 0; j < D; ++j) s += double(round_to_bf16(qf[size_t(h) * D + j])) * round_to_bf16(kf[size_t(j)]);
+    EXPECT_NEAR(lse[size_t(h)], 0.04 * s, 1e-3);
+    for (int r = 0; r < R; ++r) EXPECT_EQ(bf16_to_float(out[size_t(h) * R + r]), round_to_bf16(kf[size_t(r)]));
+  }
+}
+
+}  // namespace dcpmla

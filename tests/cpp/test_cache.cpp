@@ -1,0 +1,62 @@
+#include "dcpmla/cache.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "dcpmla/error.h"
+#include "dcpmla/layout.h"
+#include "test_helpers.h"
+
+namespace dcpmla {
+
+TEST(Cache, SubpageIsLargestPowerOfTwoUpTo128) {
+  EXPECT_EQ(subpage_size(1), 1);
+  EXPECT_EQ(subpage_size(16), 16);
+  EXPECT_EQ(subpage_size(48), 16);
+  EXPECT_EQ(subpage_size(64), 64);
+  EXPECT_EQ(subpage_size(256), 128);
+  EXPECT_EQ(subpage_size(1024), 128);
+  EXPECT_EQ(subpage_size(24), 8);
+}
+
+class CacheWrite : public ::testing::TestWithParam<KvDtype> {};
+
+TEST_P(CacheWrite, WritesOwnedSlotsAndSkipsPad) {
+  const KvDtype d = GetParam();
+  const float scale = d == KvDtype::bf16 ? 1.0f : 0.03f;
+  PagedCache cache(CacheConfig{4, 16, 8, d, scale});
+  cache.poison();
+  EXPECT_TRUE(std::isnan(cache.read(0, 0)));
+  const auto x = testing::random_normal(3 * 8, 7);
+  std::vector<bf16> latents;
+  for (float v : x) latents.push_back(float_to_bf16(v));
+  const std::vector<int64_t> slots{5, kPadSlot, 63};
+  cache.write(latents, slots);
+  for (int j = 0; j < 8; ++j) {
+    EXPECT_EQ(cache.read(5, j), quantize_roundtrip(x[size_t(j)], d, scale));
+    EXPECT_EQ(cache.read(63, j), quantize_roundtrip(x[size_t(16 + j)], d, scale));
+  }
+  for (int64_t s = 0; s < 64; ++s)
+    if (s != 5 && s != 63) EXPECT_TRUE(std::isnan(cache.read(s, 0))) << "slot " << s << " was written";
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CacheWrite,
+                         ::testing::Values(KvDtype::bf16, KvDtype::fp8_e4m3, KvDtype::fp8_e5m2));
+
+TEST(Cache, RefusesBadInputBeforeWriting) {
+  PagedCache cache(CacheConfig{2, 4, 2, KvDtype::bf16, 1.0f});
+  cache.poison();
+  const std::vector<bf16> two(4, float_to_bf16(1.0f));
+  const std::vector<int64_t> slots{0, 8};  // 8 is past the last slot
+  EXPECT_THROW(cache.write(two, slots), Error);
+  EXPECT_TRUE(std::isnan(cache.read(0, 0))) << "a bad batch wrote its good rows";
+  const std::vector<int64_t> one{0};
+  EXPECT_THROW(cache.write(two, one), Error);
+  EXPECT_THROW(PagedCache(CacheConfig{0, 4, 2, KvDtype::bf16, 1.0f}), Error);
+  EXPECT_THROW(PagedCache(CacheConfig{1, 4, 2, KvDtype::bf16, 2.0f}), Error);
+  EXPECT_THROW(PagedCache(CacheConfig{1, 4, 2, KvDtype::fp8_e4m3, 0.0f}), Error);
+  EXPECT_THROW(PagedCache(CacheConfig{1, 4, 2, KvDtype::fp8_e4m3, NAN}), Error);
+}
+
+}  // namespace dcpmla

@@ -1,0 +1,118 @@
+#include "dcpmla/layout.h"
+
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <set>
+
+#include "dcpmla/error.h"
+
+namespace dcpmla {
+
+TEST(Layout, SharesSumToWindow) {
+  for (int n = 1; n <= 8; ++n)
+    for (int il = 1; il <= 4; ++il)
+      for (int64_t w = 0; w <= 300; ++w) {
+        int64_t sum = 0;
+        for (int r = 0; r < n; ++r) sum += Layout{n, r, il}.local_length(w);
+        ASSERT_EQ(sum, w) << "N=" << n << " I=" << il;
+      }
+}
+
+TEST(Layout, LocalLengthCountsOwnedPositions) {
+  for (int n = 1; n <= 8; ++n)
+    for (int il = 1; il <= 4; ++il)
+      for (int r = 0; r < n; ++r) {
+        const Layout layout{n, r, il};
+        int64_t owned = 0;
+        for (int64_t p = 0; p < 200; ++p) {
+          ASSERT_EQ(layout.local_length(p), owned);
+          if (layout.owner(p) == r) {
+            ASSERT_EQ(layout.local_index(p), owned) << "local indices are dense, in order";
+            ++owned;
+          }
+        }
+      }
+}
+
+TEST(Layout, SlotMappingIsBijectionOntoOwnedSlots) {
+  for (int n = 1; n <= 8; ++n)
+    for (int il : {1, 2, 4})
+      for (int bs : {4, 8, 16}) {
+        if (bs % il) continue;
+        const int64_t w = 257;
+        const int64_t blocks = (w / n + bs) / bs + 2;
+        std::vector<int32_t> table(static_cast<size_t>(blocks));
+        std::iota(table.rbegin(), table.rend(), 0);  // reversed: not the identity
+        std::vector<int64_t> positions(static_cast<size_t>(w));
+        std::iota(positions.begin(), positions.end(), 0);
+        int64_t total = 0;
+        for (int r = 0; r < n; ++r) {
+          const Layout layout{n, r, il};
+          const auto slots = slot_mapping(positions, table, bs, blocks, layout);
+          std::set<int64_t> seen;
+          for (int64_t p = 0; p < w; ++p) {
+            if (layout.owner(p) != r) {
+              ASSERT_EQ(slots[size_t(p)], kPadSlot);
+              continue;
+            }
+            const int64_t i = layout.local_index(p);
+            ASSERT_EQ(slots[size_t(p)], int64_t(table[size_t(i / bs)]) * bs + i % bs);
+            ASSERT_TRUE(seen.insert(slots[size_t(p)]).second) << "two positions share a slot";
+          }
+          ASSERT_EQ(int64_t(seen.size()), layout.local_length(w));
+          total += int64_t(seen.size());
+        }
+        ASSERT_EQ(total, w);
+      }
+}
+
+TEST(Layout, PerRowLengthsCountFromGlobalWindowEnd) {
+  // N = 2, r = 1, L = 10, qlen = 3: windows 8, 9, 10 hold 4, 4, 5 positions on rank 1.
+  EXPECT_EQ(row_local_lengths(Mode::verify, 10, 3, Layout{2, 1, 1}), (std::vector<int64_t>{4, 4, 5}));
+  // The subtracting rule n_r(L) - (qlen - 1 - t) would give 3, 4, 5.
+  const Layout rank1{2, 1, 1};
+  std::vector<int64_t> subtracting;
+  for (int t = 0; t < 3; ++t) subtracting.push_back(rank1.local_length(10) - (3 - 1 - t));
+  EXPECT_EQ(subtracting, (std::vector<int64_t>{3, 4, 5}));
+  EXPECT_EQ(row_local_lengths(Mode::draft, 10, 3, rank1), (std::vector<int64_t>{5, 5, 5}));
+  EXPECT_EQ(row_local_lengths(Mode::verify, 0, 3, rank1), (std::vector<int64_t>{0, 0, 0}));
+}
+
+TEST(Layout, RowWindows) {
+  EXPECT_EQ(row_window(Mode::decode, 7, 1, 0), 7);
+  EXPECT_EQ(row_window(Mode::verify, 7, 3, 0), 5);
+  EXPECT_EQ(row_window(Mode::verify, 7, 3, 2), 7);
+  EXPECT_EQ(row_window(Mode::draft, 7, 3, 0), 7);
+  EXPECT_EQ(row_window(Mode::verify, 0, 3, 1), 0);
+}
+
+TEST(Layout, RefusesBadInput) {
+  auto expect_error = [](auto fn, const char* field) {
+    try {
+      fn();
+      FAIL() << "no error for " << field;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+    }
+  };
+  expect_error([] { Layout{0, 0, 1}.validate(); }, "world_size");
+  expect_error([] { Layout{2, 2, 1}.validate(); }, "'rank' = 2");
+  expect_error([] { Layout{2, -1, 1}.validate(); }, "rank");
+  expect_error([] { Layout{2, 0, 0}.validate(); }, "interleave");
+  expect_error([] { Layout{2, 0, 3}.validate_with_block_size(16); }, "'interleave' = 3");
+  expect_error([] { row_local_lengths(Mode::verify, 2, 3, Layout{}); }, "seq_lens[0]");
+  expect_error([] { row_local_lengths(Mode::verify, -1, 1, Layout{}); }, "seq_lens[0]");
+  expect_error([] { row_local_lengths(Mode::verify, 4, 0, Layout{}); }, "qlen");
+  expect_error([] { row_local_lengths(Mode::decode, 4, 2, Layout{}); }, "qlen");
+  const std::vector<int32_t> table{0, 1};
+  const std::vector<int64_t> far{100};
+  expect_error([&] { slot_mapping(far, table, 16, 2, Layout{}); }, "block_table");
+  const std::vector<int32_t> bad{0, 7};
+  const std::vector<int64_t> second_block{20};
+  expect_error([&] { slot_mapping(second_block, bad, 16, 2, Layout{}); }, "block_table[1]");
+  const std::vector<int64_t> negative{-1};
+  expect_error([&] { slot_mapping(negative, table, 16, 2, Layout{}); }, "position");
+}
+
+}  // namespace dcpmla

@@ -1,0 +1,59 @@
+#include "dcpmla/numeric.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+namespace dcpmla {
+
+TEST(Numeric, Bf16RoundsToNearestEven) {
+  EXPECT_EQ(float_to_bf16(1.0f).bits, 0x3f80);
+  EXPECT_EQ(round_to_bf16(1.0f + 1.0f / 256), 1.0f);                // tie -> even (down)
+  EXPECT_EQ(round_to_bf16(1.0f + 3.0f / 256), 1.0f + 4.0f / 256);   // tie -> even (up)
+  EXPECT_EQ(round_to_bf16(1.0f + 1.5f / 256), 1.0f + 2.0f / 256);
+  EXPECT_TRUE(std::isnan(round_to_bf16(NAN)));
+  EXPECT_TRUE(std::isinf(round_to_bf16(INFINITY)));
+}
+
+class Fp8 : public ::testing::TestWithParam<KvDtype> {};
+
+TEST_P(Fp8, EveryFiniteCodeRoundTrips) {
+  const KvDtype d = GetParam();
+  int finite = 0;
+  for (int v = 0; v < 256; ++v) {
+    const float x = fp8_to_float(uint8_t(v), d);
+    if (!std::isfinite(x)) continue;
+    ++finite;
+    const uint8_t back = float_to_fp8(x, d);
+    if (x == 0.0f) EXPECT_EQ(fp8_to_float(back, d), 0.0f);
+    else EXPECT_EQ(back, v) << "code " << v << " value " << x;
+  }
+  EXPECT_EQ(finite, d == KvDtype::fp8_e4m3 ? 254 : 248);
+}
+
+TEST_P(Fp8, SaturatesAndRoundsToNearestEven) {
+  const KvDtype d = GetParam();
+  const float max = fp8_max(d);
+  EXPECT_EQ(fp8_to_float(float_to_fp8(max * 4, d), d), max);
+  EXPECT_EQ(fp8_to_float(float_to_fp8(-INFINITY, d), d), -max);
+  EXPECT_TRUE(std::isnan(fp8_to_float(float_to_fp8(NAN, d), d)));
+  // Between 1 and the next code: the midpoint goes to the even code (1.0).
+  const float step = d == KvDtype::fp8_e4m3 ? 0.125f : 0.25f;
+  EXPECT_EQ(fp8_to_float(float_to_fp8(1.0f + step / 2, d), d), 1.0f);
+  EXPECT_EQ(fp8_to_float(float_to_fp8(1.0f + 3 * step / 2, d), d), 1.0f + 2 * step);
+  EXPECT_EQ(fp8_max(d), d == KvDtype::fp8_e4m3 ? 448.0f : 57344.0f);
+}
+
+TEST_P(Fp8, RoundTripIsWithinHalfAQuantum) {
+  const KvDtype d = GetParam();
+  const float rel = d == KvDtype::fp8_e4m3 ? 1.0f / 16 : 1.0f / 8;
+  for (float x = -3.0f; x <= 3.0f; x += 0.01f) {
+    const float y = quantize_roundtrip(x, d, 0.05f);
+    EXPECT_LE(std::fabs(y - round_to_bf16(x)), rel * std::fabs(x) + 0.05f * 0.02f) << x;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, Fp8, ::testing::Values(KvDtype::fp8_e4m3, KvDtype::fp8_e5m2));
+
+}  // namespace dcpmla

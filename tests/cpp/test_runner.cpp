@@ -1,0 +1,100 @@
+#include "dcpmla/runner.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "dcpmla/error.h"
+#include "dcpmla/reference.h"
+#include "test_helpers.h"
+
+namespace dcpmla {
+
+TEST(Runner, MergeFormsAgree) {
+  const int n = 4, rows = 3, heads = 8, width = 64;
+  std::vector<std::vector<bf16>> o(n);
+  std::vector<std::vector<float>> lse(n);
+  for (int r = 0; r < n; ++r) {
+    for (float x : testing::random_normal(size_t(rows) * heads * width, 30 + uint64_t(r))) o[size_t(r)].push_back(float_to_bf16(x));
+    lse[size_t(r)] = testing::random_normal(size_t(rows) * heads, 40 + uint64_t(r), 2.0f);
+  }
+  lse[1][5] = -INFINITY;  // rank 1 holds nothing of one (row, head)
+  for (int r = 0; r < n; ++r) lse[size_t(r)][7] = -INFINITY;  // nobody holds anything
+  std::vector<bf16> whole(size_t(rows) * heads * width), scattered(whole.size());
+  std::vector<float> whole_lse(size_t(rows) * heads), scattered_lse(whole_lse.size());
+  run_ranks(n, [&](int r, Communicator& comm) {
+    std::vector<bf16> all(whole.size());
+    std::vector<float> all_lse(whole_lse.size());
+    merge_across_ranks(comm, MergeForm::all_heads, o[size_t(r)].data(), lse[size_t(r)].data(), rows, heads, width,
+                       all.data(), all_lse.data());
+    if (r == 0) whole = all, whole_lse = all_lse;
+    const int kept = heads / n;
+    std::vector<bf16> mine(size_t(rows) * kept * width);
+    std::vector<float> mine_lse(size_t(rows) * kept);
+    merge_across_ranks(comm, MergeForm::scatter_heads, o[size_t(r)].data(), lse[size_t(r)].data(), rows, heads,
+                       width, mine.data(), mine_lse.data());
+    for (int row = 0; row < rows; ++row)
+      for (int k = 0; k < kept; ++k) {
+        const int h = r * kept + k;
+        scattered_lse[size_t(row * heads + h)] = mine_lse[size_t(row * kept + k)];
+        for (int j = 0; j < width; ++j)
+          scattered[size_t((row * heads + h) * width + j)] = mine[size_t((row * kept + k) * width + j)];
+      }
+  });
+  for (size_t i = 0; i < whole_lse.size(); ++i) {
+    if (std::isinf(whole_lse[i])) EXPECT_EQ(scattered_lse[i], whole_lse[i]);
+    else EXPECT_NEAR(scattered_lse[i], whole_lse[i], 1e-5);
+  }
+  for (size_t i = 0; i < whole.size(); ++i) {
+    EXPECT_NEAR(bf16_to_float(scattered[i]), bf16_to_float(whole[i]), 2e-2);
+    EXPECT_FALSE(std::isnan(bf16_to_float(whole[i])));
+  }
+  EXPECT_EQ(whole_lse[7], -INFINITY);
+}
+
+TEST(Runner, EntryPointRefusesBadInput) {
+  const auto q = testing::random_normal(2 * 1 * 2 * 576, 1);
+  const auto kv = testing::random_normal(2 * 8 * 576, 2);
+  const std::vector<int32_t> lens{8, 3};
+  auto call = [&](AttentionOptions o, std::vector<int32_t> l = {8, 3}, int64_t max_len = 8, int qlen = 1) {
+    return mla_attention(q, kv, l, 2, qlen, 2, max_len, 576, o);
+  };
+  auto expect_error = [](const std::function<void()>& fn, const std::string& needle) {
+    try {
+      fn();
+      FAIL() << "no error; expected one naming " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  AttentionOptions o;
+  expect_error([&] { call(o, {9, 3}); }, "'seq_lens[0]' = 9");
+  expect_error([&] { call(o, {-2, 3}); }, "'seq_lens[0]' = -2");
+  expect_error([&] { call(o, {8, 3}, 9); }, "'kv'");
+  expect_error([&] { mla_attention(q, kv, lens, 2, 1, 2, 8, 576, [] { AttentionOptions a; a.kv_lora_rank = 576; return a; }()); }, "kv_lora_rank");
+  o.world_size = 0;
+  expect_error([&] { call(o); }, "world_size");
+  o = {};
+  o.interleave = 3;
+  expect_error([&] { call(o); }, "'interleave' = 3");
+  o = {};
+  o.world_size = 3;
+  o.merge = MergeForm::scatter_heads;
+  expect_error([&] { call(o); }, "'heads' = 2");
+  o = {};
+  o.backend = Backend::cuda;
+  expect_error([&] { call(o); }, "device");
+  o = {};
+  o.kv_dtype = KvDtype::fp8_e4m3;
+  o.kv_scale = -1.0f;
+  expect_error([&] { call(o); }, "kv_scale");
+  o = {};
+  o.mode = Mode::draft;
+  o.route = Route::two_stage;
+  expect_error([&] { call(o); }, "route");
+  expect_error([] { parse_route("fast"); }, "'route' = 'fast'");
+  expect_error([] { parse_mode("prefill"); }, "'mode' = 'prefill'");
+  expect_error([] { parse_kv_dtype("fp16"); }, "kv_dtype");
+}
+
+}  // namespace dcpmla
