@@ -76,6 +76,7 @@ Planner::Planner(const PlannerConfig& config) : config_(config) {
   require(c.limits.max_qlen >= 1, "limits.max_qlen", c.limits.max_qlen, ">= 1");
   require(c.limits.max_local_kv_len >= 1, "limits.max_local_kv_len", c.limits.max_local_kv_len, ">= 1");
   require(c.num_workers >= 1, "num_workers", c.num_workers, ">= 1");
+  require(c.min_segment_tokens >= 1, "min_segment_tokens", c.min_segment_tokens, ">= 1");
   require(c.heads >= 1, "heads", c.heads, ">= 1");
   // Auto may take one_stage or split_k; a forced route must itself be served.
   const Route checked = c.route == Route::automatic ? Route::one_stage : c.route;
@@ -132,7 +133,7 @@ Route Planner::choose_route(const PlanStats& stats, int qlen) const {
   // to give each segment real work; padding requests are not in the stats.
   const int64_t units = int64_t(stats.active_requests) * ceil_div(int64_t(qlen) * config_.heads, kRowsPerUnit);
   const bool idle_workers = stats.active_requests > 0 && units < config_.num_workers;
-  return idle_workers && stats.max_local_len >= 2 * kMinSegmentTokens ? Route::split_k : Route::one_stage;
+  return idle_workers && stats.max_local_len >= 2 * int64_t(config_.min_segment_tokens) ? Route::split_k : Route::one_stage;
 }
 
 void Planner::plan(const BatchDesc& batch, Plan& plan) const {
@@ -203,7 +204,7 @@ void Planner::plan(const BatchDesc& batch, Plan& plan) const {
     const int64_t items_wanted = std::max<int64_t>(1, c.num_workers / head_groups);
     int64_t total_tiles = 0;
     for (int64_t t : tiles) total_tiles += t;
-    const int64_t target = std::max(ceil_div(total_tiles, items_wanted), ceil_div(kMinSegmentTokens, page_));
+    const int64_t target = std::max(ceil_div(total_tiles, items_wanted), ceil_div(c.min_segment_tokens, page_));
     for (int b = 0; b < b_count; ++b) {
       request_work[b] = count;
       const int64_t n = tiles[size_t(b)];

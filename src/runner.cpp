@@ -204,6 +204,7 @@ AttentionResult mla_attention(std::span<const float> q, std::span<const float> k
     config.num_blocks = num_blocks;
     config.route = o.route;
     config.limits = PlanLimits{batch, qlen, longest};
+    config.min_segment_tokens = o.min_segment_tokens;
     RankRunner runner(config, o.kv_scale, softmax_scale);
     if (o.poison) runner.cache().poison();
     runner.write(latents, positions, requests, desc);

@@ -33,6 +33,9 @@ struct PlannerConfig {
   Route route = Route::automatic;  // a forced route, or automatic (the documented policy)
   PlanLimits limits;
   int num_workers = 132;  // parallel units a plan spreads work over (SMs, threads)
+  // A split-K segment covers at least this many local tokens (each segment costs a
+  // partial write and a merge); tests lower it to exercise many segments on short rows.
+  int min_segment_tokens = 256;
 };
 
 // One step's batch as the engine describes it (host memory).
@@ -155,7 +158,5 @@ class Planner {
 // Rows of (query row, head) one work unit of the kernels covers; the policy counts
 // units = requests x ceil(qlen * heads / kRowsPerUnit).
 inline constexpr int kRowsPerUnit = 64;
-// A split-K segment covers at least this many local tokens (partials cost a write).
-inline constexpr int kMinSegmentTokens = 256;
 
 }  // namespace dcpmla

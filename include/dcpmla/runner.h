@@ -70,6 +70,7 @@ struct AttentionOptions {
   Route route = Route::automatic;
   MergeForm merge = MergeForm::all_heads;
   Backend backend = Backend::cpu;
+  int min_segment_tokens = 256;  // split_k granularity (PlannerConfig)
   uint64_t seed = 0;  // draws the block tables (a random permutation, not identity)
   bool poison = true; // fill the caches with NaN before writing
 };

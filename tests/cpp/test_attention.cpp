@@ -20,6 +20,7 @@ AttentionResult run(const std::vector<float>& q, const std::vector<float>& kv, c
   o.route = route;
   o.block_size = block_size;
   o.seed = 11;
+  o.min_segment_tokens = 32;
   return mla_attention(q, kv, lens, int(lens.size()), qlen, heads, max_len, 576, o);
 }
 

@@ -1,0 +1,439 @@
+// Attention over a plan on sm_90a: one CTA per (work item, head group), persistent over a
+// fixed grid. The kernel reads batch, qlen, route and work_count from the device plan
+// header, never from launch arguments, so a captured graph replays after any re-plan.
+//
+// Per work item (request b, local tokens [tile_begin, tile_end) x page) and row group
+// (M rows of the flattened qlen x heads block), with the scalar loop it computes:
+//   for j in tokens: for r in rows: if j < len[r]:
+//     s = <q_r, k_j> * scale * log2e;  m' = max(m, s);  o = o 2^(m-m') + 2^(s-m') v_j;  l likewise
+// The KV of the request is read once for all qlen x heads rows; each row is masked at its
+// own rank-local length (plan.row_local_len). split_k writes (o / l, m, l) partials; the
+// other routes write bf16 out and natural-log lse directly.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+#include "../params.h"
+#include "../utils.cuh"
+#include "config.h"
+
+namespace dcpmla::cuda_detail {
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a (rows, 576) bf16 buffer. The XOR
+// spreads the 8 rows an ldmatrix reads over distinct banks (rows are 1152 B = 0 mod 128).
+__device__ __forceinline__ uint32_t swz(int row, int chunk) {
+  return uint32_t(row * (kDim * 2) + ((chunk ^ (row & 7)) << 4));
+}
+// Same for P, (M, kTileTokens) bf16: rows of 64 B = 4 chunks; pairs of rows share banks.
+__device__ __forceinline__ uint32_t swz_p(int row, int chunk) {
+  return uint32_t(row * (kTileTokens * 2) + ((chunk ^ ((row >> 1) & 3)) << 4));
+}
+
+template <int MT, bool FP8>
+__global__ void __launch_bounds__(kThreads, 1) attention_kernel(const __grid_constant__ AttentionParams p) {
+  using C = AttnConfig<MT, FP8>;
+  constexpr int M = C::M, NT = kTileTokens, STAGES = C::STAGES;
+  constexpr int TPT = kThreads / NT;  // loader threads per token
+  static_assert(kThreads % NT == 0);
+  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+  constexpr float kNegInf = -__int_as_float(0x7f800000);
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* sQ = smem;                                   // (M, D) bf16 swizzled
+  uint8_t* sStage = sQ + C::Q_BYTES;                    // STAGES x (NT, D) stored dtype
+  uint8_t* sConv = sStage + STAGES * C::STAGE_BYTES;    // (NT, D) bf16, fp8 only
+  uint8_t* sP = sConv + C::CONV_BYTES;                  // (M, NT) bf16
+  float* sRed = reinterpret_cast<float*>(sP + C::P_BYTES);
+  int* sLen = reinterpret_cast<int*>(sRed + C::RED_FLOATS);  // (M) rank-local row lengths
+  float* sMax = reinterpret_cast<float*>(sLen + M);          // (WN, M) tile max, then l parts
+  float* sAlpha = sMax + C::WN * M;                          // (M) rescale of this tile
+  float* sM = sAlpha + M;                                    // (M) final running max
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;  // mma fragment row / column group
+  const int mt = warp % C::WM, wn = (warp / C::WM) % C::WN, wk = warp / (C::WM * C::WN);
+
+  const PlanHeader hdr = *p.plan.header;
+  const bool split = hdr.route == int32_t(Route::split_k);
+  const int qlen = hdr.qlen, page = hdr.page, heads = p.heads;
+  const int page_shift = __ffs(page) - 1;  // page is a power of two
+  const int rows_total = qlen * heads;
+  const int groups = (rows_total + M - 1) / M;
+  const int units = hdr.work_count * groups;
+  const float sl2 = p.softmax_scale * (FP8 ? p.kv_scale : 1.0f) * kLog2e;
+  const float out_scale = FP8 ? p.kv_scale : 1.0f;  // v = stored * kv_scale
+  const bool e5m2 = p.kv_dtype == KvDtype::fp8_e5m2;
+
+  const uint32_t sQ_a = smem_addr(sQ), sP_a = smem_addr(sP);
+
+  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    const int witem = unit / groups, grp = unit % groups;
+    const WorkItem item = p.plan.work[witem];
+    const int b = item.request;
+    const int row0 = grp * M, nr = min(M, rows_total - row0);
+    const int32_t* lens = p.plan.row_local_len + int64_t(b) * qlen;
+    const int32_t* subpages = p.plan.subpage_table + int64_t(b) * p.plan.table_stride;
+    int longest = 0;
+    for (int t = 0; t < qlen; ++t) longest = max(longest, lens[t]);
+    // Tokens past the longest row are never read: they may be NaN (poisoned) or unmapped.
+    const int tok_lo = item.tile_begin * page;
+    const int tok_hi = min(item.tile_end * page, longest);
+    const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + NT - 1) / NT : 0;
+    if (tid < M) sLen[tid] = tid < nr ? lens[(row0 + tid) / heads] : 0;
+
+    // Q rows [row0, row0 + nr) of request b; padding rows of the CTA are zero.
+    const bf16* qb = p.q + (int64_t(b) * rows_total + row0) * kDim;
+    for (int idx = tid; idx < M * (kDim / 8); idx += kThreads) {
+      const int r = idx / (kDim / 8), ch = idx % (kDim / 8);
+      const bool ok = r < nr;
+      cp_async_16(sQ_a + swz(r, ch), ok ? static_cast<const void*>(qb + int64_t(r) * kDim + ch * 8) : p.q,
+                  ok ? 16 : 0);
+    }
+    cp_async_commit();
+
+    // Tile i: tokens [tok_lo + i NT, +NT) -> stage s; TPT threads per token, one table
+    // lookup each; tokens at or past tok_hi are zero-filled (never read from memory).
+    auto load_tile = [&](int i, int s) {
+      const int tk = tid / TPT, sub = tid % TPT;
+      const int j = tok_lo + i * NT + tk;
+      const bool ok = j < tok_hi;
+      const uint8_t* src = p.kv;
+      if (ok) {
+        const int64_t slot = int64_t(subpages[j >> page_shift]) * page + (j & (page - 1));
+        src = p.kv + slot * C::STORED_ROW_BYTES;
+      }
+      uint8_t* st = sStage + s * C::STAGE_BYTES;
+      if constexpr (!FP8) {
+        const uint32_t dst = smem_addr(st);
+#pragma unroll
+        for (int k = 0; k < (kDim / 8) / TPT; ++k) {
+          const int ch = sub + k * TPT;
+          cp_async_16(dst + swz(tk, ch), src + ch * 16, ok ? 16 : 0);
+        }
+      } else {
+        const uint32_t dst = smem_addr(st + tk * kDim);
+#pragma unroll
+        for (int k = 0; k < (kDim / 16 + TPT - 1) / TPT; ++k) {
+          const int ch = sub + k * TPT;
+          if (ch < kDim / 16) cp_async_16(dst + ch * 16, src + ch * 16, ok ? 16 : 0);
+        }
+      }
+    };
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < ntiles) load_tile(s, s);
+      cp_async_commit();
+    }
+
+    cp_async_wait<STAGES - 1>();  // Q has landed (the oldest group)
+    __syncthreads();
+
+    // This warp's rows of S: mt*16 + g and + 8.
+    const int r0 = mt * 16 + g, r1 = r0 + 8;
+    const int lim0 = min(sLen[r0], tok_hi), lim1 = min(sLen[r1], tok_hi);
+
+    uint32_t qf[C::Q_IN_REGS ? C::KS : 1][4];
+    if constexpr (C::Q_IN_REGS) {
+#pragma unroll
+      for (int ks = 0; ks < C::KS; ++ks) {
+        const int kk = (wk * C::KS + ks) * 16 + (lane >> 4) * 8;
+        ldmatrix_x4(sQ_a + swz(mt * 16 + (lane & 15), kk >> 3), qf[ks]);
+      }
+    }
+
+    float o[MT][8][4];  // (M, 64) slice of O: columns [64 warp, 64 warp + 64)
+#pragma unroll
+    for (int a = 0; a < MT; ++a)
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[a][n][e] = 0.0f;
+    float m_run[2] = {kNegInf, kNegInf}, l_run[2] = {0.0f, 0.0f};
+
+    for (int i = 0; i < ntiles; ++i) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();  // tile i visible; tile i-1's stage, P and alpha are free
+      {
+        const int nxt = i + STAGES - 1;
+        if (nxt < ntiles) load_tile(nxt, nxt % STAGES);
+        cp_async_commit();
+      }
+      const uint8_t* sK = sStage + (i % STAGES) * C::STAGE_BYTES;
+      if constexpr (FP8) {
+        // Dequantise the stored tile to bf16 once (exact); kv_scale is folded into the
+        // softmax scale and the output scale.
+        for (int idx = tid; idx < NT * (kDim / 16); idx += kThreads) {
+          const int tk = idx / (kDim / 16), ch = idx % (kDim / 16);
+          const uint4 v = *reinterpret_cast<const uint4*>(sK + tk * kDim + ch * 16);
+          const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+          uint32_t out[8];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            if (e5m2) {
+              out[2 * q] = fp8x2_to_bf16x2<true>(uint16_t(w[q] & 0xffffu));
+              out[2 * q + 1] = fp8x2_to_bf16x2<true>(uint16_t(w[q] >> 16));
+            } else {
+              out[2 * q] = fp8x2_to_bf16x2<false>(uint16_t(w[q] & 0xffffu));
+              out[2 * q + 1] = fp8x2_to_bf16x2<false>(uint16_t(w[q] >> 16));
+            }
+          }
+          *reinterpret_cast<uint4*>(sConv + swz(tk, 2 * ch)) = make_uint4(out[0], out[1], out[2], out[3]);
+          *reinterpret_cast<uint4*>(sConv + swz(tk, 2 * ch + 1)) = make_uint4(out[4], out[5], out[6], out[7]);
+        }
+        __syncthreads();
+        sK = sConv;
+      }
+      const uint32_t sK_a = smem_addr(sK);
+
+      // ---- S = Q K^T: this warp's (16, NTW*8) block over its k range --------------------
+      // Two accumulator sets when a warp has one n8 tile, to halve the mma dependency chain.
+      constexpr int ACC = C::NTW == 1 ? 2 : 1;
+      float s[ACC][C::NTW][4];
+#pragma unroll
+      for (int a = 0; a < ACC; ++a)
+#pragma unroll
+        for (int n = 0; n < C::NTW; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[a][n][e] = 0.0f;
+#pragma unroll
+      for (int ks = 0; ks < C::KS; ++ks) {
+        const int k0 = (wk * C::KS + ks) * 16;
+        uint32_t af[4];
+        if constexpr (C::Q_IN_REGS) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) af[e] = qf[ks][e];
+        } else {
+          ldmatrix_x4(sQ_a + swz(mt * 16 + (lane & 15), (k0 >> 3) + (lane >> 4)), af);
+        }
+        float(&acc)[C::NTW][4] = s[ks % ACC];
+        if constexpr (C::NTW == 1) {
+          // x4 over (tokens of the n8 tile) x (k lo, k hi) of this and... one k-step only:
+          // matrices 2, 3 repeat 0, 1 (cheap; keeps one ldmatrix form).
+          uint32_t bf[4];
+          const int tok = wn * 8 + (lane & 7);
+          ldmatrix_x4(sK_a + swz(tok, (k0 >> 3) + ((lane >> 3) & 1)), bf);
+          mma_bf16(acc[0], af, bf[0], bf[1]);
+        } else {
+#pragma unroll
+          for (int np = 0; np < C::NTW / 2; ++np) {
+            uint32_t bf[4];
+            const int tok = (wn * C::NTW + 2 * np) * 8 + (lane >> 4) * 8 + (lane & 7);
+            ldmatrix_x4(sK_a + swz(tok, (k0 >> 3) + ((lane >> 3) & 1)), bf);
+            mma_bf16(acc[2 * np], af, bf[0], bf[1]);
+            mma_bf16(acc[2 * np + 1], af, bf[2], bf[3]);
+          }
+        }
+      }
+      if constexpr (ACC == 2) {
+#pragma unroll
+        for (int n = 0; n < C::NTW; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[0][n][e] += s[1][n][e];
+      }
+      float(&sc)[C::NTW][4] = s[0];
+
+      if constexpr (C::WK > 1) {
+        // Sum the D-split partials of S into the wk = 0 warps.
+        const int slot = mt * C::WN + wn;
+        if (wk > 0) {
+#pragma unroll
+          for (int n = 0; n < C::NTW; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              sRed[((((wk - 1) * C::WM * C::WN + slot) * C::NTW + n) * 4 + e) * 32 + lane] = sc[n][e];
+        }
+        __syncthreads();
+        if (wk == 0) {
+#pragma unroll
+          for (int q = 1; q < C::WK; ++q)
+#pragma unroll
+            for (int n = 0; n < C::NTW; ++n)
+#pragma unroll
+              for (int e = 0; e < 4; ++e)
+                sc[n][e] += sRed[((((q - 1) * C::WM * C::WN + slot) * C::NTW + n) * 4 + e) * 32 + lane];
+        }
+      }
+
+      // ---- online softmax (base 2), rows masked at their own local lengths ---------------
+      const int tok0 = tok_lo + i * NT;
+      if (wk == 0) {
+        float mx0 = kNegInf, mx1 = kNegInf;
+#pragma unroll
+        for (int n = 0; n < C::NTW; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = tok0 + (wn * C::NTW + n) * 8 + 2 * c + e;
+            sc[n][e] = j < lim0 ? sc[n][e] * sl2 : kNegInf;
+            sc[n][2 + e] = j < lim1 ? sc[n][2 + e] * sl2 : kNegInf;
+            mx0 = fmaxf(mx0, sc[n][e]);
+            mx1 = fmaxf(mx1, sc[n][2 + e]);
+          }
+#pragma unroll
+        for (int d = 1; d <= 2; d <<= 1) {
+          mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, d));
+          mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, d));
+        }
+        if (c == 0) {
+          sMax[wn * M + r0] = mx0;
+          sMax[wn * M + r1] = mx1;
+        }
+      }
+      __syncthreads();
+      if (wk == 0) {
+        float mx0 = kNegInf, mx1 = kNegInf;
+#pragma unroll
+        for (int q = 0; q < C::WN; ++q) {
+          mx0 = fmaxf(mx0, sMax[q * M + r0]);
+          mx1 = fmaxf(mx1, sMax[q * M + r1]);
+        }
+        const float mn0 = fmaxf(m_run[0], mx0), mn1 = fmaxf(m_run[1], mx1);
+        // A row with no key yet keeps m = -inf; exponents then use 0 so that nothing is NaN.
+        const float mu0 = mn0 == kNegInf ? 0.0f : mn0, mu1 = mn1 == kNegInf ? 0.0f : mn1;
+        const float al0 = fast_exp2(m_run[0] - mu0), al1 = fast_exp2(m_run[1] - mu1);
+        float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+        for (int n = 0; n < C::NTW; ++n) {
+          const float p0 = fast_exp2(sc[n][0] - mu0), p1 = fast_exp2(sc[n][1] - mu0);
+          const float p2 = fast_exp2(sc[n][2] - mu1), p3 = fast_exp2(sc[n][3] - mu1);
+          sum0 += p0 + p1;
+          sum1 += p2 + p3;
+          const int ch = wn * C::NTW + n;  // 16-byte chunk = n8 tile of tokens
+          *reinterpret_cast<uint32_t*>(sP + swz_p(r0, ch) + 4 * c) = pack_bf16x2(p0, p1);
+          *reinterpret_cast<uint32_t*>(sP + swz_p(r1, ch) + 4 * c) = pack_bf16x2(p2, p3);
+        }
+        l_run[0] = l_run[0] * al0 + sum0;
+        l_run[1] = l_run[1] * al1 + sum1;
+        m_run[0] = mn0;
+        m_run[1] = mn1;
+        if (wn == 0 && c == 0) {
+          sAlpha[r0] = al0;
+          sAlpha[r1] = al1;
+        }
+      }
+      __syncthreads();
+
+      // ---- O = O * alpha + P V: this warp's 64 output columns for all M rows -------------
+#pragma unroll
+      for (int a = 0; a < MT; ++a) {
+        const float a0 = sAlpha[a * 16 + g], a1 = sAlpha[a * 16 + g + 8];
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+          o[a][n][0] *= a0;
+          o[a][n][1] *= a0;
+          o[a][n][2] *= a1;
+          o[a][n][3] *= a1;
+        }
+      }
+#pragma unroll
+      for (int ks = 0; ks < NT / 16; ++ks) {
+        uint32_t pa[MT][4];
+#pragma unroll
+        for (int a = 0; a < MT; ++a)
+          ldmatrix_x4(sP_a + swz_p(a * 16 + (lane & 15), 2 * ks + (lane >> 4)), pa[a]);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          uint32_t vb[4];
+          const int tok = ks * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+          const int col = warp * 64 + np * 16 + (lane >> 4) * 8;
+          ldmatrix_x4_trans(sK_a + swz(tok, col >> 3), vb);
+#pragma unroll
+          for (int a = 0; a < MT; ++a) {
+            mma_bf16(o[a][2 * np], pa[a], vb[0], vb[1]);
+            mma_bf16(o[a][2 * np + 1], pa[a], vb[2], vb[3]);
+          }
+        }
+      }
+    }
+    cp_async_wait_all();
+
+    // ---- epilogue: l over the WN warps of a row, normalise, write ----------------------
+    if (wk == 0) {
+      float l0 = l_run[0], l1 = l_run[1];
+#pragma unroll
+      for (int d = 1; d <= 2; d <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, d);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, d);
+      }
+      if (c == 0) {
+        sMax[wn * M + r0] = l0;
+        sMax[wn * M + r1] = l1;
+        if (wn == 0) {
+          sM[r0] = m_run[0];
+          sM[r1] = m_run[1];
+        }
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int a = 0; a < MT; ++a)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = a * 16 + g + 8 * h;
+        if (r >= nr) continue;
+        float l = 0.0f;
+#pragma unroll
+        for (int q = 0; q < C::WN; ++q) l += sMax[q * M + r];
+        const float sc_out = l > 0.0f ? out_scale / l : 0.0f;
+        const int64_t row = int64_t(row0 + r);
+        if (split) {
+          float* dst = p.part_o + (int64_t(witem) * rows_total + row) * kRank + warp * 64 + 2 * c;
+#pragma unroll
+          for (int n = 0; n < 8; ++n)
+            *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[a][n][2 * h] * sc_out, o[a][n][2 * h + 1] * sc_out);
+        } else {
+          bf16* dst = p.out + (int64_t(b) * rows_total + row) * kRank + warp * 64 + 2 * c;
+#pragma unroll
+          for (int n = 0; n < 8; ++n)
+            *reinterpret_cast<uint32_t*>(dst + n * 8) = pack_bf16x2(o[a][n][2 * h] * sc_out, o[a][n][2 * h + 1] * sc_out);
+        }
+      }
+    if (tid < nr) {
+      float l = 0.0f;
+#pragma unroll
+      for (int q = 0; q < C::WN; ++q) l += sMax[q * M + tid];
+      const float m = sM[tid];
+      const int64_t row = int64_t(row0 + tid);
+      if (split) {
+        p.part_m[int64_t(witem) * rows_total + row] = l > 0.0f ? m : kNegInf;
+        p.part_l[int64_t(witem) * rows_total + row] = l;
+      } else {
+        p.lse[int64_t(b) * rows_total + row] = l > 0.0f ? (m + __log2f(l)) * kLn2 : kNegInf;
+      }
+    }
+    __syncthreads();  // shared memory is reused by the next unit
+  }
+}
+
+template <int MT, bool FP8>
+int attention_smem_bytes() {
+  return AttnConfig<MT, FP8>::SMEM_BYTES;
+}
+
+template <int MT, bool FP8>
+void launch_attention_variant(const AttentionParams& p, int grid, cudaStream_t stream) {
+  constexpr int smem = AttnConfig<MT, FP8>::SMEM_BYTES;
+  // The shared-memory opt-in is per function and device; set it once per device (it is a
+  // host-side call, also legal while a stream is being captured).
+  static std::atomic<uint64_t> configured{0};
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (!(configured.load() & bit)) {
+    check(cudaFuncSetAttribute(attention_kernel<MT, FP8>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+          "cudaFuncSetAttribute(attention_kernel, max dynamic shared memory)");
+    configured.fetch_or(bit);
+  }
+  if (grid > 0) {
+    attention_kernel<MT, FP8><<<grid, kThreads, smem, stream>>>(p);
+    check(cudaGetLastError(), "attention_kernel launch");
+  }
+}
+
+}  // namespace dcpmla::cuda_detail
+
+#define DCPMLA_INSTANTIATE_ATTENTION(MT, FP8)                                                       \
+  template void dcpmla::cuda_detail::launch_attention_variant<MT, FP8>(const dcpmla::AttentionParams&, \
+                                                                      int, cudaStream_t);             \
+  template int dcpmla::cuda_detail::attention_smem_bytes<MT, FP8>();

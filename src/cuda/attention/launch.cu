@@ -1,0 +1,81 @@
+// Variant dispatch (in one place) and the split-K merge kernel.
+#include <cmath>
+
+#include "../params.h"
+#include "../utils.cuh"
+#include "config.h"
+#include "dcpmla/cuda.h"
+
+namespace dcpmla::cuda_detail {
+
+// One warp per (request, row, head): M = max m_s, l = sum l_s 2^(m_s - M),
+// o = sum l_s 2^(m_s - M) o_s / l, lse = (M + log2 l) ln 2. Segments with l_s = 0 hold
+// no key; none at all (padding, no local key) gives o = 0, lse = -inf.
+__global__ void __launch_bounds__(256) split_merge_kernel(const __grid_constant__ AttentionParams p) {
+  const PlanHeader hdr = *p.plan.header;
+  if (hdr.route != int32_t(Route::split_k)) return;  // the route is the device plan's, not the host's
+  constexpr float kNegInf = -__int_as_float(0x7f800000), kLn2 = 0.6931471805599453f;
+  const int lane = threadIdx.x & 31;
+  const int rows_total = hdr.qlen * p.heads;
+  const int64_t rows = int64_t(hdr.batch) * rows_total;
+  for (int64_t row = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5); row < rows; row += int64_t(gridDim.x) * 8) {
+    const int b = int(row / rows_total), rr = int(row % rows_total);
+    const int first = p.plan.request_work[b], count = p.plan.request_work[b + 1] - first;
+    float m = kNegInf;
+    for (int s = 0; s < count; ++s) {
+      const int64_t at = int64_t(first + s) * rows_total + rr;
+      if (p.part_l[at] > 0.0f) m = fmaxf(m, p.part_m[at]);
+    }
+    bf16* out = p.out + row * kRank;
+    if (m == kNegInf) {
+      for (int col = lane * 4; col < kRank; col += 128)
+        *reinterpret_cast<uint2*>(out + col) = make_uint2(0u, 0u);
+      if (lane == 0) p.lse[row] = kNegInf;
+      continue;
+    }
+    float4 acc[kRank / 128];
+#pragma unroll
+    for (int k = 0; k < kRank / 128; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    float l = 0.0f;
+    for (int s = 0; s < count; ++s) {
+      const int64_t at = int64_t(first + s) * rows_total + rr;
+      const float ls = p.part_l[at];
+      if (ls <= 0.0f) continue;
+      const float w = ls * exp2f(p.part_m[at] - m);
+      l += w;
+      const float* src = p.part_o + at * kRank;
+#pragma unroll
+      for (int k = 0; k < kRank / 128; ++k) {
+        const float4 v = *reinterpret_cast<const float4*>(src + k * 128 + lane * 4);
+        acc[k].x += w * v.x;
+        acc[k].y += w * v.y;
+        acc[k].z += w * v.z;
+        acc[k].w += w * v.w;
+      }
+    }
+    const float inv = 1.0f / l;
+#pragma unroll
+    for (int k = 0; k < kRank / 128; ++k) {
+      __nv_bfloat162 lo = __floats2bfloat162_rn(acc[k].x * inv, acc[k].y * inv);
+      __nv_bfloat162 hi = __floats2bfloat162_rn(acc[k].z * inv, acc[k].w * inv);
+      uint2 v;
+      v.x = *reinterpret_cast<uint32_t*>(&lo);
+      v.y = *reinterpret_cast<uint32_t*>(&hi);
+      *reinterpret_cast<uint2*>(out + k * 128 + lane * 4) = v;
+    }
+    if (lane == 0) p.lse[row] = (m + log2f(l)) * kLn2;
+  }
+}
+
+void launch_split_merge(const AttentionParams& p, int grid, cudaStream_t stream) {
+  split_merge_kernel<<<grid, 256, 0, stream>>>(p);
+  check(cudaGetLastError(), "split_merge_kernel launch");
+}
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw CudaError(std::string("dcpmla: CUDA call ") + what + " failed: " + cudaGetErrorName(e) + " (" +
+                    cudaGetErrorString(e) + ")");
+}
+
+}  // namespace dcpmla::cuda_detail

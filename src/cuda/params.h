@@ -1,0 +1,52 @@
+// Launch-side declarations shared by the host code (runner.cpp) and the .cu files.
+// The kernels take the public POD AttentionParams (attention.h) by value; the small
+// kernels below take their own POD params. No framework types cross into a kernel.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "dcpmla/attention.h"
+#include "dcpmla/numeric.h"
+#include "dcpmla/types.h"
+
+namespace dcpmla::cuda_detail {
+
+// Throws dcpmla::CudaError("<what>: <cuda error string>") unless e == cudaSuccess.
+void check(cudaError_t e, const char* what);
+
+struct WriteKvParams {
+  const bf16* latents;  // [n, dim]
+  const int64_t* slots; // [n]; -1 = PAD
+  int64_t n;
+  int64_t num_slots;
+  int dim;
+  KvDtype dtype;
+  float scale;
+  uint8_t* cache;       // [num_slots, dim] in dtype
+};
+
+struct MergeParams {
+  const bf16* o_parts;     // [n, rows, width]
+  const float* lse_parts;  // [n, rows]
+  int64_t part_stride_o;   // elements between partial k and k + 1 of o
+  int64_t part_stride_lse;
+  int n;
+  int64_t rows;
+  int width;
+  bf16* o;                 // [rows, width]; may alias a partial
+  float* lse;              // [rows]
+};
+
+// Attention kernel variants: rows per CTA (16 MT) x stored dtype (bf16 / fp8).
+template <int MT, bool FP8>
+void launch_attention_variant(const AttentionParams& p, int grid, cudaStream_t stream);
+template <int MT, bool FP8>
+int attention_smem_bytes();
+
+void launch_split_merge(const AttentionParams& p, int grid, cudaStream_t stream);
+void launch_write_kv(const WriteKvParams& p, cudaStream_t stream);
+void launch_merge(const MergeParams& p, cudaStream_t stream);
+
+}  // namespace dcpmla::cuda_detail
