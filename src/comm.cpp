@@ -1,9 +1,11 @@
 #include "dcpmla/comm.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <omp.h>
 #include <thread>
 #include <vector>
 
@@ -139,6 +141,9 @@ void run_ranks(int world_size, const std::function<void(int, Communicator&)>& fn
   std::vector<std::thread> threads;
   for (int r = 0; r < world_size; ++r)
     threads.emplace_back([&, r] {
+      // Ranks share the cores: each rank's kernels get its share, so threads do not
+      // oversubscribe the machine and spin against each other.
+      omp_set_num_threads(std::max(1, omp_get_max_threads() / world_size));
       try {
         auto comm = group.communicator(r);
         fn(r, *comm);

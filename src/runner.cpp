@@ -7,6 +7,8 @@
 #include <numeric>
 #include <random>
 
+#include <fmt/ranges.h>
+
 #include "dcpmla/error.h"
 #include "dcpmla/merge.h"
 
@@ -117,9 +119,36 @@ AttentionParams RankRunner::params(const bf16* q, bf16* out, float* lse) {
 
 void RankRunner::attend(const bf16* q, bf16* out, float* lse) { attention_cpu(params(q, out, lse)); }
 
-AttentionResult mla_attention(std::span<const float> q, std::span<const float> kv,
-                              std::span<const int32_t> seq_lens, int batch, int qlen, int heads,
-                              int64_t max_len, int dim, const AttentionOptions& o) {
+void check_ranks_agree(Communicator& comm, std::span<const int32_t> signature, std::string_view what) {
+  const int n = comm.world_size();
+  std::vector<int32_t> all(signature.size() * size_t(n));
+  comm.all_gather(signature.data(), all.data(), signature.size(), DataType::i32);
+  for (int r = 0; r < n; ++r)
+    if (!std::equal(signature.begin(), signature.end(), all.begin() + ptrdiff_t(r * signature.size())))
+      throw Error(fmt::format("dcpmla: field '{}' of rank {}: expected the same on every rank: rank {} has [{}], "
+                              "rank {} has [{}]",
+                              what, r, comm.rank(), fmt::join(signature, ", "), r,
+                              fmt::join(all.begin() + ptrdiff_t(r * signature.size()),
+                                        all.begin() + ptrdiff_t((r + 1) * signature.size()), ", ")));
+}
+
+namespace {
+
+// The validated, bf16-rounded inputs of the conformance path with their block tables;
+// identical on every rank (the tables come from options.seed).
+struct Inputs {
+  int batch, qlen, heads, dim;
+  int64_t max_len, longest, num_blocks, width;
+  float softmax_scale;
+  std::span<const int32_t> seq_lens;
+  std::vector<bf16> q16, kv16, latents;
+  std::vector<int32_t> tables, requests;
+  std::vector<int64_t> positions;
+  BatchDesc desc() const { return BatchDesc{seq_lens, qlen, tables, int(width)}; }
+};
+
+Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<const int32_t> seq_lens, int batch,
+               int qlen, int heads, int64_t max_len, int dim, const AttentionOptions& o) {
   require(batch >= 1, "batch", batch, ">= 1");
   require(qlen >= 1, "qlen", qlen, ">= 1");
   require(heads >= 1, "heads", heads, ">= 1");
@@ -141,114 +170,156 @@ AttentionResult mla_attention(std::span<const float> q, std::span<const float> k
   }
   const Layout group{o.world_size, 0, o.interleave};
   group.validate_with_block_size(o.block_size);
-  const float softmax_scale = o.softmax_scale == 0.0f ? 1.0f / std::sqrt(float(dim)) : o.softmax_scale;
+  if (o.merge == MergeForm::scatter_heads)
+    require(heads % o.world_size == 0, "heads", heads,
+            fmt::format("a multiple of world_size ({}) for merge = scatter_heads", o.world_size));
 
+  Inputs in;
+  in.batch = batch, in.qlen = qlen, in.heads = heads, in.dim = dim, in.max_len = max_len;
+  in.seq_lens = seq_lens;
+  in.softmax_scale = o.softmax_scale == 0.0f ? 1.0f / std::sqrt(float(dim)) : o.softmax_scale;
   // The model's numbers are bf16: round once on entry.
-  std::vector<bf16> q16(q.size()), kv16(kv.size());
-  std::transform(q.begin(), q.end(), q16.begin(), float_to_bf16);
-  std::transform(kv.begin(), kv.end(), kv16.begin(), float_to_bf16);
+  in.q16.resize(q.size());
+  in.kv16.resize(kv.size());
+  std::transform(q.begin(), q.end(), in.q16.begin(), float_to_bf16);
+  std::transform(kv.begin(), kv.end(), in.kv16.begin(), float_to_bf16);
 
   // One shared block table: each request takes the entries its largest shard (rank 0's)
   // needs, from a random permutation of the blocks. The last block is a spare that stays
   // poisoned and fills unused table entries, so a stray read shows as NaN.
   std::vector<int64_t> needed(static_cast<size_t>(batch));
-  int64_t total = 0, width = 1, longest = 1;
+  int64_t total = 0;
+  in.width = 1;
+  in.longest = 1;
   for (int b = 0; b < batch; ++b) {
     const int64_t largest = group.local_length_of(seq_lens[size_t(b)], 0);
     needed[size_t(b)] = ceil_div(largest, o.block_size);
     total += needed[size_t(b)];
-    width = std::max(width, needed[size_t(b)]);
-    longest = std::max(longest, largest);
+    in.width = std::max(in.width, needed[size_t(b)]);
+    in.longest = std::max(in.longest, largest);
   }
-  const int64_t num_blocks = total + 1;
+  in.num_blocks = total + 1;
   std::vector<int32_t> ids(static_cast<size_t>(total));
   std::iota(ids.begin(), ids.end(), 0);
   std::mt19937_64 rng(o.seed);
   std::shuffle(ids.begin(), ids.end(), rng);
-  std::vector<int32_t> tables(size_t(batch * width), int32_t(num_blocks - 1));
+  in.tables.assign(size_t(batch * in.width), int32_t(in.num_blocks - 1));
   for (int b = 0, next = 0; b < batch; ++b)
-    for (int64_t j = 0; j < needed[size_t(b)]; ++j) tables[size_t(b * width + j)] = ids[size_t(next++)];
-  const BatchDesc desc{seq_lens, qlen, tables, int(width)};
+    for (int64_t j = 0; j < needed[size_t(b)]; ++j) in.tables[size_t(b * in.width + j)] = ids[size_t(next++)];
 
   // Every token of every request, in request order (the write path skips unowned ones).
-  std::vector<int64_t> positions;
-  std::vector<int32_t> requests;
-  std::vector<bf16> latents;
   for (int b = 0; b < batch; ++b)
     for (int64_t p = 0; p < seq_lens[size_t(b)]; ++p) {
-      positions.push_back(p);
-      requests.push_back(b);
-      const bf16* row = kv16.data() + (size_t(b) * size_t(max_len) + size_t(p)) * dim;
-      latents.insert(latents.end(), row, row + dim);
+      in.positions.push_back(p);
+      in.requests.push_back(b);
+      const bf16* row = in.kv16.data() + (size_t(b) * size_t(max_len) + size_t(p)) * dim;
+      in.latents.insert(in.latents.end(), row, row + dim);
     }
+  return in;
+}
 
-  const int R = o.kv_lora_rank, N = o.world_size;
-  const int64_t rows = int64_t(batch) * qlen;
-  if (o.merge == MergeForm::scatter_heads)
-    require(heads % N == 0, "heads", heads,
-            fmt::format("a multiple of world_size ({}) for merge = scatter_heads", N));
-  AttentionResult result;
-  result.out.assign(size_t(rows * heads * R), 0.0f);
-  result.lse.assign(size_t(rows * heads), 0.0f);
-  result.routes.assign(size_t(N), Route::automatic);
+AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, Communicator& comm) {
+  const int rank = comm.rank(), N = o.world_size, R = o.kv_lora_rank, heads = in.heads, qlen = in.qlen;
+  const int64_t rows = int64_t(in.batch) * qlen;
+  PlannerConfig config;
+  config.backend = Backend::cpu;
+  config.mode = o.mode;
+  config.kv_dtype = o.kv_dtype;
+  config.heads = heads;
+  config.dims = LatentDims{R, in.dim - R};
+  config.layout = Layout{N, rank, o.interleave};
+  config.block_size = o.block_size;
+  config.num_blocks = in.num_blocks;
+  config.route = o.route;
+  config.limits = PlanLimits{in.batch, qlen, in.longest};
+  config.min_segment_tokens = o.min_segment_tokens;
+  RankRunner runner(config, o.kv_scale, in.softmax_scale);
+  if (o.poison) runner.cache().poison();
+  const BatchDesc desc = in.desc();
+  runner.write(in.latents, in.positions, in.requests, desc);
+  runner.plan(desc);
+  const Route route = runner.current_plan().route();
+  // FNV-1a over the lengths: ranks handed different batches must not merge them.
+  uint32_t lens_hash = 2166136261u;
+  for (int32_t len : in.seq_lens) lens_hash = (lens_hash ^ uint32_t(len)) * 16777619u;
+  const int32_t signature[] = {in.batch, qlen, heads, R, int32_t(route), int32_t(o.merge), int32_t(lens_hash)};
+  check_ranks_agree(comm, signature, "batch, qlen, heads, R, route, merge, seq_lens hash");
 
-  run_ranks(N, [&](int rank, Communicator& comm) {
-    PlannerConfig config;
-    config.backend = Backend::cpu;
-    config.mode = o.mode;
-    config.kv_dtype = o.kv_dtype;
-    config.heads = heads;
-    config.dims = LatentDims{R, dim - R};
-    config.layout = Layout{N, rank, o.interleave};
-    config.block_size = o.block_size;
-    config.num_blocks = num_blocks;
-    config.route = o.route;
-    config.limits = PlanLimits{batch, qlen, longest};
-    config.min_segment_tokens = o.min_segment_tokens;
-    RankRunner runner(config, o.kv_scale, softmax_scale);
-    if (o.poison) runner.cache().poison();
-    runner.write(latents, positions, requests, desc);
-    runner.plan(desc);
-    const Route route = runner.current_plan().route();
-    result.routes[size_t(rank)] = route;
+  std::vector<bf16> part(size_t(rows * heads * R));
+  std::vector<float> part_lse(size_t(rows * heads));
+  runner.attend(in.q16.data(), part.data(), part_lse.data());
 
-    std::vector<bf16> part(size_t(rows * heads * R));
-    std::vector<float> part_lse(size_t(rows * heads));
-    runner.attend(q16.data(), part.data(), part_lse.data());
+  const bool scatter = o.merge == MergeForm::scatter_heads;
+  const int kept = scatter ? heads / N : heads, head_begin = scatter ? rank * kept : 0;
+  std::vector<bf16> merged(size_t(rows * kept * R));
+  std::vector<float> merged_lse(size_t(rows * kept));
+  merge_across_ranks(comm, o.merge, part.data(), part_lse.data(), rows, heads, R, merged.data(), merged_lse.data());
 
-    const bool scatter = o.merge == MergeForm::scatter_heads;
-    const int kept = scatter ? heads / N : heads, head_begin = scatter ? rank * kept : 0;
-    std::vector<bf16> merged(size_t(rows * kept * R));
-    std::vector<float> merged_lse(size_t(rows * kept));
-    merge_across_ranks(comm, o.merge, part.data(), part_lse.data(), rows, heads, R, merged.data(),
-                       merged_lse.data());
-
-    if (route == Route::two_stage) {
-      // Balanced two_stage: the prefix (stage A) is merged across ranks first, then each
-      // rank attends the verify block (stage B) for the heads it keeps and merges locally.
-      std::vector<bf16> block(size_t(rows * dim));
-      for (int b = 0; b < batch; ++b)
-        for (int t = 0; t < qlen && seq_lens[size_t(b)] > 0; ++t) {
-          const bf16* src = kv16.data() + (size_t(b) * size_t(max_len) + size_t(seq_lens[size_t(b)] - qlen + t)) * dim;
-          std::copy(src, src + dim, block.begin() + (int64_t(b) * qlen + t) * dim);
-        }
-      std::vector<bf16> ob(merged.size());
-      std::vector<float> lb(merged_lse.size());
-      block_attention_cpu(BlockAttentionParams{q16.data(), block.data(), seq_lens.data(), o.kv_dtype,
-                                               o.kv_scale, softmax_scale, batch, qlen, heads, head_begin,
-                                               kept, dim, R, ob.data(), lb.data()});
-      merge_state(merged.data(), merged_lse.data(), ob.data(), lb.data(), merged.data(),
-                  merged_lse.data(), rows * kept, R);
-    }
-
-    if (!scatter && rank != 0) return;
-    for (int64_t row = 0; row < rows; ++row)
-      for (int k = 0; k < kept; ++k) {
-        const int64_t dst = row * heads + head_begin + k, src = row * kept + k;
-        result.lse[size_t(dst)] = merged_lse[size_t(src)];
-        for (int j = 0; j < R; ++j)
-          result.out[size_t(dst * R + j)] = bf16_to_float(merged[size_t(src * R + j)]);
+  if (route == Route::two_stage) {
+    // Balanced two_stage: the prefix (stage A) is merged across ranks first, then each
+    // rank attends the verify block (stage B) for the heads it keeps and merges locally.
+    std::vector<bf16> block(size_t(rows * in.dim));
+    for (int b = 0; b < in.batch; ++b)
+      for (int t = 0; t < qlen && in.seq_lens[size_t(b)] > 0; ++t) {
+        const int64_t p = in.seq_lens[size_t(b)] - qlen + t;
+        const bf16* src = in.kv16.data() + (size_t(b) * size_t(in.max_len) + size_t(p)) * in.dim;
+        std::copy(src, src + in.dim, block.begin() + (int64_t(b) * qlen + t) * in.dim);
       }
+    std::vector<bf16> ob(merged.size());
+    std::vector<float> lb(merged_lse.size());
+    block_attention_cpu(BlockAttentionParams{in.q16.data(), block.data(), in.seq_lens.data(), o.kv_dtype, o.kv_scale,
+                                             in.softmax_scale, in.batch, qlen, heads, head_begin, kept, in.dim, R,
+                                             ob.data(), lb.data()});
+    merge_state(merged.data(), merged_lse.data(), ob.data(), lb.data(), merged.data(), merged_lse.data(),
+                rows * kept, R);
+  }
+
+  // Every rank returns the whole result: scatter_heads gathers the kept heads.
+  std::vector<bf16> all_o = std::move(merged);
+  std::vector<float> all_lse = std::move(merged_lse);
+  if (scatter) {
+    std::vector<bf16> go(size_t(N) * all_o.size());
+    std::vector<float> gl(size_t(N) * all_lse.size());
+    comm.all_gather(all_o.data(), go.data(), all_o.size(), DataType::bf16);
+    comm.all_gather(all_lse.data(), gl.data(), all_lse.size(), DataType::f32);
+    all_o.assign(size_t(rows * heads * R), bf16{});
+    all_lse.assign(size_t(rows * heads), 0.0f);
+    for (int k = 0; k < N; ++k)
+      for (int64_t row = 0; row < rows; ++row)
+        for (int j = 0; j < kept; ++j) {
+          const int64_t dst = row * heads + k * kept + j, src = (k * rows + row) * kept + j;
+          all_lse[size_t(dst)] = gl[size_t(src)];
+          std::copy_n(go.begin() + src * R, R, all_o.begin() + dst * R);
+        }
+  }
+  AttentionResult result;
+  result.out.resize(all_o.size());
+  std::transform(all_o.begin(), all_o.end(), result.out.begin(), bf16_to_float);
+  result.lse = std::move(all_lse);
+  result.routes.assign(size_t(N), route);  // every rank agreed (check_ranks_agree)
+  return result;
+}
+
+}  // namespace
+
+AttentionResult mla_attention_on_rank(std::span<const float> q, std::span<const float> kv,
+                                      std::span<const int32_t> seq_lens, int batch, int qlen, int heads,
+                                      int64_t max_len, int dim, const AttentionOptions& options,
+                                      Communicator& comm) {
+  require(comm.world_size() == options.world_size, "world_size", options.world_size,
+          fmt::format("the communicator's size ({})", comm.world_size()));
+  const Inputs in = prepare(q, kv, seq_lens, batch, qlen, heads, max_len, dim, options);
+  return run_rank(in, options, comm);
+}
+
+AttentionResult mla_attention(std::span<const float> q, std::span<const float> kv,
+                              std::span<const int32_t> seq_lens, int batch, int qlen, int heads,
+                              int64_t max_len, int dim, const AttentionOptions& options) {
+  const Inputs in = prepare(q, kv, seq_lens, batch, qlen, heads, max_len, dim, options);
+  AttentionResult result;
+  run_ranks(options.world_size, [&](int rank, Communicator& comm) {
+    AttentionResult mine = run_rank(in, options, comm);
+    if (rank == 0) result = std::move(mine);
   });
   return result;
 }

@@ -81,7 +81,22 @@ struct AttentionResult {
   std::vector<Route> routes;  // the route each rank's planner took
 };
 
-// The conformance entry point (SPEC §5) for the CPU backend.
+// One rank's part of the conformance path, with whatever communicator links the ranks
+// (in-process threads, MPI processes): this rank writes only the tokens it owns, attends
+// its shard and merges with the others. Every rank returns the whole merged result
+// (with scatter_heads the kept heads are all-gathered at the end). comm.world_size()
+// must equal options.world_size.
+AttentionResult mla_attention_on_rank(std::span<const float> q, std::span<const float> kv,
+                                      std::span<const int32_t> seq_lens, int batch, int qlen,
+                                      int heads, int64_t max_len, int dim,
+                                      const AttentionOptions& options, Communicator& comm);
+
+// Ranks agree on a batch before their first collective: each contributes the values it
+// planned with; a mismatch raises dcpmla::Error on every rank (never a hang or a wrong merge).
+void check_ranks_agree(Communicator& comm, std::span<const int32_t> signature, std::string_view what);
+
+// The conformance entry point (SPEC §5) for the CPU backend: options.world_size ranks as
+// threads of this process.
 AttentionResult mla_attention(std::span<const float> q, std::span<const float> kv,
                               std::span<const int32_t> seq_lens, int batch, int qlen, int heads,
                               int64_t max_len, int dim, const AttentionOptions& options);

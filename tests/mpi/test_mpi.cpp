@@ -1,0 +1,97 @@
+// Run under mpirun (one process per rank): the MPI communicator must give exactly the
+// in-process result, and bad input must fail on every rank instead of hanging.
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <string>
+
+#include "dcpmla/comm_mpi.h"
+#include "dcpmla/error.h"
+#include "dcpmla/runner.h"
+#include "../cpp/test_helpers.h"
+
+using namespace dcpmla;
+
+namespace {
+
+int passed = 0, failed = 0;
+
+void expect(bool ok, const std::string& what, int rank) {
+  ok ? ++passed : ++failed;
+  if (!ok) std::printf("rank %d FAILED: %s\n", rank, what.c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MpiSession mpi(&argc, &argv);
+  auto comm = make_mpi_communicator();
+  const int n = comm->world_size(), rank = comm->rank();
+  const std::vector<int32_t> lens{0, 1, 5, 37, 130};  // padding, shorter than the world, longer
+  const int B = int(lens.size()), H = 2 * n;
+  const int64_t L = 130;
+  int index = 0;
+  for (Mode mode : {Mode::decode, Mode::verify, Mode::draft})
+    for (KvDtype dtype : {KvDtype::bf16, KvDtype::fp8_e4m3})
+      for (MergeForm merge : {MergeForm::all_heads, MergeForm::scatter_heads})
+        for (int il : {1, 2}) {
+          ++index;
+          const int qlen = mode == Mode::decode ? 1 : 3;
+          std::vector<int32_t> l = lens;
+          for (auto& x : l) x = x == 0 ? 0 : std::max(x, qlen);
+          const auto q = testing::random_normal(size_t(B) * qlen * H * 576, 100 + uint64_t(index));
+          const auto kv = testing::random_normal(size_t(B) * L * 576, 200 + uint64_t(index));
+          AttentionOptions o;
+          o.mode = mode;
+          o.world_size = n;
+          o.interleave = il;
+          o.block_size = 16;
+          o.kv_dtype = dtype;
+          o.kv_scale = dtype == KvDtype::bf16 ? 1.0f : 0.05f;
+          o.merge = merge;
+          o.route = mode == Mode::verify && index % 2 ? Route::two_stage : Route::automatic;
+          o.min_segment_tokens = 16;
+          o.seed = uint64_t(index);
+          const auto mine = mla_attention_on_rank(q, kv, l, B, qlen, H, L, 576, o, *comm);
+          const auto threads = mla_attention(q, kv, l, B, qlen, H, L, 576, o);
+          // all_heads merges in rank order on both sides: bit-exact. scatter_heads sums in
+          // the order MPI's reduce-scatter picks: one bf16 rounding step apart at most.
+          const float tol = merge == MergeForm::all_heads ? 0.0f : 1.0f / 128;
+          bool same = mine.out.size() == threads.out.size() && mine.lse.size() == threads.lse.size();
+          for (size_t i = 0; same && i < mine.out.size(); ++i)
+            same = std::fabs(mine.out[i] - threads.out[i]) <= tol * std::fabs(threads.out[i]);
+          for (size_t i = 0; same && i < mine.lse.size(); ++i)
+            same = mine.lse[i] == threads.lse[i];
+          expect(same, "MPI result == in-process result, case " + std::to_string(index), rank);
+        }
+
+  auto expect_error = [&](const std::function<void()>& fn, const std::string& needle, const std::string& what) {
+    try {
+      fn();
+      expect(false, what + ": no error", rank);
+    } catch (const Error& e) {
+      expect(std::string(e.what()).find(needle) != std::string::npos, what + ": " + e.what(), rank);
+    }
+  };
+  const auto q = testing::random_normal(size_t(1) * 1 * H * 576, 1);
+  const auto kv = testing::random_normal(size_t(1) * 20 * 576, 2);
+  AttentionOptions o;
+  o.world_size = n + 1;
+  const std::vector<int32_t> twenty{20};
+  expect_error([&] { mla_attention_on_rank(q, kv, twenty, 1, 1, H, 20, 576, o, *comm); }, "world_size",
+               "world size that does not match the communicator");
+  o.world_size = n;
+  const std::vector<int32_t> mine{rank == n - 1 ? 19 : 20};  // the last rank was handed another batch
+  if (n > 1)
+    expect_error([&] { mla_attention_on_rank(q, kv, mine, 1, 1, H, 20, 576, o, *comm); }, "expected the same on every rank",
+                 "ranks that disagree on the batch");
+
+  // Every rank reports; the job fails if any rank failed.
+  std::vector<int32_t> counts(size_t(2 * n));
+  const int32_t local[2] = {passed, failed};
+  comm->all_gather(local, counts.data(), 2, DataType::i32);
+  int total_passed = 0, total_failed = 0;
+  for (int r = 0; r < n; ++r) total_passed += counts[size_t(2 * r)], total_failed += counts[size_t(2 * r + 1)];
+  if (rank == 0) std::printf("mpi np=%d: %d passed, %d failed\n", n, total_passed, total_failed);
+  return total_failed == 0 ? 0 : 1;
+}
