@@ -1,0 +1,244 @@
+"""dcpmla: MLA (DeepSeek-V3 style latent) attention for LLM decoding with the KV cache
+sharded across ranks (decode context parallelism, DCP) and speculative verify.
+
+The conformance entry point :func:`mla_attention` runs the whole path on one machine
+(shard -> page -> write -> plan -> per-rank attention -> cross-rank merge) so that anyone
+can check the system against an independent reference. :func:`local_length`,
+:func:`row_local_lengths` and :func:`slot_mapping` expose the DCP layout rules.
+
+Every input error raises ``ValueError`` whose message names the field, the value and
+what was expected: ``dcpmla: field 'seq_lens[2]' = -3: expected >= 0``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from . import _dcpmla
+
+__version__ = _dcpmla.__version__
+cuda_available = bool(_dcpmla.cuda_available)
+
+__all__ = [
+    "__version__",
+    "cuda_available",
+    "mla_attention",
+    "local_length",
+    "row_local_lengths",
+    "slot_mapping",
+]
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _error(field, value, expected):
+    # The library's wording (include/dcpmla/error.h), so both layers read alike.
+    return ValueError(f"dcpmla: field '{field}' = {value}: expected {expected}")
+
+
+def _int(field, value, lo=_INT32_MIN, hi=_INT32_MAX):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
+        raise _error(field, repr(value), "an integer")
+    value = int(value)
+    if not lo <= value <= hi:
+        raise _error(field, value, f"an integer in [{lo}, {hi}]")
+    return value
+
+
+def _float(field, value):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating)):
+        raise _error(field, repr(value), "a real number")
+    return float(value)
+
+
+def _str(field, value):
+    if not isinstance(value, str):
+        raise _error(field, repr(value), "a string")
+    return value
+
+
+def _host_array(field, x):
+    """numpy view of `x`: a numpy array, any object with __dlpack__ on the host, or an array-like."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "__dlpack__"):
+        try:
+            return np.from_dlpack(x)
+        except (BufferError, TypeError, RuntimeError, ValueError) as e:
+            raise _error(field, type(x).__name__, f"a host (CPU) array readable through DLPack ({e})") from None
+    try:
+        return np.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise _error(field, type(x).__name__, f"an array ({e})") from None
+
+
+def _array(field, x, dtype, ndim, layout):
+    """A C-contiguous numpy array of exactly `dtype` and `ndim` (no silent casts)."""
+    a = _host_array(field, x)
+    dtype = np.dtype(dtype)
+    if a.dtype != dtype:
+        raise _error(f"{field}.dtype", a.dtype, f"{dtype} {layout}")
+    if a.ndim != ndim:
+        raise _error(f"{field}.ndim", a.ndim, f"{ndim} {layout}")
+    return np.ascontiguousarray(a)
+
+
+def _int_array(field, x, dtype, layout):
+    """A 1-D C-contiguous integer array converted losslessly to `dtype` (layout helpers)."""
+    a = _host_array(field, x)
+    if a.ndim != 1:
+        raise _error(f"{field}.ndim", a.ndim, f"1 {layout}")
+    if a.size and a.dtype.kind not in "iu":
+        raise _error(f"{field}.dtype", a.dtype, f"an integer dtype {layout}")
+    info = np.iinfo(dtype)
+    if a.size and (a.min() < info.min or a.max() > info.max):
+        bad = int(np.flatnonzero((a < info.min) | (a > info.max))[0])
+        raise _error(f"{field}[{bad}]", a[bad], f"a value that fits {np.dtype(dtype)}")
+    return np.ascontiguousarray(a, dtype=dtype)
+
+
+def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_dtype, kv_scale,
+               softmax_scale, kv_lora_rank, route, device, merge, seed):
+    q = _array("q", q, np.float32, 4, "[B, qlen, H, D]")
+    kv = _array("kv", kv, np.float32, 3, "[B, Lmax, D]")
+    seq_lens = _array("seq_lens", seq_lens, np.int32, 1, "[B]")
+    B, qlen, H, D = q.shape
+    if kv.shape[0] != B:
+        raise _error("kv.shape[0]", kv.shape[0], f"{B} (the batch B of q {tuple(q.shape)})")
+    if kv.shape[2] != D:
+        raise _error("kv.shape[2]", kv.shape[2], f"{D} (the latent dim D of q {tuple(q.shape)})")
+    if seq_lens.shape[0] != B:
+        raise _error("seq_lens.shape[0]", seq_lens.shape[0], f"{B} (the batch B of q {tuple(q.shape)})")
+    max_len = kv.shape[1]
+    if seq_lens.size and seq_lens.max() > max_len:
+        b = int(np.argmax(seq_lens > max_len))
+        raise _error(f"seq_lens[{b}]", int(seq_lens[b]), f"<= {max_len} (Lmax = kv.shape[1])")
+
+    if softmax_scale is None:
+        softmax_scale = D ** -0.5 if D > 0 else 1.0
+    else:
+        softmax_scale = _float("softmax_scale", softmax_scale)
+        if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+            raise _error("softmax_scale", softmax_scale, "a finite value > 0, or None for D ** -0.5")
+
+    out, lse, routes = _dcpmla._mla_attention(
+        q, kv, seq_lens,
+        mode=_str("mode", mode),
+        world_size=_int("world_size", world_size),
+        interleave=_int("interleave", interleave),
+        block_size=_int("block_size", block_size),
+        kv_dtype=_str("kv_dtype", kv_dtype),
+        kv_scale=_float("kv_scale", kv_scale),
+        softmax_scale=softmax_scale,
+        kv_lora_rank=_int("kv_lora_rank", kv_lora_rank),
+        route=_str("route", route),
+        merge=_str("merge", merge),
+        device=_str("device", device),
+        seed=_int("seed", seed, 0, 2**64 - 1),
+    )
+    return out, lse, list(routes)
+
+
+def mla_attention(q, kv, seq_lens, *, mode="verify", world_size=1, interleave=1, block_size=64,
+                  kv_dtype="bf16", kv_scale=1.0, softmax_scale=None, kv_lora_rank=512,
+                  route="auto", device="cpu", merge="all_heads", seed=0):
+    """Absorbed MLA attention over a DCP-sharded paged latent cache, end to end (SPEC §5).
+
+    Shards ``kv`` over ``world_size`` ranks (round-robin in runs of ``interleave`` tokens),
+    writes each shard into a paged cache of ``block_size``-token blocks through randomly
+    drawn block tables (``seed``), plans, runs each rank's attention and merges the
+    partials. The answer does not depend on world_size, interleave, block_size, route or
+    merge beyond bf16 rounding.
+
+    Args:
+        q: float32 ``[B, qlen, H, D]`` queries; rounded to bf16 on entry.
+        kv: float32 ``[B, Lmax, D]`` global latents (key = all D values, value = the first
+            ``kv_lora_rank``); row b is valid up to ``seq_lens[b]``. Rounded to bf16, then
+            stored as ``kv_dtype``.
+        seq_lens: int32 ``[B]``: ``L_b``, the global length *including* the query block;
+            0 marks a padding request.
+        mode: ``"decode"`` (qlen = 1) or ``"verify"`` (causal: row t sees positions
+            ``[0, L_b - qlen + t]``, needs ``L_b >= qlen``) or ``"draft"`` (every row sees
+            ``[0, L_b)``).
+        world_size, interleave: the DCP group size N and interleave I (``block_size % I == 0``).
+        block_size: tokens per cache block, >= 1.
+        kv_dtype: ``"bf16"``, ``"fp8_e4m3"`` or ``"fp8_e5m2"``; fp8 stores
+            ``rne(sat(bf16(x) / kv_scale))`` and reads ``stored * kv_scale``.
+        kv_scale: the fp8 cache scale (finite, > 0); must stay 1.0 for a bf16 cache.
+        softmax_scale: score scale; ``None`` means ``D ** -0.5``.
+        kv_lora_rank: R, the value width (``R < D``; the rest of D is the rope part).
+        route: ``"auto"`` (the planner decides), or force ``"one_stage"``,
+            ``"two_stage"`` (verify only) or ``"split_k"``.
+        device: ``"cpu"`` or ``"cuda"`` (only where the CUDA backend is built:
+            see ``dcpmla.cuda_available``).
+        merge: ``"all_heads"`` (every rank keeps all heads) or ``"scatter_heads"``
+            (each rank keeps H/N heads; needs ``H % world_size == 0``); the returned
+            arrays hold all heads either way.
+        seed: draws the block tables.
+
+    Returns:
+        ``(out, lse)``: ``out`` float32 ``[B, qlen, H, kv_lora_rank]`` (the values the bf16
+        output holds); ``lse`` float32 ``[B, qlen, H]``, the **natural** log of the sum of
+        exp(scores) over the row's window. An empty window (padding request) gives
+        ``out = 0`` and ``lse = -inf``, never NaN.
+
+    Raises:
+        ValueError: on any bad input, naming the field, its value and what was expected.
+    """
+    out, lse, _ = _attention(q, kv, seq_lens, mode=mode, world_size=world_size,
+                             interleave=interleave, block_size=block_size, kv_dtype=kv_dtype,
+                             kv_scale=kv_scale, softmax_scale=softmax_scale,
+                             kv_lora_rank=kv_lora_rank, route=route, device=device, merge=merge,
+                             seed=seed)
+    return out, lse
+
+
+def _mla_attention_with_routes(q, kv, seq_lens, **options):
+    """:func:`mla_attention` that also returns the route each rank's planner took (tests)."""
+    full = dict(mode="verify", world_size=1, interleave=1, block_size=64, kv_dtype="bf16",
+                kv_scale=1.0, softmax_scale=None, kv_lora_rank=512, route="auto", device="cpu",
+                merge="all_heads", seed=0)
+    unknown = set(options) - set(full)
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
+    full.update(options)
+    return _attention(q, kv, seq_lens, **full)
+
+
+def local_length(w, world_size, rank, interleave=1):
+    """n_r(w): how many positions of the global window ``[0, w)`` rank ``rank`` holds,
+    ``(w // (I*N)) * I + clamp(w % (I*N) - r*I, 0, I)``; summed over ranks it is ``w``."""
+    w = _int("w", w, _INT64_MIN, _INT64_MAX)
+    if w < 0:
+        raise _error("w", w, ">= 0")
+    return int(_dcpmla.local_length(w, _int("world_size", world_size), _int("rank", rank),
+                                    _int("interleave", interleave)))
+
+
+def row_local_lengths(mode, seq_len, qlen, world_size, rank, interleave=1):
+    """int64 ``[qlen]``: row t's rank-local length ``n_r(w_t)``, counted from the *global*
+    window end ``w_t`` (not ``n_r(L) - (qlen - 1 - t)``). A padding request (0) gives zeros."""
+    lengths = _dcpmla.row_local_lengths(
+        _str("mode", mode), _int("seq_len", seq_len, _INT64_MIN, _INT64_MAX), _int("qlen", qlen),
+        _int("world_size", world_size), _int("rank", rank), _int("interleave", interleave))
+    return np.asarray(lengths, dtype=np.int64)
+
+
+def slot_mapping(positions, block_table, block_size, num_blocks, world_size, rank, interleave=1):
+    """int64 ``[n]``: the rank-local cache slot of each global position of one request,
+    ``table[local(p) // block_size] * block_size + local(p) % block_size`` on its owner, and
+    ``-1`` (PAD: written nowhere) where ``rank`` does not own ``p``. The block table is the
+    request's, shared by all ranks; its ids must lie in ``[0, num_blocks)``."""
+    positions = _int_array("positions", positions, np.int64, "[n]")
+    block_table = _int_array("block_table", block_table, np.int32, "[table_width]")
+    if positions.size and positions.min() < 0:
+        bad = int(np.argmax(positions < 0))
+        raise _error(f"positions[{bad}]", int(positions[bad]), ">= 0")
+    return _dcpmla.slot_mapping(positions, block_table, _int("block_size", block_size),
+                                _int("num_blocks", num_blocks, _INT64_MIN, _INT64_MAX),
+                                _int("world_size", world_size), _int("rank", rank),
+                                _int("interleave", interleave))

@@ -1,0 +1,151 @@
+// _dcpmla: the one binding file. It only registers functions; host-side checks live in
+// the library (runner, layout: dcpmla::Error -> ValueError) and in the thin Python layer
+// (python/dcpmla/__init__.py: dtypes, ranks and shapes of the arrays).
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "dcpmla/error.h"
+#include "dcpmla/layout.h"
+#include "dcpmla/runner.h"
+#include "dcpmla/types.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+#ifdef DCPMLA_HAS_CUDA
+constexpr bool kCudaBuilt = true;
+#else
+constexpr bool kCudaBuilt = false;
+#endif
+
+// Host arrays from any DLPack / buffer producer. The ranks are part of the type, so a
+// wrong rank never reaches the library (the Python layer reports it as ValueError first).
+template <class T, size_t N>
+using HostArray = nb::ndarray<const T, nb::ndim<N>, nb::c_contig, nb::device::cpu>;
+
+template <class T>
+using NumpyArray = nb::ndarray<nb::numpy, T>;
+
+// Hands a vector's storage to numpy without a copy; the capsule frees it.
+template <class T>
+NumpyArray<T> to_numpy(std::vector<T>&& values, std::initializer_list<size_t> shape) {
+  auto* owned = new std::vector<T>(std::move(values));
+  nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  return NumpyArray<T>(owned->data(), shape, owner);
+}
+
+dcpmla::Backend backend_of(const std::string& device) {
+  const dcpmla::Backend backend = dcpmla::parse_backend(device);
+  if (backend == dcpmla::Backend::cuda && !kCudaBuilt)
+    dcpmla::fail("device", device,
+                 "'cpu': the CUDA backend is not built into this module (rebuild with DCPMLA_CUDA=ON)");
+  return backend;
+}
+
+// q [B, qlen, H, D], kv [B, Lmax, D], seq_lens [B] -> (out [B, qlen, H, R], lse [B, qlen, H],
+// the route each rank's planner took).
+std::tuple<NumpyArray<float>, NumpyArray<float>, std::vector<std::string>> mla_attention(
+    HostArray<float, 4> q, HostArray<float, 3> kv, HostArray<int32_t, 1> seq_lens,
+    const std::string& mode, int world_size, int interleave, int block_size,
+    const std::string& kv_dtype, float kv_scale, float softmax_scale, int kv_lora_rank,
+    const std::string& route, const std::string& merge, const std::string& device,
+    uint64_t seed) {
+  dcpmla::AttentionOptions options;
+  options.mode = dcpmla::parse_mode(mode);
+  options.world_size = world_size;
+  options.interleave = interleave;
+  options.block_size = block_size;
+  options.kv_dtype = dcpmla::parse_kv_dtype(kv_dtype);
+  options.kv_scale = kv_scale;
+  options.softmax_scale = softmax_scale;
+  options.kv_lora_rank = kv_lora_rank;
+  options.route = dcpmla::parse_route(route);
+  options.merge = dcpmla::parse_merge_form(merge);
+  options.backend = backend_of(device);
+  options.seed = seed;
+
+  const int batch = int(q.shape(0)), qlen = int(q.shape(1)), heads = int(q.shape(2));
+  const int dim = int(q.shape(3));
+  const int64_t max_len = int64_t(kv.shape(1));
+  dcpmla::AttentionResult result;
+  {
+    nb::gil_scoped_release release;
+    result = dcpmla::mla_attention({q.data(), q.size()}, {kv.data(), kv.size()},
+                                   {seq_lens.data(), seq_lens.size()}, batch, qlen, heads,
+                                   max_len, dim, options);
+  }
+  const size_t rank_dim = size_t(kv_lora_rank);
+  // NOTE: the numpy views below take the vectors as they are; a size the shapes do not
+  // describe would be read out of bounds, so it is an internal error, not a view.
+  if (result.out.size() != size_t(batch) * qlen * heads * rank_dim ||
+      result.lse.size() != size_t(batch) * qlen * heads)
+    throw std::runtime_error("dcpmla: internal error: mla_attention returned " +
+                             std::to_string(result.out.size()) + " out / " +
+                             std::to_string(result.lse.size()) + " lse values for [B, qlen, H] = [" +
+                             std::to_string(batch) + ", " + std::to_string(qlen) + ", " +
+                             std::to_string(heads) + "]");
+  std::vector<std::string> routes;
+  for (dcpmla::Route r : result.routes) routes.emplace_back(dcpmla::to_string(r));
+  return {to_numpy(std::move(result.out), {size_t(batch), size_t(qlen), size_t(heads), rank_dim}),
+          to_numpy(std::move(result.lse), {size_t(batch), size_t(qlen), size_t(heads)}),
+          std::move(routes)};
+}
+
+int64_t local_length(int64_t w, int world_size, int rank, int interleave) {
+  const dcpmla::Layout layout{world_size, rank, interleave};
+  layout.validate();
+  return layout.local_length(w);
+}
+
+std::vector<int64_t> row_local_lengths(const std::string& mode, int64_t seq_len, int qlen,
+                                       int world_size, int rank, int interleave) {
+  const dcpmla::Layout layout{world_size, rank, interleave};
+  layout.validate();
+  return dcpmla::row_local_lengths(dcpmla::parse_mode(mode), seq_len, qlen, layout);
+}
+
+NumpyArray<int64_t> slot_mapping(HostArray<int64_t, 1> positions, HostArray<int32_t, 1> block_table,
+                                 int block_size, int64_t num_blocks, int world_size, int rank,
+                                 int interleave) {
+  const dcpmla::Layout layout{world_size, rank, interleave};
+  layout.validate_with_block_size(block_size);
+  std::vector<int64_t> slots =
+      dcpmla::slot_mapping({positions.data(), positions.size()},
+                           {block_table.data(), block_table.size()}, block_size, num_blocks, layout);
+  const size_t n = slots.size();
+  return to_numpy(std::move(slots), {n});
+}
+
+}  // namespace
+
+NB_MODULE(_dcpmla, m) {
+  m.doc() = "dcpmla native module (internal): use the functions of the dcpmla package.";
+  m.attr("__version__") = DCPMLA_VERSION_STRING;
+  m.attr("cuda_available") = kCudaBuilt;
+
+  m.def("_mla_attention", &mla_attention, "q"_a, "kv"_a, "seq_lens"_a, "mode"_a, "world_size"_a,
+        "interleave"_a, "block_size"_a, "kv_dtype"_a, "kv_scale"_a, "softmax_scale"_a,
+        "kv_lora_rank"_a, "route"_a, "merge"_a, "device"_a, "seed"_a,
+        "The whole DCP path (SPEC §5). Returns (out [B,qlen,H,R] float32, lse [B,qlen,H] float32 "
+        "natural log, routes taken per rank).");
+  m.def("local_length", &local_length, "w"_a, "world_size"_a, "rank"_a, "interleave"_a,
+        "n_r(w): positions of the global window [0, w) held by `rank`.");
+  m.def("row_local_lengths", &row_local_lengths, "mode"_a, "seq_len"_a, "qlen"_a, "world_size"_a,
+        "rank"_a, "interleave"_a,
+        "Per-row rank-local lengths n_r(w_t), t = 0..qlen-1, counted from the global window end.");
+  m.def("slot_mapping", &slot_mapping, "positions"_a, "block_table"_a, "block_size"_a,
+        "num_blocks"_a, "world_size"_a, "rank"_a, "interleave"_a,
+        "Rank-local cache slot of each global position (int64), -1 (PAD) where `rank` does not own it.");
+}

@@ -1,0 +1,252 @@
+"""Bad input gets a ValueError naming the field (SPEC §4 "Validation"), never a crash,
+an assert or a silent wrong answer."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import dcpmla
+
+D = 576
+
+
+def inputs(B=2, qlen=2, H=2, lens=(5, 3), Lmax=6, dim=D):
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((B, qlen, H, dim)).astype(np.float32)
+    kv = rng.standard_normal((B, Lmax, dim)).astype(np.float32)
+    return q, kv, np.array(lens, dtype=np.int32)
+
+
+def call(q=None, kv=None, seq_lens=None, **kw):
+    q0, kv0, s0 = inputs()
+    return dcpmla.mla_attention(q0 if q is None else q, kv0 if kv is None else kv,
+                                s0 if seq_lens is None else seq_lens, **kw)
+
+
+def test_valid_baseline_runs():
+    out, lse = call()
+    assert out.shape == (2, 2, 2, 512) and lse.shape == (2, 2, 2)
+
+
+def raises(field, fn, *args, **kw):
+    with pytest.raises(ValueError, match=field) as info:
+        fn(*args, **kw)
+    return str(info.value)
+
+
+# --- attention: values the library checks -------------------------------------------------
+
+def test_negative_seq_len():
+    msg = raises(r"seq_lens", call, seq_lens=np.array([5, -1], np.int32))
+    assert "-1" in msg
+
+
+def test_seq_len_shorter_than_qlen_in_verify():
+    raises(r"seq_lens", call, seq_lens=np.array([5, 1], np.int32))
+
+
+def test_seq_len_shorter_than_qlen_in_decode_is_fine_only_for_padding():
+    q, kv, _ = inputs(qlen=1)
+    out, lse = dcpmla.mla_attention(q, kv, np.array([0, 1], np.int32), mode="decode")
+    assert np.all(np.isneginf(lse[0])) and np.all(out[0] == 0)
+
+
+def test_qlen_zero():
+    q, kv, s = inputs(qlen=0)
+    raises(r"qlen", dcpmla.mla_attention, q, kv, s)
+
+
+def test_decode_with_qlen_above_one():
+    raises(r"qlen|mode", call, mode="decode")
+
+
+def test_heads_zero():
+    q, kv, s = inputs(H=0)
+    raises(r"heads", dcpmla.mla_attention, q, kv, s)
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_world_size(value):
+    raises(r"world_size", call, world_size=value)
+
+
+@pytest.mark.parametrize("value", [0, -2])
+def test_interleave(value):
+    raises(r"interleave", call, interleave=value)
+
+
+@pytest.mark.parametrize("value", [0, -64])
+def test_block_size(value):
+    raises(r"block_size", call, block_size=value)
+
+
+@pytest.mark.parametrize("interleave,block_size", [(3, 64), (4, 2), (64, 16)])
+def test_interleave_not_dividing_block_size(interleave, block_size):
+    raises(r"block_size|interleave", call, world_size=2, interleave=interleave,
+           block_size=block_size)
+
+
+@pytest.mark.parametrize("field,value", [("mode", "prefill"), ("kv_dtype", "fp16"),
+                                         ("kv_dtype", "fp8"), ("route", "three_stage"),
+                                         ("merge", "gather"), ("device", "tpu"),
+                                         ("mode", "")])
+def test_unknown_strings(field, value):
+    msg = raises(field, call, **{field: value})
+    assert value in msg
+
+
+@pytest.mark.parametrize("field,value", [("mode", None), ("route", 3), ("kv_dtype", b"bf16")])
+def test_non_string_options(field, value):
+    raises(field, call, **{field: value})
+
+
+@pytest.mark.parametrize("mode", ["decode", "draft"])
+def test_two_stage_outside_verify(mode):
+    q, kv, s = inputs(qlen=1 if mode == "decode" else 2)
+    raises(r"route", dcpmla.mla_attention, q, kv, s, mode=mode, route="two_stage")
+
+
+@pytest.mark.parametrize("value", [576, 600, 0, -1])
+def test_kv_lora_rank_out_of_range(value):
+    raises(r"kv_lora_rank", call, kv_lora_rank=value)
+
+
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("scale", [0.0, -1.0, math.nan, math.inf])
+def test_fp8_scale(dtype, scale):
+    raises(r"kv_scale", call, kv_dtype=dtype, kv_scale=scale)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, 0.0, -0.1])
+def test_softmax_scale(value):
+    raises(r"softmax_scale", call, softmax_scale=value)
+
+
+def test_scatter_heads_needs_divisible_heads():
+    # H = 2 heads over 3 ranks cannot be reduce-scattered.
+    raises(r"heads|merge|world_size", call, world_size=3, merge="scatter_heads")
+
+
+def test_cuda_device_refused_when_not_built():
+    if dcpmla.cuda_available:
+        pytest.skip("the CUDA backend is built into this module")
+    msg = raises(r"device", call, device="cuda")
+    assert "CUDA" in msg
+
+
+def test_seed_out_of_range():
+    raises(r"seed", call, seed=-1)
+
+
+@pytest.mark.parametrize("field,value", [("world_size", 2.0), ("block_size", "64"),
+                                         ("interleave", True), ("world_size", 2**40)])
+def test_non_integer_or_huge_ints(field, value):
+    raises(field, call, **{field: value})
+
+
+# --- attention: arrays (the Python layer checks) --------------------------------------------
+
+def test_float64_q():
+    q, kv, s = inputs()
+    msg = raises(r"'q\.dtype'", dcpmla.mla_attention, q.astype(np.float64), kv, s)
+    assert "float64" in msg and "float32" in msg
+
+
+def test_float64_kv():
+    q, kv, s = inputs()
+    raises(r"'kv\.dtype'", dcpmla.mla_attention, q, kv.astype(np.float64), s)
+
+
+def test_float16_q():
+    q, kv, s = inputs()
+    raises(r"'q\.dtype'", dcpmla.mla_attention, q.astype(np.float16), kv, s)
+
+
+def test_int64_seq_lens():
+    q, kv, s = inputs()
+    msg = raises(r"'seq_lens\.dtype'", dcpmla.mla_attention, q, kv, s.astype(np.int64))
+    assert "int32" in msg
+
+
+def test_list_seq_lens_is_refused_with_dtype():
+    q, kv, _ = inputs()
+    raises(r"seq_lens", dcpmla.mla_attention, q, kv, [5, 3])
+
+
+@pytest.mark.parametrize("which,shape", [("q", (2, 2, 1152)), ("q", (2, 2, 2, 1, 576)),
+                                         ("kv", (2, 3456)), ("seq_lens", (2, 1))])
+def test_wrong_ndim(which, shape):
+    q, kv, s = inputs()
+    arrays = {"q": q, "kv": kv, "seq_lens": s}
+    arrays[which] = arrays[which].reshape(shape)
+    raises(rf"'{which}\.ndim'", dcpmla.mla_attention, arrays["q"], arrays["kv"], arrays["seq_lens"])
+
+
+def test_kv_batch_mismatch():
+    q, kv, s = inputs()
+    raises(r"kv\.shape\[0\]", dcpmla.mla_attention, q, kv[:1], s)
+
+
+def test_seq_lens_length_mismatch():
+    q, kv, _ = inputs()
+    raises(r"seq_lens\.shape\[0\]", dcpmla.mla_attention, q, kv, np.array([5, 3, 4], np.int32))
+
+
+def test_kv_dim_mismatch():
+    q, kv, s = inputs()
+    raises(r"kv\.shape\[2\]", dcpmla.mla_attention, q, kv[..., :575], s)
+
+
+def test_seq_len_beyond_lmax():
+    msg = raises(r"seq_lens\[1\]", call, seq_lens=np.array([5, 7], np.int32))
+    assert "7" in msg
+
+
+# --- layout helpers ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rank,world", [(2, 2), (8, 8), (-1, 4)])
+def test_rank_out_of_range(rank, world):
+    raises(r"rank", dcpmla.local_length, 10, world, rank, 1)
+    raises(r"rank", dcpmla.row_local_lengths, "verify", 10, 3, world, rank, 1)
+    raises(r"rank", dcpmla.slot_mapping, [0, 1], [0], 4, 1, world, rank, 1)
+
+
+def test_layout_world_and_interleave():
+    raises(r"world_size", dcpmla.local_length, 10, 0, 0, 1)
+    raises(r"interleave", dcpmla.local_length, 10, 2, 0, 0)
+    raises(r"world_size", dcpmla.row_local_lengths, "verify", 10, 3, 0, 0, 1)
+    raises(r"interleave", dcpmla.row_local_lengths, "verify", 10, 3, 2, 0, 0)
+    raises(r"local_length|w", dcpmla.local_length, -1, 2, 0, 1)
+
+
+def test_row_local_lengths_bad_values():
+    raises(r"seq_len", dcpmla.row_local_lengths, "verify", -1, 1, 2, 0, 1)
+    raises(r"seq_len", dcpmla.row_local_lengths, "verify", 2, 3, 2, 0, 1)
+    raises(r"qlen", dcpmla.row_local_lengths, "verify", 5, 0, 2, 0, 1)
+    raises(r"qlen|mode", dcpmla.row_local_lengths, "decode", 5, 2, 2, 0, 1)
+    raises(r"mode", dcpmla.row_local_lengths, "sideways", 5, 1, 2, 0, 1)
+
+
+def test_slot_mapping_block_id_out_of_range():
+    # 8 positions, N=1, bs=4: local 0..7 -> table[0], table[1]; num_blocks = 4.
+    pos = np.arange(8)
+    raises(r"block|table", dcpmla.slot_mapping, pos, [1, 4], 4, 4, 1, 0, 1)
+    raises(r"block|table", dcpmla.slot_mapping, pos, [-1, 2], 4, 4, 1, 0, 1)
+
+
+def test_slot_mapping_table_too_short():
+    pos = np.arange(9)  # local 8 needs table[2]
+    raises(r"block|table", dcpmla.slot_mapping, pos, [0, 1], 4, 4, 1, 0, 1)
+    raises(r"block|table", dcpmla.slot_mapping, [0], np.zeros(0, np.int32), 4, 4, 1, 0, 1)
+
+
+def test_slot_mapping_bad_layout_and_positions():
+    raises(r"block_size|interleave", dcpmla.slot_mapping, [0, 1], [0], 6, 1, 2, 0, 4)
+    raises(r"block_size", dcpmla.slot_mapping, [0, 1], [0], 0, 1, 2, 0, 1)
+    raises(r"positions\[1\]", dcpmla.slot_mapping, [0, -3], [0], 4, 1, 1, 0, 1)
+    raises(r"positions", dcpmla.slot_mapping, [0.5, 1.0], [0], 4, 1, 1, 0, 1)
+    raises(r"block_table", dcpmla.slot_mapping, [0], [2**40], 4, 1, 1, 0, 1)
+

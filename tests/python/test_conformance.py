@@ -1,0 +1,302 @@
+"""Fresh random inputs through dcpmla.mla_attention against the float64 reference, over a
+covering grid of the configuration space (SPEC §5: the same arrays give the same answer
+for every world_size, interleave, block_size, route and merge, within bf16 rounding).
+
+The grid is not the full product: for each mode, every value of every axis appears in at
+least one case while the other axes take deterministic pseudo-random values, so that each
+value meets each mode."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+import dcpmla
+from reference import assert_close, reference_attention, round_bf16
+
+D, R = 576, 512
+
+AXES = {
+    "world": [1, 2, 3, 4, 5, 6, 7, 8],
+    "interleave": [1, 2, 4],
+    "block": [1, 16, 64, 256],
+    "dtype": ["bf16", "fp8_e4m3", "fp8_e5m2"],
+    "route": ["auto", "one_stage", "two_stage", "split_k"],
+    "heads": [1, 16, 128],
+    "merge": ["all_heads", "scatter_heads"],
+    "lengths": ["short", "medium", "long"],
+}
+QLENS = {"decode": [1], "verify": [2, 3, 4, 1, 5], "draft": [2, 3, 1, 4]}
+FP8_SCALES = [1.0, 0.5, 0.37, 2.5]
+REPEATS = 2  # passes over the axes, each with its own draws of the other axes
+
+
+@dataclass(frozen=True)
+class Case:
+    mode: str
+    world: int
+    interleave: int
+    block: int
+    dtype: str
+    route: str
+    heads: int
+    merge: str
+    lengths: str
+    qlen: int
+    kv_scale: float
+    padding: bool
+    seed: int
+
+    def id(self):
+        return (f"{self.mode}-N{self.world}-I{self.interleave}-bs{self.block}-{self.dtype}-"
+                f"{self.route}-H{self.heads}-{self.merge}-{self.lengths}-q{self.qlen}"
+                f"{'-pad' if self.padding else ''}-s{self.seed}")
+
+
+def _fix(axis, v):
+    """Make a drawn combination legal, keeping the value of the axis under test."""
+    if v["block"] % v["interleave"]:
+        if axis == "block":
+            v["interleave"] = 1
+        else:
+            v["block"] = 16 if v["interleave"] <= 16 else v["interleave"]
+    if v["merge"] == "scatter_heads" and v["heads"] % v["world"]:
+        if axis == "heads":
+            v["world"] = max(d for d in range(1, v["world"] + 1) if v["heads"] % d == 0)
+        else:
+            # Keep the world size; a head count of the TP form (a multiple of N).
+            v["heads"] = v["world"] * max(1, 16 // v["world"])
+    return v
+
+
+def covering_cases():
+    cases = []
+    k = 0
+    for mode in [m for _ in range(REPEATS) for m in ("decode", "verify", "draft")]:
+        axes = dict(AXES)
+        if mode != "verify":
+            axes["route"] = [r for r in AXES["route"] if r != "two_stage"]
+        names = list(axes)
+        for axis in names:
+            for value in axes[axis]:
+                # The other axes: a fixed pseudo-random draw per case (deterministic, and
+                # free of the lockstep that plain cycling gives axes of equal length).
+                draw = np.random.default_rng([k, 12345])
+                v = {other: value if other == axis else axes[other][draw.integers(len(axes[other]))]
+                     for other in names}
+                if axis != "route":  # routes cycle, so that verify meets two_stage often
+                    v["route"] = axes["route"][k % len(axes["route"])]
+                v = _fix(axis, v)
+                qlens = QLENS[mode]
+                cases.append(Case(
+                    mode=mode, qlen=qlens[k % len(qlens)],
+                    kv_scale=1.0 if v["dtype"] == "bf16" else FP8_SCALES[k % len(FP8_SCALES)],
+                    padding=k % 2 == 0, seed=1000 + k, **{a: v[a] for a in names}))
+                k += 1
+    return cases
+
+
+CASES = covering_cases()
+
+
+def test_grid_covers_every_value_with_every_mode():
+    for mode in ("decode", "verify", "draft"):
+        mine = [c for c in CASES if c.mode == mode]
+        for axis, values in AXES.items():
+            for value in values:
+                if mode != "verify" and axis == "route" and value == "two_stage":
+                    continue
+                assert any(getattr(c, axis) == value for c in mine), (mode, axis, value)
+        for N in AXES["world"]:
+            assert any(c.world == N and c.merge == "scatter_heads" for c in CASES), N
+
+
+def draw_lengths(case, rng):
+    """Per request: one exactly qlen, one short (L < N*I: some ranks hold nothing of a row),
+    one whose size follows case.lengths, and possibly a padding request (L = 0)."""
+    q, span = case.qlen, case.world * case.interleave
+    short = int(rng.integers(q, span)) if span > q else q
+    if case.lengths == "short":
+        main = int(rng.integers(q, q + 40))
+    elif case.lengths == "medium":
+        main = int(rng.integers(max(q, 50), 300))
+    else:  # long: big enough for split-K segments, bounded by the cost of H heads
+        cap = {1: 3000, 16: 1200}.get(case.heads, 300 if case.heads >= 64 else 1200)
+        main = int(rng.integers(cap // 2, cap))
+    lens = [q, short, main]
+    if case.padding:
+        lens.insert(case.seed % 4, 0)
+    return np.array(lens, dtype=np.int32)
+
+
+def make_inputs(rng, lens, qlen, heads, dim=D, tail=3):
+    """Normal latents; everything past each length is NaN, so a read past it shows."""
+    B = len(lens)
+    Lmax = int(lens.max()) + tail
+    q = rng.standard_normal((B, qlen, heads, dim), dtype=np.float32)
+    kv = rng.standard_normal((B, Lmax, dim), dtype=np.float32)
+    for b, L in enumerate(lens):
+        kv[b, L:] = np.nan
+    return q, kv
+
+
+def check(q, kv, lens, what, **opts):
+    route = opts.get("route", "auto")
+    out, lse, routes = dcpmla._mla_attention_with_routes(q, kv, lens, **opts)
+    ref_opts = {k: opts[k] for k in ("mode", "kv_dtype", "kv_scale", "softmax_scale",
+                                     "kv_lora_rank") if k in opts}
+    ref_out, ref_lse = reference_attention(q, kv, lens, **ref_opts)
+    assert out.dtype == np.float32 and lse.dtype == np.float32
+    assert_close(out, lse, ref_out, ref_lse, what=what)
+    # The output holds bf16 values.
+    assert np.array_equal(round_bf16(out), out), f"{what}: out is not bf16-representable"
+    pad = lens == 0
+    assert np.all(out[pad] == 0) and np.all(np.isneginf(lse[pad])), f"{what}: padding rows"
+    assert np.all(np.isfinite(lse[~pad])), f"{what}: non-padding rows must have finite lse"
+    if route != "auto":
+        assert set(routes) == {route}, f"{what}: forced {route}, planners took {routes}"
+    else:
+        assert set(routes) <= {"one_stage", "two_stage", "split_k"}, routes
+    return out, lse, routes
+
+
+@pytest.mark.parametrize("case", CASES, ids=Case.id)
+def test_conformance(case):
+    rng = np.random.default_rng(case.seed)
+    lens = draw_lengths(case, rng)
+    q, kv = make_inputs(rng, lens, case.qlen, case.heads)
+    check(q, kv, lens, case.id(), mode=case.mode, world_size=case.world,
+          interleave=case.interleave, block_size=case.block, kv_dtype=case.dtype,
+          kv_scale=case.kv_scale, route=case.route, merge=case.merge, seed=case.seed)
+
+
+# --- targeted cases -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world,route", [(1, "split_k"), (2, "split_k"), (1, "auto"),
+                                         (3, "two_stage"), (8, "split_k")])
+def test_long_windows(world, route):
+    """Local lengths of several split-K segments (beyond kMinSegmentTokens = 256 per rank)."""
+    rng = np.random.default_rng(world * 7)
+    lens = np.array([2500, 1100, 0, 4], dtype=np.int32)
+    q, kv = make_inputs(rng, lens, 4, 8)
+    check(q, kv, lens, f"long N={world} {route}", mode="verify", world_size=world,
+          interleave=2, block_size=64, route=route, seed=world)
+
+
+@pytest.mark.parametrize("world,interleave,block", [(2, 1, 1), (4, 2, 2), (8, 4, 4), (3, 1, 1)])
+def test_every_rank_short(world, interleave, block):
+    """Lengths 1..N*I: most ranks hold nothing of the early rows."""
+    rng = np.random.default_rng(world)
+    qlen = 2
+    lens = np.arange(qlen, world * interleave + 2, dtype=np.int32)
+    q, kv = make_inputs(rng, lens, qlen, 4)
+    for route in ("one_stage", "two_stage", "split_k"):
+        check(q, kv, lens, f"short N={world} I={interleave} {route}", mode="verify",
+              world_size=world, interleave=interleave, block_size=block, route=route)
+
+
+@pytest.mark.parametrize("mode", ["decode", "verify", "draft"])
+def test_all_padding_batch(mode):
+    """A batch of padding requests only (CUDA-graph padding): zeros and -inf, no NaN."""
+    qlen = 1 if mode == "decode" else 3
+    q = np.random.default_rng(1).standard_normal((3, qlen, 16, D), dtype=np.float32)
+    kv = np.zeros((3, 0, D), dtype=np.float32)
+    out, lse = dcpmla.mla_attention(q, kv, np.zeros(3, np.int32), mode=mode, world_size=4)
+    assert out.shape == (3, qlen, 16, R) and np.all(out == 0) and np.all(np.isneginf(lse))
+
+
+@pytest.mark.parametrize("dtype,scale,peak", [("fp8_e4m3", 1.0, 1000.0), ("fp8_e4m3", 0.25, 300.0),
+                                              ("fp8_e5m2", 0.5, 1e5), ("fp8_e5m2", 1.0, 3e4)])
+def test_fp8_saturation(dtype, scale, peak):
+    """Latents beyond the format's range saturate to its largest value, never inf or NaN."""
+    rng = np.random.default_rng(5)
+    lens = np.array([40, 9], dtype=np.int32)
+    q, kv = make_inputs(rng, lens, 2, 4)
+    q *= np.float32(0.01)  # keep the softmax from collapsing onto one saturated key
+    kv[0, 3, :10] = peak
+    kv[1, 5, 100:120] = -peak
+    check(q, kv, lens, f"saturation {dtype} {scale}", mode="verify", world_size=3,
+          kv_dtype=dtype, kv_scale=scale, block_size=16)
+
+
+def test_custom_softmax_scale_and_rank():
+    rng = np.random.default_rng(11)
+    lens = np.array([30, 3], dtype=np.int32)
+    q, kv = make_inputs(rng, lens, 3, 8, dim=320)
+    check(q, kv, lens, "R=256 D=320", mode="verify", world_size=2, kv_lora_rank=256,
+          softmax_scale=0.03, block_size=16)
+    q, kv = make_inputs(rng, lens, 3, 4)
+    check(q, kv, lens, "softmax_scale=0.2", mode="draft", world_size=3, softmax_scale=0.2)
+
+
+def test_answer_independent_of_layout():
+    """The same arrays under different shardings, pagings, routes, merges and block tables
+    agree with each other within bf16 rounding."""
+    rng = np.random.default_rng(3)
+    lens = np.array([77, 5, 0, 260], dtype=np.int32)
+    q, kv = make_inputs(rng, lens, 5, 16)
+    base_out, base_lse = dcpmla.mla_attention(q, kv, lens)
+    for world, inter, bs, route, merge, seed in [(8, 1, 1, "split_k", "scatter_heads", 1),
+                                                  (3, 4, 256, "two_stage", "all_heads", 2),
+                                                  (1, 1, 64, "auto", "all_heads", 99)]:
+        out, lse = dcpmla.mla_attention(q, kv, lens, world_size=world, interleave=inter,
+                                        block_size=bs, route=route, merge=merge, seed=seed)
+        assert_close(out, lse, base_out.astype(np.float64), base_lse.astype(np.float64),
+                     what=f"N={world} I={inter} bs={bs} {route} {merge}")
+
+
+def test_deterministic():
+    rng = np.random.default_rng(4)
+    lens = np.array([50, 7], dtype=np.int32)
+    q, kv = make_inputs(rng, lens, 3, 16)
+    a = dcpmla.mla_attention(q, kv, lens, world_size=4, seed=5)
+    b = dcpmla.mla_attention(q, kv, lens, world_size=4, seed=5)
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
+# --- array interchange ----------------------------------------------------------------------
+
+class DLPackOnly:
+    """An array producer known only through the DLPack protocol."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, **kwargs):
+        return self._a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+def test_dlpack_and_non_contiguous_inputs():
+    rng = np.random.default_rng(9)
+    lens = np.array([20, 6], dtype=np.int32)
+    q, kv = make_inputs(rng, lens, 2, 4)
+    want = dcpmla.mla_attention(q, kv, lens, world_size=2)
+    got = dcpmla.mla_attention(DLPackOnly(q), DLPackOnly(kv), DLPackOnly(lens), world_size=2)
+    assert np.array_equal(want[0], got[0]) and np.array_equal(want[1], got[1])
+    # Non-contiguous views: heads swapped in memory, kv and seq_lens strided.
+    q_t = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    kv_big = np.zeros((2, kv.shape[1], 2 * D), dtype=np.float32)
+    kv_big[:, :, ::2] = kv
+    lens_big = np.zeros(4, np.int32)
+    lens_big[::2] = lens
+    assert not q_t.flags.c_contiguous and not kv_big[:, :, ::2].flags.c_contiguous
+    got = dcpmla.mla_attention(q_t, kv_big[:, :, ::2], lens_big[::2], world_size=2)
+    assert np.array_equal(want[0], got[0]) and np.array_equal(want[1], got[1])
+
+
+def test_result_is_a_fresh_writable_numpy_array():
+    rng = np.random.default_rng(10)
+    lens = np.array([8], dtype=np.int32)
+    q, kv = make_inputs(rng, lens, 2, 2)
+    out, lse = dcpmla.mla_attention(q, kv, lens)
+    assert isinstance(out, np.ndarray) and out.flags.c_contiguous and out.flags.writeable
+    out[:] = 0  # owned by numpy's side, not a view into library memory that goes away
+    lse2 = dcpmla.mla_attention(q, kv, lens)[1]
+    assert np.array_equal(lse, lse2)
+    assert math.isclose(float(dcpmla.mla_attention(q, kv, lens)[1][0, 0, 0]), float(lse[0, 0, 0]))
