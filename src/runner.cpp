@@ -75,7 +75,7 @@ RankRunner::RankRunner(const PlannerConfig& config, float kv_scale, float softma
       kv_scale_(kv_scale),
       softmax_scale_(softmax_scale) {
   require(config.backend == Backend::cpu, "backend", to_string(config.backend),
-          "cpu for RankRunner (CudaRankRunner serves cuda)");
+          "cpu for RankRunner (the CUDA backend has its own engine)");
   require(std::isfinite(softmax_scale) && softmax_scale > 0.0f, "softmax_scale", softmax_scale,
           "a finite value > 0");
   workspace_.resize(size_t(split_workspace_floats(plan_.view(), config.heads, config.dims.kv_lora_rank)));
@@ -148,7 +148,10 @@ struct Inputs {
 };
 
 Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<const int32_t> seq_lens, int batch,
-               int qlen, int heads, int64_t max_len, int dim, const AttentionOptions& o) {
+               int qlen, int heads, int64_t max_len, int dim, const AttentionOptions& o,
+               const RankEngineFactory& engines) {
+  require(o.backend == Backend::cpu || bool(engines), "device", to_string(o.backend),
+          "cpu: the default engines are the CPU kernels (the CUDA backend passes its own)");
   require(batch >= 1, "batch", batch, ">= 1");
   require(qlen >= 1, "qlen", qlen, ">= 1");
   require(heads >= 1, "heads", heads, ">= 1");
@@ -161,8 +164,6 @@ Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<co
           fmt::format("batch x max_len x D = {}", size_t(batch) * size_t(max_len) * dim));
   require(seq_lens.size() == size_t(batch), "seq_lens", fmt::format("{} entries", seq_lens.size()),
           fmt::format("batch = {}", batch));
-  require(o.backend == Backend::cpu, "device", to_string(o.backend),
-          "cpu (this entry point runs the CPU backend; the CUDA backend has its own)");
   for (int b = 0; b < batch; ++b) {
     validate_seq_len(o.mode, seq_lens[size_t(b)], qlen, b);
     require(seq_lens[size_t(b)] <= max_len, fmt::format("seq_lens[{}]", b), seq_lens[size_t(b)],
@@ -218,11 +219,18 @@ Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<co
   return in;
 }
 
-AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, Communicator& comm) {
+std::unique_ptr<RankEngine> make_engine(const RankEngineFactory& engines, const PlannerConfig& config,
+                                        float kv_scale, float softmax_scale) {
+  if (engines) return engines(config, kv_scale, softmax_scale);
+  return std::make_unique<RankRunner>(config, kv_scale, softmax_scale);
+}
+
+AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, Communicator& comm,
+                         const RankEngineFactory& engines) {
   const int rank = comm.rank(), N = o.world_size, R = o.kv_lora_rank, heads = in.heads, qlen = in.qlen;
   const int64_t rows = int64_t(in.batch) * qlen;
   PlannerConfig config;
-  config.backend = Backend::cpu;
+  config.backend = o.backend;
   config.mode = o.mode;
   config.kv_dtype = o.kv_dtype;
   config.heads = heads;
@@ -233,12 +241,12 @@ AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, Communicat
   config.route = o.route;
   config.limits = PlanLimits{in.batch, qlen, in.longest};
   config.min_segment_tokens = o.min_segment_tokens;
-  RankRunner runner(config, o.kv_scale, in.softmax_scale);
-  if (o.poison) runner.cache().poison();
+  const auto engine = make_engine(engines, config, o.kv_scale, in.softmax_scale);
+  if (o.poison) engine->poison();
   const BatchDesc desc = in.desc();
-  runner.write(in.latents, in.positions, in.requests, desc);
-  runner.plan(desc);
-  const Route route = runner.current_plan().route();
+  engine->write(in.latents, in.positions, in.requests, desc);
+  engine->plan(desc);
+  const Route route = engine->current_plan().route();
   // FNV-1a over the lengths: ranks handed different batches must not merge them.
   uint32_t lens_hash = 2166136261u;
   for (int32_t len : in.seq_lens) lens_hash = (lens_hash ^ uint32_t(len)) * 16777619u;
@@ -247,7 +255,7 @@ AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, Communicat
 
   std::vector<bf16> part(size_t(rows * heads * R));
   std::vector<float> part_lse(size_t(rows * heads));
-  runner.attend(in.q16.data(), part.data(), part_lse.data());
+  engine->attend(in.q16.data(), part.data(), part_lse.data());
 
   const bool scatter = o.merge == MergeForm::scatter_heads;
   const int kept = scatter ? heads / N : heads, head_begin = scatter ? rank * kept : 0;
@@ -305,20 +313,21 @@ AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, Communicat
 AttentionResult mla_attention_on_rank(std::span<const float> q, std::span<const float> kv,
                                       std::span<const int32_t> seq_lens, int batch, int qlen, int heads,
                                       int64_t max_len, int dim, const AttentionOptions& options,
-                                      Communicator& comm) {
+                                      Communicator& comm, const RankEngineFactory& engines) {
   require(comm.world_size() == options.world_size, "world_size", options.world_size,
           fmt::format("the communicator's size ({})", comm.world_size()));
-  const Inputs in = prepare(q, kv, seq_lens, batch, qlen, heads, max_len, dim, options);
-  return run_rank(in, options, comm);
+  const Inputs in = prepare(q, kv, seq_lens, batch, qlen, heads, max_len, dim, options, engines);
+  return run_rank(in, options, comm, engines);
 }
 
 AttentionResult mla_attention(std::span<const float> q, std::span<const float> kv,
                               std::span<const int32_t> seq_lens, int batch, int qlen, int heads,
-                              int64_t max_len, int dim, const AttentionOptions& options) {
-  const Inputs in = prepare(q, kv, seq_lens, batch, qlen, heads, max_len, dim, options);
+                              int64_t max_len, int dim, const AttentionOptions& options,
+                              const RankEngineFactory& engines) {
+  const Inputs in = prepare(q, kv, seq_lens, batch, qlen, heads, max_len, dim, options, engines);
   AttentionResult result;
   run_ranks(options.world_size, [&](int rank, Communicator& comm) {
-    AttentionResult mine = run_rank(in, options, comm);
+    AttentionResult mine = run_rank(in, options, comm, engines);
     if (rank == 0) result = std::move(mine);
   });
   return result;

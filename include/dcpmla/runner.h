@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -28,24 +29,41 @@ std::string_view to_string(MergeForm f);
 void merge_across_ranks(Communicator& comm, MergeForm form, const bf16* o, const float* lse,
                         int64_t rows, int heads, int width, bf16* out, float* out_lse);
 
-// One rank's state: its cache shard, its planner and a plan at a stable address.
-class RankRunner {
+// One rank as the conformance path drives it, whatever the backend: host buffers in and
+// out, so the same driver serves the CPU kernels and the CUDA ones.
+class RankEngine {
+ public:
+  virtual ~RankEngine() = default;
+  // Fill the cache with NaN, so that a read past a length shows.
+  virtual void poison() = 0;
+  // Write path: latents [n, D] of global positions[n] of requests[n]; tokens this
+  // rank does not own get the PAD slot and are skipped.
+  virtual void write(std::span<const bf16> latents, std::span<const int64_t> positions,
+                     std::span<const int32_t> requests, const BatchDesc& batch) = 0;
+  virtual void plan(const BatchDesc& batch) = 0;
+  virtual const Plan& current_plan() const = 0;
+  // Attention over this rank's shard with the current plan: q [B, qlen, H, D] ->
+  // out [B, qlen, H, R], lse [B, qlen, H] (natural log), host memory.
+  virtual void attend(const bf16* q, bf16* out, float* lse) = 0;
+};
+
+using RankEngineFactory =
+    std::function<std::unique_ptr<RankEngine>(const PlannerConfig&, float kv_scale, float softmax_scale)>;
+
+// One rank on the CPU: its cache shard, its planner and a plan at a stable address.
+class RankRunner final : public RankEngine {
  public:
   RankRunner(const PlannerConfig& config, float kv_scale, float softmax_scale);
 
   PagedCache& cache() { return cache_; }
   const Planner& planner() const { return planner_; }
-  const Plan& current_plan() const { return plan_; }
+  const Plan& current_plan() const override { return plan_; }
 
-  // Write path: latents [n, D] of global positions[n] of requests[n]; tokens this
-  // rank does not own get the PAD slot and are skipped.
+  void poison() override { cache_.poison(); }
   void write(std::span<const bf16> latents, std::span<const int64_t> positions,
-             std::span<const int32_t> requests, const BatchDesc& batch);
-
-  void plan(const BatchDesc& batch) { planner_.plan(batch, plan_); }
-
-  // Attention over this rank's shard with the current plan: out [B, qlen, H, R], lse [B, qlen, H].
-  void attend(const bf16* q, bf16* out, float* lse);
+             std::span<const int32_t> requests, const BatchDesc& batch) override;
+  void plan(const BatchDesc& batch) override { planner_.plan(batch, plan_); }
+  void attend(const bf16* q, bf16* out, float* lse) override;
 
   AttentionParams params(const bf16* q, bf16* out, float* lse);
 
@@ -86,19 +104,23 @@ struct AttentionResult {
 // its shard and merges with the others. Every rank returns the whole merged result
 // (with scatter_heads the kept heads are all-gathered at the end). comm.world_size()
 // must equal options.world_size.
+// `engines` makes each rank's engine; empty = the CPU RankRunner (options.backend must
+// then be cpu). The CUDA backend passes its own (dcpmla::cuda::rank_engine_factory).
 AttentionResult mla_attention_on_rank(std::span<const float> q, std::span<const float> kv,
                                       std::span<const int32_t> seq_lens, int batch, int qlen,
                                       int heads, int64_t max_len, int dim,
-                                      const AttentionOptions& options, Communicator& comm);
+                                      const AttentionOptions& options, Communicator& comm,
+                                      const RankEngineFactory& engines = {});
 
 // Ranks agree on a batch before their first collective: each contributes the values it
 // planned with; a mismatch raises dcpmla::Error on every rank (never a hang or a wrong merge).
 void check_ranks_agree(Communicator& comm, std::span<const int32_t> signature, std::string_view what);
 
-// The conformance entry point (SPEC §5) for the CPU backend: options.world_size ranks as
-// threads of this process.
+// The conformance entry point (SPEC §5): options.world_size ranks as threads of this
+// process, each driving its engine (CPU by default).
 AttentionResult mla_attention(std::span<const float> q, std::span<const float> kv,
                               std::span<const int32_t> seq_lens, int batch, int qlen, int heads,
-                              int64_t max_len, int dim, const AttentionOptions& options);
+                              int64_t max_len, int dim, const AttentionOptions& options,
+                              const RankEngineFactory& engines = {});
 
 }  // namespace dcpmla
