@@ -19,9 +19,13 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include "dcpmla/error.h"
 #include "dcpmla/reference.h"
 #include "dcpmla/runner.h"
 #include "dcpmla/types.h"
+#ifdef DCPMLA_HAS_MPI
+#include "dcpmla/comm_mpi.h"
+#endif
 
 namespace {
 
@@ -35,6 +39,9 @@ struct DemoOptions {
   uint64_t seed = 2024;
   int heads = 16;
   bool quick = false;
+  // Set when started by mpirun: this process is one rank of the group and the DCP run
+  // goes over MPI; otherwise the ranks are threads of this process.
+  dcpmla::Communicator* comm = nullptr;
 };
 
 struct Case {
@@ -120,7 +127,8 @@ Row run_case(int index, const Case& c, const DemoOptions& opt, std::mt19937_64& 
   o.world_size = opt.ranks;
   const auto t0 = std::chrono::steady_clock::now();
   const dcpmla::AttentionResult dcp =
-      dcpmla::mla_attention(q, kv, seq_lens, batch, c.qlen, opt.heads, max_len, dim, o);
+      opt.comm ? dcpmla::mla_attention_on_rank(q, kv, seq_lens, batch, c.qlen, opt.heads, max_len, dim, o, *opt.comm)
+               : dcpmla::mla_attention(q, kv, seq_lens, batch, c.qlen, opt.heads, max_len, dim, o);
   const auto t1 = std::chrono::steady_clock::now();
 
   o.world_size = 1;
@@ -195,8 +203,8 @@ void print_table(const std::vector<Row>& rows, const DemoOptions& opt) {
                r.ok ? "ok" : (nan ? "FAIL (NaN)" : "FAIL"));
   }
   const auto failed = std::count_if(rows.begin(), rows.end(), [](const Row& r) { return !r.ok; });
-  fmt::print("\ntime ms: the whole {}-rank call (shard, write, plan, attend, merge), ranks as threads.\n",
-             opt.ranks);
+  fmt::print("\ntime ms: the whole {}-rank call (shard, write, plan, attend, merge), ranks as {}.\n",
+             opt.ranks, opt.comm ? "MPI processes (rank 0's time)" : "threads");
   if (failed)
     fmt::print("{} of {} cases exceed {:g} or hold NaN\n", failed, rows.size(), kBound);
   else
@@ -209,11 +217,13 @@ int run_demo(const DemoOptions& opt) {
   const auto cases = demo_cases();
   for (size_t i = 0; i < cases.size(); ++i) rows.push_back(run_case(int(i), cases[i], opt, rng));
 
-  if (opt.json) {
+  // Under MPI every rank holds the merged result; rank 0 speaks for the group.
+  const bool speaker = !opt.comm || opt.comm->rank() == 0;
+  if (speaker && opt.json) {
     nlohmann::json out = nlohmann::json::array();
     for (const Row& r : rows) out.push_back(row_json(r));
     fmt::print("{}\n", out.dump(2));
-  } else {
+  } else if (speaker) {
     print_table(rows, opt);
   }
   const bool all_ok = std::all_of(rows.begin(), rows.end(), [](const Row& r) { return r.ok; });
@@ -243,7 +253,9 @@ int main(int argc, char** argv) {
       "Exit status: 0 every case passed, 1 a case exceeded the bound or gave NaN,\n"
       "2 an error (bad option, or the library refused the input).");
   demo->add_flag("--json", opt.json, "Print the rows as a JSON array instead of a table");
-  demo->add_option("--ranks", opt.ranks, "DCP world size (ranks run as threads)")
+  demo->add_option("--ranks", opt.ranks,
+                   "DCP world size: ranks run as threads, or under mpirun one rank per process "
+                   "(then it defaults to, and must equal, the number of processes)")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
   demo->add_option("--seed", opt.seed, "Seed of q, kv and the block tables")->capture_default_str();
@@ -260,6 +272,25 @@ int main(int argc, char** argv) {
     return rc == 0 ? 0 : kExitError;
   }
 
+#ifdef DCPMLA_HAS_MPI
+  if (dcpmla::MpiSession::launched()) {
+    dcpmla::MpiSession mpi(&argc, &argv);
+    try {
+      auto comm = dcpmla::make_mpi_communicator();
+      if (demo->count("--ranks") == 0) opt.ranks = comm->world_size();
+      if (opt.ranks != comm->world_size())
+        throw dcpmla::Error(fmt::format("dcpmla: field '--ranks' = {}: expected the number of MPI processes ({})",
+                                        opt.ranks, comm->world_size()));
+      opt.comm = comm.get();
+      return *demo ? run_demo(opt) : 0;
+    } catch (const std::exception& e) {
+      // The abort path: a failed rank ends the whole job instead of leaving the others
+      // waiting in a collective.
+      fmt::print(stderr, "dcpmla: rank {}: error: {}\n", mpi.rank(), e.what());
+      dcpmla::MpiSession::abort(kExitError);
+    }
+  }
+#endif
   try {
     if (*demo) return run_demo(opt);
   } catch (const std::exception& e) {
