@@ -17,8 +17,13 @@ int subpage_size(int block_size) {
 
 void CacheConfig::validate() const {
   require(num_blocks >= 1, "num_blocks", num_blocks, ">= 1");
-  require(block_size >= 1, "block_size", block_size, ">= 1");
+  require(block_size >= 1 && block_size <= kMaxBlockSize, "block_size", block_size,
+          fmt::format("in [1, {}]", kMaxBlockSize));
   require(dim >= 1, "dim", dim, ">= 1");
+  // bytes() = num_blocks x block_size x dim x bytes per value must not overflow int64.
+  const int64_t row_bytes = int64_t(block_size) * dim * bytes_per_value(dtype);
+  require(num_blocks <= std::numeric_limits<int64_t>::max() / row_bytes, "num_blocks", num_blocks,
+          fmt::format("<= {} (the cache's byte count must fit int64)", std::numeric_limits<int64_t>::max() / row_bytes));
   if (dtype == KvDtype::bf16)
     require(scale == 1.0f, "kv_scale", scale, "1.0 for a bf16 cache (the scale is for fp8)");
   else

@@ -13,7 +13,8 @@ void Layout::validate() const {
 
 void Layout::validate_with_block_size(int block_size) const {
   validate();
-  require(block_size >= 1, "block_size", block_size, ">= 1");
+  require(block_size >= 1 && block_size <= kMaxBlockSize, "block_size", block_size,
+          fmt::format("in [1, {}]", kMaxBlockSize));
   require(block_size % interleave == 0, "interleave", interleave,
           fmt::format("a divisor of block_size ({})", block_size));
 }

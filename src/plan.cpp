@@ -72,9 +72,15 @@ Planner::Planner(const PlannerConfig& config) : config_(config) {
   require(c.num_blocks >= 1, "num_blocks", c.num_blocks, ">= 1");
   require(c.dims.kv_lora_rank >= 1, "kv_lora_rank", c.dims.kv_lora_rank, ">= 1");
   require(c.dims.rope_dim >= 1, "rope_dim", c.dims.rope_dim, ">= 1 (kv_lora_rank < D)");
+  // D = R + P is an int everywhere downstream (found by fuzz_planner).
+  require(c.dims.rope_dim <= INT32_MAX - c.dims.kv_lora_rank, "rope_dim", c.dims.rope_dim,
+          fmt::format("<= {} so that D = kv_lora_rank + rope_dim fits int32", INT32_MAX - c.dims.kv_lora_rank));
   require(c.limits.max_batch >= 1, "limits.max_batch", c.limits.max_batch, ">= 1");
   require(c.limits.max_qlen >= 1, "limits.max_qlen", c.limits.max_qlen, ">= 1");
-  require(c.limits.max_local_kv_len >= 1, "limits.max_local_kv_len", c.limits.max_local_kv_len, ">= 1");
+  // Row lengths are int32 in the plan (and seq_lens are int32), so a longer limit means nothing
+  // and would overflow the table-stride arithmetic (found by fuzz_planner).
+  require(c.limits.max_local_kv_len >= 1 && c.limits.max_local_kv_len <= INT32_MAX, "limits.max_local_kv_len",
+          c.limits.max_local_kv_len, fmt::format("in [1, {}]", INT32_MAX));
   require(c.num_workers >= 1, "num_workers", c.num_workers, ">= 1");
   require(c.min_segment_tokens >= 1, "min_segment_tokens", c.min_segment_tokens, ">= 1");
   require(c.heads >= 1, "heads", c.heads, ">= 1");
@@ -86,12 +92,20 @@ Planner::Planner(const PlannerConfig& config) : config_(config) {
         "and heads {} (see capability_table(): two_stage is verify-only; cuda serves 1..128 heads)",
         to_string(c.route), to_string(c.backend), to_string(c.mode), to_string(c.kv_dtype), c.heads));
   page_ = subpage_size(c.block_size);
+  // Sub-page ids (block * block_size / page + k) are int32 in the plan.
+  const int64_t per_block = c.block_size / page_;
+  require(c.num_blocks <= INT32_MAX / per_block, "num_blocks", c.num_blocks,
+          fmt::format("<= {} so that sub-page ids (num_blocks x block_size / page {}) fit int32",
+                      INT32_MAX / per_block, page_));
   table_stride_ = ceil_div(c.limits.max_local_kv_len, page_);
-  work_capacity_ = c.limits.max_batch + c.num_workers;
+  // In int64: max_batch + num_workers overflows int for absurd values (found by fuzz_planner);
+  // the arena limit keeps the capacity far inside int once it passes.
+  const int64_t work_capacity = int64_t(c.limits.max_batch) + c.num_workers;
   const int64_t ints = int64_t(c.limits.max_batch) * (c.limits.max_qlen + table_stride_ + 1) +
-                       int64_t(work_capacity_) * int64_t(kWorkInts);
+                       work_capacity * int64_t(kWorkInts);
   require(ints < kMaxArenaInts, "limits", fmt::format("{} plan ints", ints),
-          fmt::format("< {} (lower max_batch or max_local_kv_len)", kMaxArenaInts));
+          fmt::format("< {} (lower max_batch, max_local_kv_len or num_workers)", kMaxArenaInts));
+  work_capacity_ = int(work_capacity);
 }
 
 Plan Planner::make_plan() const { return Plan(config_.limits, table_stride_, work_capacity_); }
@@ -129,11 +143,15 @@ void Planner::validate(const BatchDesc& batch) const {
 
 Route Planner::choose_route(const PlanStats& stats, int qlen) const {
   if (config_.route != Route::automatic) return config_.route;
-  // Split only when the requests alone leave workers idle and a window is long enough
-  // to give each segment real work; padding requests are not in the stats.
-  const int64_t units = int64_t(stats.active_requests) * ceil_div(int64_t(qlen) * config_.heads, kRowsPerUnit);
-  const bool idle_workers = stats.active_requests > 0 && units < config_.num_workers;
-  return idle_workers && stats.max_local_len >= 2 * int64_t(config_.min_segment_tokens) ? Route::split_k : Route::one_stage;
+  // one_stage takes as long as its longest request (one unit per request and head group);
+  // split_k spreads all tokens evenly over the workers and adds a merge. Split only when
+  // the longest request is well above that even share (idle workers or a ragged batch)
+  // and long enough to give each segment real work. Padding is not in the stats.
+  if (stats.active_requests == 0 || stats.max_local_len < 2 * int64_t(config_.min_segment_tokens))
+    return Route::one_stage;
+  const double head_groups = double(ceil_div(int64_t(qlen) * config_.heads, kRowsPerUnit));
+  const double even_share = double(stats.total_local_len) * head_groups / config_.num_workers;
+  return double(stats.max_local_len) > 1.25 * even_share ? Route::split_k : Route::one_stage;
 }
 
 void Planner::plan(const BatchDesc& batch, Plan& plan) const {
@@ -154,6 +172,7 @@ void Planner::plan(const BatchDesc& batch, Plan& plan) const {
     const int64_t largest = layout.local_length_of(len, 0);
     stats.min_local_len = stats.active_requests == 0 ? largest : std::min(stats.min_local_len, largest);
     stats.max_local_len = std::max(stats.max_local_len, largest);
+    stats.total_local_len += largest;
     ++stats.active_requests;
   }
   const Route route = choose_route(stats, qlen);

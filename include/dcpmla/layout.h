@@ -13,6 +13,11 @@ namespace dcpmla {
 // The PAD slot id: a token this rank does not own is written nowhere.
 inline constexpr int64_t kPadSlot = -1;
 
+// Largest block_size accepted (the contract names 16, 64 and managed blocks of 256 or
+// 1024). Far larger blocks only waste memory -- every request holds at least one block on
+// every rank -- and a block_size near 2^31 would make a cache of terabytes.
+inline constexpr int kMaxBlockSize = 1 << 16;
+
 struct Layout {
   int world_size = 1;  // N
   int rank = 0;        // r

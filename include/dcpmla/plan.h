@@ -83,6 +83,7 @@ struct PlanStats {
   int active_requests = 0;
   int64_t min_local_len = 0;
   int64_t max_local_len = 0;
+  int64_t total_local_len = 0;
   int max_segments = 0;  // largest number of work items of one request
 };
 

@@ -104,6 +104,23 @@ TEST(Plan, AutoSplitsLongWindowsOfSmallBatches) {
   EXPECT_EQ(p2.route(), Route::one_stage);
 }
 
+TEST(Plan, AutoSplitsOnlyWhenItLowersTheLongestLoad) {
+  auto c = config(Mode::verify);
+  c.limits = PlanLimits{132, 4, 1 << 17};
+  Planner planner(c);
+  Plan plan = planner.make_plan();
+  // A full uniform batch: every SM already holds about one request.
+  planner.plan(batch_of(std::vector<int32_t>(128, 4096), 1, 64, 2100).desc(), plan);
+  EXPECT_EQ(plan.route(), Route::one_stage);
+  // The ragged batch: one request holds most of the tokens.
+  planner.plan(batch_of({4641, 45118, 1730, 1696}, 4, 64, 2100).desc(), plan);
+  EXPECT_EQ(plan.route(), Route::split_k);
+  EXPECT_GE(plan.stats().max_segments, 30) << "the long request is cut finest";
+  // Few long requests leave most SMs idle.
+  planner.plan(batch_of(std::vector<int32_t>(32, 32768), 1, 64, 2100).desc(), plan);
+  EXPECT_EQ(plan.route(), Route::split_k);
+}
+
 TEST(Plan, PaddingNeverShrinksParallelism) {
   Planner planner(config(Mode::decode));
   Plan a = planner.make_plan(), b = planner.make_plan();
