@@ -14,6 +14,7 @@
 #include "dcpmla/attention.h"
 #include "dcpmla/cache.h"
 #include "dcpmla/plan.h"
+#include "dcpmla/runner.h"
 
 namespace dcpmla {
 
@@ -28,16 +29,31 @@ bool cuda_device_available();
 
 namespace cuda {
 
+// Kernel variant knobs; 0 leaves the choice to the library. Results do not depend on
+// them (every variant is tested); they exist for tuning and for the tests.
+struct AttentionTuning {
+  int tile_tokens = 0;  // 32 or 64 KV tokens per pipeline stage
+  int ctas_per_sm = 0;  // 1, or 2 (applies to 16-row CTAs, i.e. qlen x heads <= 16; else 1)
+};
+
 // Attention over a plan whose view and buffers all live on the device (AttentionParams
 // as for attention_cpu, with device pointers; p.plan from Plan::view_at(device arena)).
 // Launches a fixed grid sized by the plan's capacities (graph-safe), then the split-K
-// merge, which exits at once unless the device plan's route is split_k. D = 576,
-// R = 512, heads 1..128, any kv dtype. num_sms = 0 asks the device.
-void attention(const AttentionParams& p, cudaStream_t stream, int num_sms = 0);
+// merge, which exits at once unless the device plan's route is split_k (merge = false
+// skips it: only for plans that can never be split_k). D = 576, R = 512, heads 1..128,
+// any kv dtype. num_sms = 0 asks the device.
+void attention(const AttentionParams& p, cudaStream_t stream, int num_sms = 0, bool merge = true,
+               const AttentionTuning& tuning = {});
 
 // Rows of query (qlen x heads, flattened) one CTA of the attention kernel serves for a
 // plan of these capacities (16, 32 or 64).
 int attention_rows_per_cta(int max_qlen, int heads);
+
+// The variant attention() runs for these capacities, dtype and tuning (for logs and the bench).
+struct AttentionVariant {
+  int rows_per_cta, tile_tokens, ctas_per_sm, smem_bytes;
+};
+AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const AttentionTuning& tuning = {});
 
 // KV write (SPEC §3): latents bf16 [n, dim] -> cache slots[n]; kPadSlot (-1) is skipped,
 // and so is any slot outside [0, cache.num_slots()) (never an out-of-bounds write; the
@@ -50,6 +66,12 @@ void merge_state(const bf16* o_a, const float* lse_a, const bf16* o_b, const flo
                  float* lse, int64_t rows, int width, cudaStream_t stream);
 void combine_partials(const bf16* o_parts, const float* lse_parts, int n, bf16* o, float* lse,
                       int64_t rows, int width, cudaStream_t stream);
+
+// Engines for the conformance path: mla_attention(..., cuda::rank_engine_factory()) runs
+// every rank's write, plan and attention on this device (host buffers in and out; each
+// call synchronises its own stream). The cross-rank merge and two_stage's stage B stay
+// on the host, as the driver does them for every backend.
+RankEngineFactory rank_engine_factory(int device = 0);
 
 }  // namespace cuda
 
@@ -89,6 +111,11 @@ class CudaRankRunner {
   AttentionParams params(const bf16* q, bf16* out, float* lse) const;
   int num_sms() const { return num_sms_; }
 
+  // Kernel variant for later attend() calls (validated; opts the variant into its shared
+  // memory at once, so a graph may be captured right after).
+  void set_tuning(const cuda::AttentionTuning& tuning);
+  const cuda::AttentionTuning& tuning() const { return tuning_; }
+
  private:
   Planner planner_;
   CacheConfig cache_config_;
@@ -98,6 +125,7 @@ class CudaRankRunner {
   int device_;
   int num_sms_ = 0;
   bool planned_ = false;
+  cuda::AttentionTuning tuning_;
   uint8_t* cache_ = nullptr;
   int32_t* plan_dev_ = nullptr;
   float* workspace_ = nullptr;

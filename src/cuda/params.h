@@ -39,10 +39,10 @@ struct MergeParams {
   float* lse;              // [rows]
 };
 
-// Attention kernel variants: rows per CTA (16 MT) x stored dtype (bf16 / fp8).
-template <int MT, bool FP8>
+// Attention kernel variants: rows per CTA (16 MT) x tile tokens x CTAs per SM x dtype.
+template <int MT, int NT, int CPS, bool FP8>
 void launch_attention_variant(const AttentionParams& p, int grid, cudaStream_t stream);
-template <int MT, bool FP8>
+template <int MT, int NT, int CPS, bool FP8>
 int attention_smem_bytes();
 
 void launch_split_merge(const AttentionParams& p, int grid, cudaStream_t stream);

@@ -25,19 +25,21 @@ namespace dcpmla::cuda_detail {
 __device__ __forceinline__ uint32_t swz(int row, int chunk) {
   return uint32_t(row * (kDim * 2) + ((chunk ^ (row & 7)) << 4));
 }
-// Same for P, (M, kTileTokens) bf16: rows of 64 B = 4 chunks; pairs of rows share banks.
+// Same for P, (M, NT) bf16: rows of NT / 8 chunks. With 4 chunks (64 B) pairs of rows
+// share banks, hence the row >> 1.
+template <int NT>
 __device__ __forceinline__ uint32_t swz_p(int row, int chunk) {
-  return uint32_t(row * (kTileTokens * 2) + ((chunk ^ ((row >> 1) & 3)) << 4));
+  if constexpr (NT == 64) return uint32_t(row * 128 + ((chunk ^ (row & 7)) << 4));
+  else return uint32_t(row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4));
 }
 
-template <int MT, bool FP8>
-__global__ void __launch_bounds__(kThreads, 1) attention_kernel(const __grid_constant__ AttentionParams p) {
-  using C = AttnConfig<MT, FP8>;
-  constexpr int M = C::M, NT = kTileTokens, STAGES = C::STAGES;
-  constexpr int TPT = kThreads / NT;  // loader threads per token
+template <int MT, int NT, int CPS, bool FP8>
+__global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_constant__ AttentionParams p) {
+  using C = AttnConfig<MT, NT, CPS, FP8>;
+  constexpr int M = C::M, STAGES = C::STAGES, TPT = C::TPT;
   static_assert(kThreads % NT == 0);
   constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
-  constexpr float kNegInf = -__int_as_float(0x7f800000);
+  const float kNegInf = -__int_as_float(0x7f800000);
 
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* sQ = smem;                                   // (M, D) bf16 swizzled
@@ -92,15 +94,21 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const __grid_con
     }
     cp_async_commit();
 
-    // Tile i: tokens [tok_lo + i NT, +NT) -> stage s; TPT threads per token, one table
-    // lookup each; tokens at or past tok_hi are zero-filled (never read from memory).
-    auto load_tile = [&](int i, int s) {
-      const int tk = tid / TPT, sub = tid % TPT;
+    // Tile i: tokens [tok_lo + i NT, +NT) -> stage s; TPT threads per token. The sub-page
+    // id of this thread's token is fetched one tile ahead (fetch_subpage), so the table
+    // lookup's latency is off the per-tile critical path. Tokens at or past tok_hi are
+    // zero-filled (never read from memory).
+    const int tk = tid / TPT, sub = tid % TPT;
+    auto fetch_subpage = [&](int i) {
+      const int j = tok_lo + i * NT + tk;
+      return (i < ntiles && j < tok_hi) ? subpages[j >> page_shift] : 0;
+    };
+    auto load_tile = [&](int i, int s, int subpage) {
       const int j = tok_lo + i * NT + tk;
       const bool ok = j < tok_hi;
       const uint8_t* src = p.kv;
       if (ok) {
-        const int64_t slot = int64_t(subpages[j >> page_shift]) * page + (j & (page - 1));
+        const int64_t slot = int64_t(subpage) * page + (j & (page - 1));
         src = p.kv + slot * C::STORED_ROW_BYTES;
       }
       uint8_t* st = sStage + s * C::STAGE_BYTES;
@@ -123,9 +131,10 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const __grid_con
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < ntiles) load_tile(s, s);
+      if (s < ntiles) load_tile(s, s, fetch_subpage(s));
       cp_async_commit();
     }
+    int next_subpage = fetch_subpage(STAGES - 1);
 
     cp_async_wait<STAGES - 1>();  // Q has landed (the oldest group)
     __syncthreads();
@@ -157,13 +166,15 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const __grid_con
       __syncthreads();  // tile i visible; tile i-1's stage, P and alpha are free
       {
         const int nxt = i + STAGES - 1;
-        if (nxt < ntiles) load_tile(nxt, nxt % STAGES);
+        if (nxt < ntiles) load_tile(nxt, nxt % STAGES, next_subpage);
         cp_async_commit();
+        next_subpage = fetch_subpage(nxt + 1);
       }
       const uint8_t* sK = sStage + (i % STAGES) * C::STAGE_BYTES;
       if constexpr (FP8) {
         // Dequantise the stored tile to bf16 once (exact); kv_scale is folded into the
         // softmax scale and the output scale.
+#pragma unroll
         for (int idx = tid; idx < NT * (kDim / 16); idx += kThreads) {
           const int tk = idx / (kDim / 16), ch = idx % (kDim / 16);
           const uint4 v = *reinterpret_cast<const uint4*>(sK + tk * kDim + ch * 16);
@@ -188,8 +199,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const __grid_con
       const uint32_t sK_a = smem_addr(sK);
 
       // ---- S = Q K^T: this warp's (16, NTW*8) block over its k range --------------------
-      // Two accumulator sets when a warp has one n8 tile, to halve the mma dependency chain.
-      constexpr int ACC = C::NTW == 1 ? 2 : 1;
+      constexpr int ACC = C::ACC;
       float s[ACC][C::NTW][4];
 #pragma unroll
       for (int a = 0; a < ACC; ++a)
@@ -226,12 +236,12 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const __grid_con
           }
         }
       }
-      if constexpr (ACC == 2) {
+#pragma unroll
+      for (int a = 1; a < ACC; ++a)
 #pragma unroll
         for (int n = 0; n < C::NTW; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[0][n][e] += s[1][n][e];
-      }
+          for (int e = 0; e < 4; ++e) s[0][n][e] += s[a][n][e];
       float(&sc)[C::NTW][4] = s[0];
 
       if constexpr (C::WK > 1) {
@@ -300,8 +310,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const __grid_con
           sum0 += p0 + p1;
           sum1 += p2 + p3;
           const int ch = wn * C::NTW + n;  // 16-byte chunk = n8 tile of tokens
-          *reinterpret_cast<uint32_t*>(sP + swz_p(r0, ch) + 4 * c) = pack_bf16x2(p0, p1);
-          *reinterpret_cast<uint32_t*>(sP + swz_p(r1, ch) + 4 * c) = pack_bf16x2(p2, p3);
+          *reinterpret_cast<uint32_t*>(sP + swz_p<NT>(r0, ch) + 4 * c) = pack_bf16x2(p0, p1);
+          *reinterpret_cast<uint32_t*>(sP + swz_p<NT>(r1, ch) + 4 * c) = pack_bf16x2(p2, p3);
         }
         l_run[0] = l_run[0] * al0 + sum0;
         l_run[1] = l_run[1] * al1 + sum1;
@@ -331,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const __grid_con
         uint32_t pa[MT][4];
 #pragma unroll
         for (int a = 0; a < MT; ++a)
-          ldmatrix_x4(sP_a + swz_p(a * 16 + (lane & 15), 2 * ks + (lane >> 4)), pa[a]);
+          ldmatrix_x4(sP_a + swz_p<NT>(a * 16 + (lane & 15), 2 * ks + (lane >> 4)), pa[a]);
 #pragma unroll
         for (int np = 0; np < 4; ++np) {
           uint32_t vb[4];
@@ -406,14 +416,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const __grid_con
   }
 }
 
-template <int MT, bool FP8>
+template <int MT, int NT, int CPS, bool FP8>
 int attention_smem_bytes() {
-  return AttnConfig<MT, FP8>::SMEM_BYTES;
+  return AttnConfig<MT, NT, CPS, FP8>::SMEM_BYTES;
 }
 
-template <int MT, bool FP8>
+template <int MT, int NT, int CPS, bool FP8>
 void launch_attention_variant(const AttentionParams& p, int grid, cudaStream_t stream) {
-  constexpr int smem = AttnConfig<MT, FP8>::SMEM_BYTES;
+  constexpr int smem = AttnConfig<MT, NT, CPS, FP8>::SMEM_BYTES;
   // The shared-memory opt-in is per function and device; set it once per device (it is a
   // host-side call, also legal while a stream is being captured).
   static std::atomic<uint64_t> configured{0};
@@ -421,19 +431,19 @@ void launch_attention_variant(const AttentionParams& p, int grid, cudaStream_t s
   check(cudaGetDevice(&device), "cudaGetDevice");
   const uint64_t bit = uint64_t(1) << (device & 63);
   if (!(configured.load() & bit)) {
-    check(cudaFuncSetAttribute(attention_kernel<MT, FP8>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+    check(cudaFuncSetAttribute(attention_kernel<MT, NT, CPS, FP8>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
           "cudaFuncSetAttribute(attention_kernel, max dynamic shared memory)");
     configured.fetch_or(bit);
   }
   if (grid > 0) {
-    attention_kernel<MT, FP8><<<grid, kThreads, smem, stream>>>(p);
+    attention_kernel<MT, NT, CPS, FP8><<<grid, kThreads, smem, stream>>>(p);
     check(cudaGetLastError(), "attention_kernel launch");
   }
 }
 
 }  // namespace dcpmla::cuda_detail
 
-#define DCPMLA_INSTANTIATE_ATTENTION(MT, FP8)                                                       \
-  template void dcpmla::cuda_detail::launch_attention_variant<MT, FP8>(const dcpmla::AttentionParams&, \
-                                                                      int, cudaStream_t);             \
-  template int dcpmla::cuda_detail::attention_smem_bytes<MT, FP8>();
+#define DCPMLA_INSTANTIATE_ATTENTION(MT, NT, CPS, FP8)                                             \
+  template void dcpmla::cuda_detail::launch_attention_variant<MT, NT, CPS, FP8>(                      \
+      const dcpmla::AttentionParams&, int, cudaStream_t);                                             \
+  template int dcpmla::cuda_detail::attention_smem_bytes<MT, NT, CPS, FP8>();

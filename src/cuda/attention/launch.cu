@@ -11,10 +11,14 @@ namespace dcpmla::cuda_detail {
 // One warp per (request, row, head): M = max m_s, l = sum l_s 2^(m_s - M),
 // o = sum l_s 2^(m_s - M) o_s / l, lse = (M + log2 l) ln 2. Segments with l_s = 0 hold
 // no key; none at all (padding, no local key) gives o = 0, lse = -inf.
+// The statistics are reduced across lanes (lane k takes segments k, k + 32, ...), and the
+// o loop is unrolled so that several segments' loads are in flight: a ragged batch can
+// give one request a hundred segments, and a serial loop would wait on each.
 __global__ void __launch_bounds__(256) split_merge_kernel(const __grid_constant__ AttentionParams p) {
   const PlanHeader hdr = *p.plan.header;
   if (hdr.route != int32_t(Route::split_k)) return;  // the route is the device plan's, not the host's
-  constexpr float kNegInf = -__int_as_float(0x7f800000), kLn2 = 0.6931471805599453f;
+  const float kNegInf = -__int_as_float(0x7f800000);
+  constexpr float kLn2 = 0.6931471805599453f;
   const int lane = threadIdx.x & 31;
   const int rows_total = hdr.qlen * p.heads;
   const int64_t rows = int64_t(hdr.batch) * rows_total;
@@ -22,10 +26,12 @@ __global__ void __launch_bounds__(256) split_merge_kernel(const __grid_constant_
     const int b = int(row / rows_total), rr = int(row % rows_total);
     const int first = p.plan.request_work[b], count = p.plan.request_work[b + 1] - first;
     float m = kNegInf;
-    for (int s = 0; s < count; ++s) {
+    for (int s = lane; s < count; s += 32) {
       const int64_t at = int64_t(first + s) * rows_total + rr;
       if (p.part_l[at] > 0.0f) m = fmaxf(m, p.part_m[at]);
     }
+#pragma unroll
+    for (int d = 16; d; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
     bf16* out = p.out + row * kRank;
     if (m == kNegInf) {
       for (int col = lane * 4; col < kRank; col += 128)
@@ -33,16 +39,24 @@ __global__ void __launch_bounds__(256) split_merge_kernel(const __grid_constant_
       if (lane == 0) p.lse[row] = kNegInf;
       continue;
     }
+    float l = 0.0f;
+    for (int s = lane; s < count; s += 32) {
+      const int64_t at = int64_t(first + s) * rows_total + rr;
+      const float ls = p.part_l[at];
+      if (ls > 0.0f) l += ls * exp2f(p.part_m[at] - m);
+    }
+#pragma unroll
+    for (int d = 16; d; d >>= 1) l += __shfl_xor_sync(0xffffffffu, l, d);
+    const float inv = 1.0f / l;
     float4 acc[kRank / 128];
 #pragma unroll
     for (int k = 0; k < kRank / 128; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-    float l = 0.0f;
+#pragma unroll 4
     for (int s = 0; s < count; ++s) {
       const int64_t at = int64_t(first + s) * rows_total + rr;
       const float ls = p.part_l[at];
-      if (ls <= 0.0f) continue;
-      const float w = ls * exp2f(p.part_m[at] - m);
-      l += w;
+      // Empty segments weigh 0 (their o is 0, never NaN: the kernel writes 0 for them).
+      const float w = ls > 0.0f ? ls * exp2f(p.part_m[at] - m) * inv : 0.0f;
       const float* src = p.part_o + at * kRank;
 #pragma unroll
       for (int k = 0; k < kRank / 128; ++k) {
@@ -53,11 +67,10 @@ __global__ void __launch_bounds__(256) split_merge_kernel(const __grid_constant_
         acc[k].w += w * v.w;
       }
     }
-    const float inv = 1.0f / l;
 #pragma unroll
     for (int k = 0; k < kRank / 128; ++k) {
-      __nv_bfloat162 lo = __floats2bfloat162_rn(acc[k].x * inv, acc[k].y * inv);
-      __nv_bfloat162 hi = __floats2bfloat162_rn(acc[k].z * inv, acc[k].w * inv);
+      __nv_bfloat162 lo = __floats2bfloat162_rn(acc[k].x, acc[k].y);
+      __nv_bfloat162 hi = __floats2bfloat162_rn(acc[k].z, acc[k].w);
       uint2 v;
       v.x = *reinterpret_cast<uint32_t*>(&lo);
       v.y = *reinterpret_cast<uint32_t*>(&hi);

@@ -1,0 +1,518 @@
+// dcpmla_bench: the ceilings (device-to-device copy, cuBLAS bf16 8192^3 GEMM), a plain
+// baseline (gather pages -> cuBLAS batched GEMMs -> softmax kernel -> GEMM), and dcpmla's
+// attention at the shapes of issue #3. Per shape: median of CUDA-event-timed calls
+// (kernel + split-K merge, the whole call an engine makes) after warm-up, with several KV
+// caches rotated so that L2 does not flatter; a table on stdout and JSON rows.
+//   dcpmla_bench [--json FILE] [--runs N] [--quick] [--no-baseline] [--sweep] [--no-ceilings] [--only SHAPE]
+// --sweep also times every other kernel variant (AttentionTuning) at each shape.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include "dcpmla/cuda.h"
+#include "dcpmla/layout.h"
+
+using namespace dcpmla;
+
+namespace {
+
+void ck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "bench: %s: %s\n", what, cudaGetErrorString(e));
+    std::exit(2);
+  }
+}
+void ckb(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS) {
+    std::fprintf(stderr, "bench: %s: cublas status %d\n", what, int(s));
+    std::exit(2);
+  }
+}
+
+__device__ uint64_t mix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return x;
+}
+
+// Uniform [-1, 1) bf16 (never zeros: timings on zeros flatter).
+__global__ void fill_bf16(__nv_bfloat16* p, size_t n, uint64_t seed) {
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint64_t r = mix(seed * 0x9e3779b97f4a7c15ull + i);
+    p[i] = __float2bfloat16(float(int64_t(r >> 40) - (1 << 23)) / float(1 << 23));
+  }
+}
+// Finite fp8 values of magnitude 2^-3 .. 2^2.
+__global__ void fill_fp8(uint8_t* p, size_t n, uint64_t seed, bool e5m2) {
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint64_t r = mix(seed * 0x9e3779b97f4a7c15ull + i);
+    const uint32_t sign = uint32_t(r & 0x80), e = uint32_t((r >> 8) % 5);
+    p[i] = e5m2 ? uint8_t(sign | ((e + 12) << 2) | ((r >> 16) & 3)) : uint8_t(sign | ((e + 4) << 3) | ((r >> 16) & 7));
+  }
+}
+
+void fill_cache(uint8_t* p, size_t bytes, KvDtype d, uint64_t seed) {
+  if (d == KvDtype::bf16)
+    fill_bf16<<<4096, 256>>>(reinterpret_cast<__nv_bfloat16*>(p), bytes / 2, seed);
+  else
+    fill_fp8<<<4096, 256>>>(p, bytes, seed, d == KvDtype::fp8_e5m2);
+  ck(cudaGetLastError(), "fill");
+}
+
+// ---- plain baseline ---------------------------------------------------------------------
+// Gather a request's local tokens into a dense (Lpad, 576) bf16 matrix (dequantising fp8).
+__global__ void gather_kernel(const uint8_t* kv, KvDtype dt, float kv_scale, const int32_t* subpages,
+                              int table_stride, int page, const int32_t* longest, int Lpad, __nv_bfloat16* dense) {
+  const int b = blockIdx.y;
+  const int bpv = dt == KvDtype::bf16 ? 2 : 1;
+  for (int j = blockIdx.x; j < Lpad; j += gridDim.x) {
+    __nv_bfloat16* dst = dense + (size_t(b) * Lpad + j) * 576;
+    if (j >= longest[b]) {
+      for (int c = threadIdx.x; c < 576; c += blockDim.x) dst[c] = __float2bfloat16(0.0f);
+      continue;
+    }
+    const int64_t slot = int64_t(subpages[size_t(b) * table_stride + j / page]) * page + j % page;
+    const uint8_t* src = kv + slot * 576 * bpv;
+    for (int c = threadIdx.x; c < 576; c += blockDim.x) {
+      float v;
+      if (dt == KvDtype::bf16) v = __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(src)[c]);
+      else {
+        const __half_raw h = __nv_cvt_fp8_to_halfraw(src[c], dt == KvDtype::fp8_e5m2 ? __NV_E5M2 : __NV_E4M3);
+        v = __half2float(__half(h)) * kv_scale;
+      }
+      dst[c] = __float2bfloat16(v);
+    }
+  }
+}
+
+// One block per (b, t, h) row: masked softmax of S (float, scaled) -> P bf16 and lse.
+__global__ void softmax_kernel(const float* S, int L, const int32_t* row_len, int qlen, int heads, float scale,
+                               __nv_bfloat16* P, float* lse) {
+  const int64_t row = blockIdx.x;
+  const int b = int(row / (int64_t(qlen) * heads)), t = int(row / heads % qlen);
+  const int n = row_len[b * qlen + t];
+  const float* s = S + row * L;
+  __nv_bfloat16* p = P + row * L;
+  __shared__ float red[32];
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, s[j] * scale);
+  for (int d = 16; d; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+  __syncthreads();
+  m = -INFINITY;
+  for (int w = 0; w < int(blockDim.x >> 5); ++w) m = fmaxf(m, red[w]);
+  __syncthreads();
+  float sum = 0.0f;
+  for (int j = threadIdx.x; j < L; j += blockDim.x) {
+    const float e = j < n ? __expf(s[j] * scale - m) : 0.0f;
+    sum += e;
+    p[j] = __float2bfloat16(e);
+  }
+  for (int d = 16; d; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = sum;
+  __syncthreads();
+  sum = 0.0f;
+  for (int w = 0; w < int(blockDim.x >> 5); ++w) sum += red[w];
+  if (threadIdx.x == 0) lse[row] = n > 0 ? m + logf(sum) : -INFINITY;
+  // P is unnormalised; the output GEMM is scaled by 1/sum below.
+  __syncthreads();
+  if (n > 0)
+    for (int j = threadIdx.x; j < n; j += blockDim.x) p[j] = __float2bfloat16(__bfloat162float(p[j]) / sum);
+}
+
+template <class F>
+float median_ms(int runs, F&& call) {
+  cudaEvent_t a, b;
+  ck(cudaEventCreate(&a), "event");
+  ck(cudaEventCreate(&b), "event");
+  std::vector<float> t;
+  for (int i = 0; i < runs; ++i) {
+    ck(cudaEventRecord(a), "record");
+    call(i);
+    ck(cudaEventRecord(b), "record");
+    ck(cudaEventSynchronize(b), "sync");
+    float ms = 0;
+    ck(cudaEventElapsedTime(&ms, a, b), "elapsed");
+    t.push_back(ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+struct Shape {
+  std::string name;
+  int batch;
+  std::vector<int32_t> lens;  // global L_b (context incl. the query block)
+  int heads, qlen;
+  KvDtype dtype;
+  int world = 1, rank = 0;
+};
+
+struct Row {
+  Shape s;
+  std::string route, variant, sweep;
+  int work_items = 0;
+  double us = 0, kv_GBps = 0, tflops = 0, base_us = 0, check = -1;
+  double kv_bytes = 0, flops = 0;
+};
+
+double copy_GBps = 0, gemm_TFLOPs = 0;
+
+void measure_ceilings(int runs) {
+  const size_t bytes = size_t(2) << 30;
+  void *a, *b;
+  ck(cudaMalloc(&a, bytes), "malloc copy");
+  ck(cudaMalloc(&b, bytes), "malloc copy");
+  fill_bf16<<<4096, 256>>>(static_cast<__nv_bfloat16*>(a), bytes / 2, 1);
+  for (int i = 0; i < 3; ++i) ck(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice), "copy");
+  const float ms = median_ms(runs, [&](int) { cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice); });
+  copy_GBps = 2.0 * bytes / (ms * 1e-3) / 1e9;
+  cudaFree(a);
+  cudaFree(b);
+
+  const int n = 8192;
+  __nv_bfloat16 *A, *B, *C;
+  ck(cudaMalloc(&A, size_t(n) * n * 2), "malloc gemm");
+  ck(cudaMalloc(&B, size_t(n) * n * 2), "malloc gemm");
+  ck(cudaMalloc(&C, size_t(n) * n * 2), "malloc gemm");
+  fill_bf16<<<4096, 256>>>(A, size_t(n) * n, 2);
+  fill_bf16<<<4096, 256>>>(B, size_t(n) * n, 3);
+  cublasHandle_t h;
+  ckb(cublasCreate(&h), "cublasCreate");
+  const float one = 1.0f, zero = 0.0f;
+  auto gemm = [&](int) {
+    ckb(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, A, CUDA_R_16BF, n, B, CUDA_R_16BF, n, &zero, C,
+                     CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+        "gemm");
+  };
+  for (int i = 0; i < 3; ++i) gemm(0);
+  const float gms = median_ms(runs, gemm);
+  gemm_TFLOPs = 2.0 * n * double(n) * n / (gms * 1e-3) / 1e12;
+  cublasDestroy(h);
+  cudaFree(A);
+  cudaFree(B);
+  cudaFree(C);
+}
+
+std::string variant_name(const cuda::AttentionVariant& v) {
+  return "m" + std::to_string(v.rows_per_cta) + "_n" + std::to_string(v.tile_tokens) + "_c" + std::to_string(v.ctas_per_sm);
+}
+
+Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, cublasHandle_t blas) {
+  Row row;
+  row.s = s;
+  const Mode mode = s.qlen == 1 ? Mode::decode : Mode::verify;
+  const int block = 64;
+  const Layout layout{s.world, s.rank, 1};
+  int64_t max_local = 1, total_blocks = 0;
+  for (int32_t L : s.lens) {
+    const int64_t largest = layout.local_length_of(L, 0);
+    max_local = std::max(max_local, largest);
+    total_blocks += (largest + block - 1) / block;
+  }
+  PlannerConfig c;
+  c.backend = Backend::cuda;
+  c.mode = mode;
+  c.kv_dtype = s.dtype;
+  c.heads = s.heads;
+  c.layout = layout;
+  c.block_size = block;
+  c.num_blocks = total_blocks;
+  c.limits = PlanLimits{s.batch, s.qlen, max_local};
+  int dev = 0, sms = 0;
+  ck(cudaGetDevice(&dev), "dev");
+  ck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "sms");
+  c.num_workers = sms;
+  const float kv_scale = s.dtype == KvDtype::bf16 ? 1.0f : 0.5f;
+  const float sm_scale = 1.0f / std::sqrt(576.0f);
+  CudaRankRunner runner(c, kv_scale, sm_scale);
+
+  // Random (not identity) block tables.
+  int width = 0;
+  std::vector<int> needed;
+  for (int32_t L : s.lens) {
+    needed.push_back(int((layout.local_length_of(L, 0) + block - 1) / block));
+    width = std::max(width, needed.back());
+  }
+  std::vector<int32_t> ids(static_cast<size_t>(total_blocks));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), std::mt19937_64(11));
+  std::vector<int32_t> tables(size_t(s.batch) * width, 0);
+  for (int b = 0, next = 0; b < s.batch; ++b)
+    for (int j = 0; j < needed[size_t(b)]; ++j) tables[size_t(b) * width + j] = ids[size_t(next++)];
+  runner.plan(BatchDesc{s.lens, s.qlen, tables, width}, nullptr);
+  row.route = std::string(to_string(runner.current_plan().route()));
+  row.work_items = runner.current_plan().header().work_count;
+
+  // KV caches rotated: at least 2 copies and 1 GiB in all (the L2 is 60 MB).
+  const size_t cache_bytes = size_t(runner.cache_config().bytes());
+  const int copies = int(std::clamp<size_t>((size_t(1) << 30) / std::max<size_t>(cache_bytes, 1) + 1, 2, 6));
+  std::vector<uint8_t*> caches{runner.cache()};
+  for (int k = 1; k < copies; ++k) {
+    uint8_t* p;
+    ck(cudaMalloc(&p, cache_bytes), "malloc cache copy");
+    caches.push_back(p);
+  }
+  for (int k = 0; k < copies; ++k) fill_cache(caches[size_t(k)], cache_bytes, s.dtype, 100 + k);
+
+  const size_t rows = size_t(s.batch) * s.qlen * s.heads;
+  __nv_bfloat16* q;
+  bf16 *out, *out_base;
+  float *lse, *lse_base;
+  ck(cudaMalloc(&q, rows * 576 * 2), "malloc q");
+  ck(cudaMalloc(&out, rows * 512 * 2), "malloc out");
+  ck(cudaMalloc(&out_base, rows * 512 * 2), "malloc out");
+  ck(cudaMalloc(&lse, rows * 4), "malloc lse");
+  ck(cudaMalloc(&lse_base, rows * 4), "malloc lse");
+  fill_bf16<<<1024, 256>>>(q, rows * 576, 7);
+
+  AttentionParams p = runner.params(reinterpret_cast<const bf16*>(q), out, lse);
+  for (int i = 0; i < 3; ++i) {
+    p.kv = caches[size_t(i % copies)];
+    cuda::attention(p, nullptr, sms);
+  }
+  ck(cudaDeviceSynchronize(), "warm-up");
+  const float ms = median_ms(runs, [&](int i) {
+    p.kv = caches[size_t(i % copies)];
+    cuda::attention(p, nullptr, sms);
+  });
+  ck(cudaDeviceSynchronize(), "timed runs");
+  row.us = ms * 1e3;
+  const cuda::AttentionVariant chosen = cuda::attention_variant(s.qlen, s.heads, s.dtype);
+  row.variant = variant_name(chosen);
+  if (sweep) {
+    // Every other kernel variant at this shape (same plan, same caches).
+    for (const cuda::AttentionTuning t : {cuda::AttentionTuning{32, 1}, cuda::AttentionTuning{64, 1},
+                                          cuda::AttentionTuning{32, 2}}) {
+      const cuda::AttentionVariant v = cuda::attention_variant(s.qlen, s.heads, s.dtype, t);
+      if (v.tile_tokens != t.tile_tokens || v.ctas_per_sm != t.ctas_per_sm) continue;  // not built for this shape
+      for (int i = 0; i < 3; ++i) {
+        p.kv = caches[size_t(i % copies)];
+        cuda::attention(p, nullptr, sms, true, t);
+      }
+      const float vms = median_ms(runs, [&](int i) {
+        p.kv = caches[size_t(i % copies)];
+        cuda::attention(p, nullptr, sms, true, t);
+      });
+      ck(cudaDeviceSynchronize(), "sweep");
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%s%s:%.1f", row.sweep.empty() ? "" : " ", variant_name(v).c_str(), vms * 1e3);
+      row.sweep += buf;
+    }
+  }
+
+  // Bytes: every local token once; flops: 2 rows x (D + R) per (row, local key).
+  const Plan& plan = runner.current_plan();
+  double tokens = 0, row_keys = 0;
+  for (int b = 0; b < s.batch; ++b) {
+    int longest = 0;
+    for (int t = 0; t < s.qlen; ++t) {
+      longest = std::max(longest, plan.row_local_len(b, t));
+      row_keys += plan.row_local_len(b, t);
+    }
+    tokens += longest;
+  }
+  row.kv_bytes = tokens * 576 * bytes_per_value(s.dtype);
+  row.flops = 2.0 * row_keys * s.heads * (576 + 512);
+  row.kv_GBps = row.kv_bytes / (row.us * 1e-6) / 1e9;
+  row.tflops = row.flops / (row.us * 1e-6) / 1e12;
+
+  if (baseline) {
+    // Dense padded buffers per request: the plain approach pays for Lpad = the longest row.
+    int Lpad = 0;
+    std::vector<int32_t> longest(size_t(s.batch)), row_len(size_t(s.batch) * s.qlen);
+    for (int b = 0; b < s.batch; ++b) {
+      for (int t = 0; t < s.qlen; ++t) {
+        row_len[size_t(b) * s.qlen + t] = plan.row_local_len(b, t);
+        longest[size_t(b)] = std::max(longest[size_t(b)], plan.row_local_len(b, t));
+      }
+      Lpad = std::max(Lpad, longest[size_t(b)]);
+    }
+    Lpad = std::max(Lpad, 1);
+    const int qh = s.qlen * s.heads;
+    __nv_bfloat16 *dense, *P;
+    float* S;
+    int32_t *d_longest, *d_rowlen;
+    ck(cudaMalloc(&dense, size_t(s.batch) * Lpad * 576 * 2), "malloc dense");
+    ck(cudaMalloc(&S, size_t(s.batch) * qh * Lpad * 4), "malloc S");
+    ck(cudaMalloc(&P, size_t(s.batch) * qh * Lpad * 2), "malloc P");
+    ck(cudaMalloc(&d_longest, longest.size() * 4), "malloc");
+    ck(cudaMalloc(&d_rowlen, row_len.size() * 4), "malloc");
+    ck(cudaMemcpy(d_longest, longest.data(), longest.size() * 4, cudaMemcpyHostToDevice), "copy");
+    ck(cudaMemcpy(d_rowlen, row_len.data(), row_len.size() * 4, cudaMemcpyHostToDevice), "copy");
+    const float one = 1.0f, zero = 0.0f;
+    auto base = [&](int i) {
+      const uint8_t* kv = caches[size_t(i % copies)];
+      gather_kernel<<<dim3(1024, s.batch), 192>>>(kv, s.dtype, kv_scale, p.plan.subpage_table, p.plan.table_stride,
+                                                 block, d_longest, Lpad, dense);
+      // S^T (Lpad x qh, col-major) = K (op T of 576 x Lpad) * Q^T (576 x qh)
+      ckb(cublasGemmStridedBatchedEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, Lpad, qh, 576, &one, dense, CUDA_R_16BF, 576,
+                                     int64_t(Lpad) * 576, q, CUDA_R_16BF, 576, int64_t(qh) * 576, &zero, S,
+                                     CUDA_R_32F, Lpad, int64_t(qh) * Lpad, s.batch, CUBLAS_COMPUTE_32F,
+                                     CUBLAS_GEMM_DEFAULT),
+          "baseline QK");
+      softmax_kernel<<<unsigned(rows), 256>>>(S, Lpad, d_rowlen, s.qlen, s.heads, sm_scale, P, lse_base);
+      // O^T (512 x qh) = V^T (512 x Lpad, ld 576) * P^T (Lpad x qh)
+      ckb(cublasGemmStridedBatchedEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, 512, qh, Lpad, &one, dense, CUDA_R_16BF, 576,
+                                     int64_t(Lpad) * 576, P, CUDA_R_16BF, Lpad, int64_t(qh) * Lpad, &zero, out_base,
+                                     CUDA_R_16BF, 512, int64_t(qh) * 512, s.batch, CUBLAS_COMPUTE_32F,
+                                     CUBLAS_GEMM_DEFAULT),
+          "baseline PV");
+    };
+    for (int i = 0; i < 2; ++i) base(i);
+    ck(cudaDeviceSynchronize(), "baseline warm-up");
+    row.base_us = median_ms(std::max(5, runs / 4), base) * 1e3;
+    // Agreement of dcpmla with the baseline on the last cache (a sanity check of both).
+    base(0);
+    p.kv = caches[0];
+    cuda::attention(p, nullptr, sms);
+    ck(cudaDeviceSynchronize(), "check");
+    std::vector<uint16_t> a(rows * 512), bvec(rows * 512);
+    ck(cudaMemcpy(a.data(), out, a.size() * 2, cudaMemcpyDeviceToHost), "d2h");
+    ck(cudaMemcpy(bvec.data(), out_base, bvec.size() * 2, cudaMemcpyDeviceToHost), "d2h");
+    double num = 0, den = 0;
+    auto f = [](uint16_t h) {
+      uint32_t u = uint32_t(h) << 16;
+      float x;
+      std::memcpy(&x, &u, 4);
+      return double(x);
+    };
+    for (size_t i = 0; i < a.size(); ++i) {
+      num += (f(a[i]) - f(bvec[i])) * (f(a[i]) - f(bvec[i]));
+      den += f(bvec[i]) * f(bvec[i]);
+    }
+    row.check = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+    cudaFree(dense);
+    cudaFree(S);
+    cudaFree(P);
+    cudaFree(d_longest);
+    cudaFree(d_rowlen);
+  }
+  for (int k = 1; k < copies; ++k) cudaFree(caches[size_t(k)]);
+  cudaFree(q);
+  cudaFree(out);
+  cudaFree(out_base);
+  cudaFree(lse);
+  cudaFree(lse_base);
+  return row;
+}
+
+Shape uniform(const char* name, int batch, int ctx, int heads, int qlen, KvDtype d, int world = 1, int rank = 0) {
+  return Shape{name, batch, std::vector<int32_t>(size_t(batch), ctx), heads, qlen, d, world, rank};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string json_path;
+  int runs = 30;
+  bool quick = false, baseline = true, sweep = false, ceilings = true;
+  std::string only;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--json" && i + 1 < argc) json_path = argv[++i];
+    else if (a == "--runs" && i + 1 < argc) runs = std::max(3, std::atoi(argv[++i]));
+    else if (a == "--quick") quick = true;
+    else if (a == "--no-baseline") baseline = false;
+    else if (a == "--sweep") sweep = true;
+    else if (a == "--no-ceilings") ceilings = false;
+    else if (a == "--only" && i + 1 < argc) only = argv[++i];
+    else {
+      std::fprintf(stderr, "usage: dcpmla_bench [--json FILE] [--runs N] [--quick] [--no-baseline] [--sweep] [--no-ceilings] "
+                   "[--only SHAPE]\n");
+      return 1;
+    }
+  }
+  cudaDeviceProp prop;
+  ck(cudaGetDeviceProperties(&prop, 0), "props");
+  std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
+  if (ceilings) measure_ceilings(runs);
+  std::printf("ceilings: D2D copy %.0f GB/s (read + write), cuBLAS bf16 8192^3 GEMM %.0f TFLOP/s\n", copy_GBps,
+              gemm_TFLOPs);
+
+  const KvDtype BF = KvDtype::bf16, E4 = KvDtype::fp8_e4m3;
+  std::vector<Shape> shapes{
+      uniform("decode16", 128, 4096, 16, 1, BF),
+      uniform("verify16_q4", 128, 4096, 16, 4, BF),
+      uniform("decode128", 128, 4096, 128, 1, BF),
+      uniform("decode16_e4m3", 128, 4096, 16, 1, E4),
+  };
+  if (!quick) {
+    const std::vector<Shape> more{
+        uniform("verify16_q4_b132", 132, 4096, 16, 4, BF),
+        uniform("decode16_ctx1k", 128, 1024, 16, 1, BF),
+        uniform("decode16_ctx32k", 32, 32768, 16, 1, BF),
+        uniform("verify128_q2", 64, 8192, 128, 2, BF),
+        uniform("decode128_ctx64k", 16, 65536, 128, 1, BF),
+        uniform("verify128_ctx128k_q4", 8, 131072, 128, 4, BF),
+        Shape{"ragged16_q4", 4, {4641, 45118, 1730, 1696}, 16, 4, BF},
+        uniform("decode128_e4m3", 128, 4096, 128, 1, E4),
+        uniform("dcp_w8r3_q4", 128, 8 * 4096, 16, 4, BF, 8, 3),
+    };
+    shapes.insert(shapes.end(), more.begin(), more.end());
+  }
+  cublasHandle_t blas;
+  ckb(cublasCreate(&blas), "cublasCreate");
+  std::vector<Row> rows;
+  for (const Shape& s : shapes) {
+    if (!only.empty() && s.name != only) continue;
+    rows.push_back(run_shape(s, runs, baseline, sweep, blas));
+    const Row& r = rows.back();
+    std::fprintf(stderr, "  %-22s %9.1f us  %7.0f GB/s  %6.1f TFLOP/s  route %s  variant %s  [%s]\n", s.name.c_str(),
+                 r.us, r.kv_GBps, r.tflops, r.route.c_str(), r.variant.c_str(), r.sweep.c_str());
+  }
+  cublasDestroy(blas);
+
+  std::string json = "[\n";
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    char buf[1024];
+    const int ctx = *std::max_element(r.s.lens.begin(), r.s.lens.end());
+    std::snprintf(buf, sizeof buf,
+                  "  {\"name\": \"%s\", \"batch\": %d, \"context\": %d, \"heads\": %d, \"qlen\": %d, "
+                  "\"kv_dtype\": \"%s\", \"world\": %d, \"rank\": %d, \"route\": \"%s\", \"variant\": \"%s\", \"work_items\": %d, "
+                  "\"us\": %.2f, \"kv_GBps\": %.1f, \"TFLOPs\": %.2f, \"copy_ratio\": %.3f, \"gemm_ratio\": %.3f, "
+                  "\"baseline_us\": %.2f, \"speedup\": %.2f, \"rel_l2_vs_baseline\": %.5f, "
+                  "\"copy_GBps\": %.0f, \"gemm_TFLOPs\": %.0f, \"sweep_us\": \"%s\"}%s\n",
+                  r.s.name.c_str(), r.s.batch, ctx, r.s.heads, r.s.qlen, std::string(to_string(r.s.dtype)).c_str(),
+                  r.s.world, r.s.rank, r.route.c_str(), r.variant.c_str(), r.work_items, r.us, r.kv_GBps, r.tflops, r.kv_GBps / copy_GBps,
+                  r.tflops / gemm_TFLOPs, r.base_us, r.base_us > 0 ? r.base_us / r.us : 0.0, r.check, copy_GBps,
+                  gemm_TFLOPs, r.sweep.c_str(), i + 1 < rows.size() ? "," : "");
+    json += buf;
+  }
+  json += "]\n";
+  if (!json_path.empty()) {
+    FILE* f = std::fopen(json_path.c_str(), "w");
+    if (f) {
+      std::fputs(json.c_str(), f);
+      std::fclose(f);
+    }
+  }
+
+  std::printf("\n%-22s %5s %7s %5s %4s %-9s %-9s %9s %8s %7s %6s %6s %9s %7s %8s\n", "shape", "batch", "ctx", "heads",
+              "qlen", "kv", "route", "us", "KV GB/s", "TFLOP/s", "%copy", "%gemm", "base us", "speedup", "relL2");
+  for (const Row& r : rows) {
+    const int ctx = *std::max_element(r.s.lens.begin(), r.s.lens.end());
+    std::printf("%-22s %5d %7d %5d %4d %-9s %-9s %9.1f %8.0f %7.1f %6.1f %6.1f %9.1f %7.2f %8.4f\n", r.s.name.c_str(),
+                r.s.batch, ctx, r.s.heads, r.s.qlen, std::string(to_string(r.s.dtype)).c_str(), r.route.c_str(), r.us,
+                r.kv_GBps, r.tflops, 100 * r.kv_GBps / copy_GBps, 100 * r.tflops / gemm_TFLOPs, r.base_us,
+                r.base_us > 0 ? r.base_us / r.us : 0.0, r.check);
+  }
+  return 0;
+}

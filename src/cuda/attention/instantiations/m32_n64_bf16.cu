@@ -1,0 +1,5 @@
+// 32 query rows per CTA, 64-token tiles, 1 CTA(s) per SM, bf16 cache.
+// One variant per file so that the build parallelises.
+#include "../kernel.cuh"
+
+DCPMLA_INSTANTIATE_ATTENTION(2, 64, 1, false)

@@ -1,0 +1,184 @@
+// A randomized batch on one rank, set up twice over the same bytes: the CPU RankRunner
+// (the reference kernel attention_cpu) and the CudaRankRunner. Caches are poisoned with
+// NaN before the write and block tables are random permutations with a poisoned spare
+// block in unused entries, so any read past a length or through a wrong table shows.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cuda_helpers.h"
+#include "dcpmla/layout.h"
+#include "dcpmla/runner.h"
+
+namespace dcpmla::testing {
+
+struct Scenario {
+  std::string name;
+  Mode mode = Mode::verify;
+  KvDtype dtype = KvDtype::bf16;
+  int block_size = 64;
+  int heads = 16;
+  int world = 1, rank = 0, interleave = 1;
+  Route route = Route::automatic;
+  int qlen = 1, max_qlen = 1;
+  std::vector<int32_t> lens;
+  float kv_scale = 1.0f;
+  uint64_t seed = 1;
+  int max_batch = 0;  // 0: the batch size
+
+  std::string describe() const {
+    std::ostringstream s;
+    s << name << ": mode " << to_string(mode) << ", " << to_string(dtype) << " (scale " << kv_scale
+      << "), block " << block_size << ", heads " << heads << ", world " << world << " rank " << rank
+      << " interleave " << interleave << ", route " << to_string(route) << ", qlen " << qlen << "/" << max_qlen
+      << ", lens [";
+    for (size_t i = 0; i < lens.size(); ++i) s << (i ? " " : "") << lens[i];
+    s << "]";
+    return s.str();
+  }
+};
+
+// Block tables and token writes of one batch against a cache of num_blocks blocks.
+struct BatchData {
+  std::vector<int32_t> lens, tables;
+  int width = 1;
+  int qlen = 1;
+  std::vector<int64_t> positions;
+  std::vector<int32_t> requests;
+  std::vector<bf16> latents;
+  std::vector<bf16> q;
+  BatchDesc desc() const { return BatchDesc{lens, qlen, tables, width}; }
+};
+
+inline int64_t blocks_needed(const Scenario& s, int32_t len) {
+  const Layout group{s.world, 0, s.interleave};
+  return (group.local_length_of(len, 0) + s.block_size - 1) / s.block_size;
+}
+
+// Tables take blocks from ids[next..] (a random permutation); unused entries name `spare`.
+inline BatchData make_batch(const Scenario& s, const std::vector<int32_t>& lens, int qlen,
+                            const std::vector<int32_t>& ids, size_t& next, int32_t spare, uint64_t seed) {
+  BatchData d;
+  d.lens = lens;
+  d.qlen = qlen;
+  const int batch = int(lens.size());
+  for (int32_t L : lens) d.width = std::max<int>(d.width, int(blocks_needed(s, L)));
+  d.tables.assign(size_t(batch) * d.width, spare);
+  for (int b = 0; b < batch; ++b)
+    for (int64_t j = 0; j < blocks_needed(s, lens[size_t(b)]); ++j) d.tables[size_t(b) * d.width + j] = ids[next++];
+  for (int b = 0; b < batch; ++b)
+    for (int32_t p = 0; p < lens[size_t(b)]; ++p) {
+      d.positions.push_back(p);
+      d.requests.push_back(b);
+    }
+  d.latents = random_bf16(d.positions.size() * 576, seed * 7 + 1);
+  d.q = random_bf16(size_t(batch) * qlen * s.heads * 576, seed * 7 + 2);
+  return d;
+}
+
+inline PlannerConfig make_config(const Scenario& s, int64_t num_blocks, int max_batch, int64_t max_local) {
+  PlannerConfig c;
+  c.backend = Backend::cpu;
+  c.mode = s.mode;
+  c.kv_dtype = s.dtype;
+  c.heads = s.heads;
+  c.layout = Layout{s.world, s.rank, s.interleave};
+  c.block_size = s.block_size;
+  c.num_blocks = num_blocks;
+  c.route = s.route;
+  c.limits = PlanLimits{max_batch, s.max_qlen, std::max<int64_t>(1, max_local)};
+  return c;
+}
+
+inline float default_softmax_scale() { return 1.0f / std::sqrt(576.0f); }
+
+// Kernel variant under test: DCPMLA_TEST_TUNING = "<tile tokens>x<CTAs per SM>" (e.g. 64x1,
+// 32x2); unset means the library's choice. ctest runs the scenarios once per variant.
+inline cuda::AttentionTuning test_tuning() {
+  cuda::AttentionTuning t;
+  if (const char* env = std::getenv("DCPMLA_TEST_TUNING")) std::sscanf(env, "%dx%d", &t.tile_tokens, &t.ctas_per_sm);
+  return t;
+}
+
+// Runs one scenario on both backends and returns the comparison; `cache_ok` says whether
+// the KV write kernel produced the CPU's cache bytes exactly.
+struct ScenarioResult {
+  Comparison cmp;
+  bool cache_ok = true;
+  int64_t cache_mismatch = 0;
+  bool plan_ok = true;
+  Route route = Route::automatic;
+};
+
+inline ScenarioResult run_scenario(const Scenario& s) {
+  const int batch = int(s.lens.size());
+  int64_t total = 0, max_local = 1;
+  const Layout group{s.world, 0, s.interleave};
+  for (int32_t L : s.lens) {
+    total += blocks_needed(s, L);
+    max_local = std::max<int64_t>(max_local, group.local_length_of(L, 0));
+  }
+  const int64_t num_blocks = total + 1;  // + the poisoned spare
+  std::vector<int32_t> ids(static_cast<size_t>(total));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::mt19937_64 rng(s.seed);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  size_t next = 0;
+  const BatchData d = make_batch(s, s.lens, s.qlen, ids, next, int32_t(num_blocks - 1), s.seed);
+  const BatchDesc desc = d.desc();
+
+  PlannerConfig config = make_config(s, num_blocks, s.max_batch ? s.max_batch : batch, max_local);
+  const float sm_scale = default_softmax_scale();
+  RankRunner cpu(config, s.kv_scale, sm_scale);
+  cpu.cache().poison();
+  const size_t cache_bytes = size_t(cpu.cache().config().bytes());
+  const std::vector<uint8_t> poisoned(cpu.cache().data(), cpu.cache().data() + cache_bytes);
+  cpu.write(d.latents, d.positions, d.requests, desc);
+  cpu.plan(desc);
+  const size_t rows = size_t(batch) * s.qlen * s.heads;
+  std::vector<bf16> ref_out(rows * 512);
+  std::vector<float> ref_lse(rows);
+  cpu.attend(d.q.data(), ref_out.data(), ref_lse.data());
+
+  config.backend = Backend::cuda;
+  CudaRankRunner gpu(config, s.kv_scale, sm_scale);
+  gpu.set_tuning(test_tuning());
+  cudaStream_t stream;
+  cuda_ok(cudaStreamCreate(&stream), "cudaStreamCreate");
+  ScenarioResult res;
+  {
+    gpu.upload_cache(poisoned, stream);
+    DeviceBuffer<bf16> latents(d.latents.empty() ? std::vector<bf16>(1) : d.latents);
+    gpu.write(latents.get(), d.positions, d.requests, desc, stream);
+    cuda_ok(cudaStreamSynchronize(stream), "write");
+    std::vector<uint8_t> bytes(cache_bytes);
+    cuda_ok(cudaMemcpy(bytes.data(), gpu.cache(), cache_bytes, cudaMemcpyDeviceToHost), "cache download");
+    for (size_t i = 0; i < cache_bytes; ++i) res.cache_mismatch += bytes[i] != cpu.cache().data()[i];
+    res.cache_ok = res.cache_mismatch == 0;
+
+    gpu.plan(desc, stream);
+    const auto a = gpu.current_plan().arena(), b = cpu.current_plan().arena();
+    res.plan_ok = std::equal(a.begin(), a.end(), b.begin(), b.end());
+    res.route = gpu.current_plan().route();
+    DeviceBuffer<bf16> q(d.q.empty() ? std::vector<bf16>(1) : d.q);
+    DeviceBuffer<bf16> out(rows * 512);
+    DeviceBuffer<float> lse(rows);
+    out.poison();
+    lse.poison();
+    gpu.attend(q.get(), out.get(), lse.get(), stream);
+    cuda_ok(cudaStreamSynchronize(stream), "attend");
+    res.cmp = compare_rows(out.download(), lse.download(), ref_out, ref_lse, 512, s.qlen, s.heads);
+  }
+  cudaStreamDestroy(stream);
+  return res;
+}
+
+}  // namespace dcpmla::testing
