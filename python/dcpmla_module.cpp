@@ -18,6 +18,9 @@
 #include "dcpmla/layout.h"
 #include "dcpmla/runner.h"
 #include "dcpmla/types.h"
+#ifdef DCPMLA_HAS_CUDA
+#include "dcpmla/cuda.h"
+#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -79,12 +82,16 @@ std::tuple<NumpyArray<float>, NumpyArray<float>, std::vector<std::string>> mla_a
   const int batch = int(q.shape(0)), qlen = int(q.shape(1)), heads = int(q.shape(2));
   const int dim = int(q.shape(3));
   const int64_t max_len = int64_t(kv.shape(1));
+  dcpmla::RankEngineFactory engines;  // empty: the CPU engines
+#ifdef DCPMLA_HAS_CUDA
+  if (options.backend == dcpmla::Backend::cuda) engines = dcpmla::cuda::rank_engine_factory();
+#endif
   dcpmla::AttentionResult result;
   {
     nb::gil_scoped_release release;
     result = dcpmla::mla_attention({q.data(), q.size()}, {kv.data(), kv.size()},
                                    {seq_lens.data(), seq_lens.size()}, batch, qlen, heads,
-                                   max_len, dim, options);
+                                   max_len, dim, options, engines);
   }
   const size_t rank_dim = size_t(kv_lora_rank);
   // NOTE: the numpy views below take the vectors as they are; a size the shapes do not
@@ -134,6 +141,13 @@ NB_MODULE(_dcpmla, m) {
   m.doc() = "dcpmla native module (internal): use the functions of the dcpmla package.";
   m.attr("__version__") = DCPMLA_VERSION_STRING;
   m.attr("cuda_available") = kCudaBuilt;
+  m.def("cuda_device_available", [] {
+#ifdef DCPMLA_HAS_CUDA
+    return dcpmla::cuda_device_available();
+#else
+    return false;
+#endif
+  }, "True when the CUDA backend is built in and a CUDA device is usable.");
 
   m.def("_mla_attention", &mla_attention, "q"_a, "kv"_a, "seq_lens"_a, "mode"_a, "world_size"_a,
         "interleave"_a, "block_size"_a, "kv_dtype"_a, "kv_scale"_a, "softmax_scale"_a,

@@ -21,10 +21,12 @@ from . import _dcpmla
 
 __version__ = _dcpmla.__version__
 cuda_available = bool(_dcpmla.cuda_available)
+cuda_device_available = _dcpmla.cuda_device_available
 
 __all__ = [
     "__version__",
     "cuda_available",
+    "cuda_device_available",
     "mla_attention",
     "local_length",
     "row_local_lengths",

@@ -137,6 +137,13 @@ def test_cuda_device_refused_when_not_built():
     assert "CUDA" in msg
 
 
+def test_cuda_without_a_gpu_is_an_error_not_a_result():
+    if not dcpmla.cuda_available or dcpmla.cuda_device_available():
+        pytest.skip("needs the CUDA backend built in and no usable GPU")
+    with pytest.raises(RuntimeError, match="cuda"):
+        call(device="cuda")
+
+
 def test_seed_out_of_range():
     raises(r"seed", call, seed=-1)
 

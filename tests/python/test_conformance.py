@@ -100,6 +100,8 @@ def covering_cases():
 
 
 CASES = covering_cases()
+# The CUDA backend runs the same grid where it is built and a GPU is present.
+DEVICES = ["cpu"] + (["cuda"] if dcpmla.cuda_device_available() else [])
 
 
 def test_grid_covers_every_value_with_every_mode():
@@ -163,27 +165,30 @@ def check(q, kv, lens, what, **opts):
     return out, lse, routes
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES, ids=Case.id)
-def test_conformance(case):
+def test_conformance(case, device):
     rng = np.random.default_rng(case.seed)
     lens = draw_lengths(case, rng)
     q, kv = make_inputs(rng, lens, case.qlen, case.heads)
-    check(q, kv, lens, case.id(), mode=case.mode, world_size=case.world,
+    check(q, kv, lens, f"{case.id()}-{device}", mode=case.mode, world_size=case.world,
           interleave=case.interleave, block_size=case.block, kv_dtype=case.dtype,
-          kv_scale=case.kv_scale, route=case.route, merge=case.merge, seed=case.seed)
+          kv_scale=case.kv_scale, route=case.route, merge=case.merge, seed=case.seed,
+          device=device)
 
 
 # --- targeted cases -------------------------------------------------------------------------
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("world,route", [(1, "split_k"), (2, "split_k"), (1, "auto"),
                                          (3, "two_stage"), (8, "split_k")])
-def test_long_windows(world, route):
-    """Local lengths of several split-K segments (beyond kMinSegmentTokens = 256 per rank)."""
+def test_long_windows(world, route, device):
+    """Local lengths of several split-K segments (beyond the default min_segment_tokens = 256 per rank)."""
     rng = np.random.default_rng(world * 7)
     lens = np.array([2500, 1100, 0, 4], dtype=np.int32)
     q, kv = make_inputs(rng, lens, 4, 8)
-    check(q, kv, lens, f"long N={world} {route}", mode="verify", world_size=world,
-          interleave=2, block_size=64, route=route, seed=world)
+    check(q, kv, lens, f"long N={world} {route} {device}", mode="verify", world_size=world,
+          interleave=2, block_size=64, route=route, seed=world, device=device)
 
 
 @pytest.mark.parametrize("world,interleave,block", [(2, 1, 1), (4, 2, 2), (8, 4, 4), (3, 1, 1)])
