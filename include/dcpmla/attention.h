@@ -34,8 +34,14 @@ struct AttentionParams {
 // get out = 0, lse = -inf.
 void attention_cpu(const AttentionParams& p);
 
-// Workspace floats attention_cpu needs for a plan of this capacity (split_k partials).
+// Workspace floats a plan of this capacity needs for split_k partials.
 int64_t split_workspace_floats(const PlanView& plan, int heads, int rank_dim);
+
+// The parameters of a plan's attention (host or device pointers alike), with the split-K
+// workspace (split_workspace_floats floats) laid out as part_o, then part_m, then part_l.
+AttentionParams attention_params(const PlannerConfig& config, const bf16* q, const uint8_t* kv,
+                                 float kv_scale, float softmax_scale, const PlanView& plan,
+                                 float* workspace, bf16* out, float* lse);
 
 // two_stage stage B: dense causal attention of each request's query block over its own
 // block latents (identical on every rank). Heads [head_begin, head_begin + heads) of q.

@@ -124,6 +124,16 @@ int64_t split_workspace_floats(const PlanView& plan, int heads, int rank_dim) {
   return int64_t(plan.work_capacity) * plan.max_qlen * heads * (rank_dim + 2);
 }
 
+AttentionParams attention_params(const PlannerConfig& c, const bf16* q, const uint8_t* kv, float kv_scale,
+                                 float softmax_scale, const PlanView& plan, float* workspace, bf16* out,
+                                 float* lse) {
+  const int R = c.dims.kv_lora_rank;
+  const int64_t parts = int64_t(plan.work_capacity) * plan.max_qlen * c.heads;
+  return AttentionParams{q,   kv,  c.kv_dtype, kv_scale,  softmax_scale,         c.heads,
+                         c.dims.dim(), R, plan, out, lse, workspace, workspace + parts * R,
+                         workspace + parts * (R + 1)};
+}
+
 void attention_cpu(const AttentionParams& p) {
   const PlanView& plan = p.plan;
   const PlanHeader& h = *plan.header;
@@ -146,7 +156,9 @@ void attention_cpu(const AttentionParams& p) {
       for (int hh = 0; hh < nh; ++hh) {
         const RowState& st = state[size_t(t) * nh + size_t(hh)];
         const float* a = acc.data() + (size_t(t) * nh + size_t(hh)) * R;
-        const float inv = st.l > 0.0f ? 1.0f / st.l : 0.0f;
+        // l = 0 only when the row read no key. A NaN l (a NaN or inf in q or kv) stays NaN in
+        // out and lse: an lse of -inf would read as an empty row that the merges drop.
+        const float inv = st.l == 0.0f ? 0.0f : 1.0f / st.l;
         if (split) {
           const int64_t row = (int64_t(task / head_blocks) * qlen + t) * H + h0 + hh;
           float* o = p.part_o + row * R;
@@ -157,7 +169,7 @@ void attention_cpu(const AttentionParams& p) {
           const int64_t row = (int64_t(item.request) * qlen + t) * H + h0 + hh;
           bf16* o = p.out + row * R;
           for (int r = 0; r < R; ++r) o[r] = float_to_bf16(a[r] * inv);
-          p.lse[row] = st.l > 0.0f ? (st.m + std::log2(st.l)) * kLn2 : kNegInf;
+          p.lse[row] = st.l == 0.0f ? kNegInf : (st.m + std::log2(st.l)) * kLn2;
         }
       }
   }

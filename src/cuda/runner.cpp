@@ -323,23 +323,8 @@ void CudaRankRunner::plan(const BatchDesc& batch, cudaStream_t stream) {
 }
 
 AttentionParams CudaRankRunner::params(const bf16* q, bf16* out, float* lse) const {
-  const auto& c = planner_.config();
-  const PlanView view = plan_.view_at(plan_dev_);
-  const int64_t parts = int64_t(view.work_capacity) * view.max_qlen * c.heads;
-  return AttentionParams{q,
-                         cache_,
-                         c.kv_dtype,
-                         kv_scale_,
-                         softmax_scale_,
-                         c.heads,
-                         c.dims.dim(),
-                         c.dims.kv_lora_rank,
-                         view,
-                         out,
-                         lse,
-                         workspace_,
-                         workspace_ + parts * c.dims.kv_lora_rank,
-                         workspace_ + parts * (c.dims.kv_lora_rank + 1)};
+  return attention_params(planner_.config(), q, cache_, kv_scale_, softmax_scale_, plan_.view_at(plan_dev_),
+                          workspace_, out, lse);
 }
 
 void CudaRankRunner::attend(const bf16* q, bf16* out, float* lse, cudaStream_t stream) {
