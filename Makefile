@@ -14,7 +14,7 @@ INSTALL_PREFIX := $(abspath $(BUILD_DIR))/_install
 # build runs cmake with -j itself; the steps of `test` must run one after another.
 .NOTPARALLEL:
 
-.PHONY: all setup configure build test ctest pytest demo install-check clean distclean
+.PHONY: all setup configure build test ctest pytest demo bench install-check clean distclean
 
 all: build
 
@@ -44,6 +44,13 @@ test: ctest pytest install-check
 
 demo: build
 	./$(BUILD_DIR)/apps/dcpmla demo
+
+# On a GPU machine: ceilings, baseline and dcpmla at the issue's shapes (docs/perf.md);
+# the table is printed last and the rows are written as JSON.
+BENCH_JSON ?= bench/results/latest.json
+bench: build
+	@test -x $(BUILD_DIR)/bench/dcpmla_bench || { echo "make bench: the CUDA backend is not built (nvcc not found?)"; exit 1; }
+	./$(BUILD_DIR)/bench/dcpmla_bench --json $(BENCH_JSON)
 
 # Install into a scratch prefix and build a separate project against it with
 # find_package(dcpmla): proves the exported targets and dependencies are complete.
