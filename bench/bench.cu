@@ -4,7 +4,8 @@
 // (kernel + split-K merge, the whole call an engine makes) after warm-up, with several KV
 // caches rotated so that L2 does not flatter; a table on stdout and JSON rows.
 //   dcpmla_bench [--json FILE] [--runs N] [--quick] [--no-baseline] [--sweep] [--no-ceilings] [--only SHAPE]
-// --sweep also times every other kernel variant (AttentionTuning) at each shape.
+// --sweep also times every other kernel variant (AttentionTuning) at each shape and gives
+// its rel L2 against the default variant's output, "variant:us(relL2)".
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -211,7 +212,18 @@ void measure_ceilings(int runs) {
 }
 
 std::string variant_name(const cuda::AttentionVariant& v) {
+  if (v.kernel == 2) return "wg" + std::to_string(v.rows_per_cta) + "_n" + std::to_string(v.tile_tokens);
   return "m" + std::to_string(v.rows_per_cta) + "_n" + std::to_string(v.tile_tokens) + "_c" + std::to_string(v.ctas_per_sm);
+}
+double bf16_bits_to_double(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float x;
+  std::memcpy(&x, &u, 4);
+  return double(x);
+}
+bool same_variant(const cuda::AttentionVariant& a, const cuda::AttentionVariant& b) {
+  return a.kernel == b.kernel && a.rows_per_cta == b.rows_per_cta && a.tile_tokens == b.tile_tokens &&
+         a.ctas_per_sm == b.ctas_per_sm;
 }
 
 Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, cublasHandle_t blas) {
@@ -297,11 +309,21 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, cublasHandle_
   const cuda::AttentionVariant chosen = cuda::attention_variant(s.qlen, s.heads, s.dtype);
   row.variant = variant_name(chosen);
   if (sweep) {
-    // Every other kernel variant at this shape (same plan, same caches).
-    for (const cuda::AttentionTuning t : {cuda::AttentionTuning{32, 1}, cuda::AttentionTuning{64, 1},
-                                          cuda::AttentionTuning{32, 2}}) {
+    // Every kernel variant at this shape (same plan, same caches): the mma.sync kernel's
+    // tile / occupancy knobs, and the wgmma kernel (16- and 32-row shapes padded to 64).
+    // Each is also compared with the default variant on cache 0 (rel L2 of out, full size).
+    const size_t nout = rows * 512;
+    std::vector<uint16_t> ref(nout), got(nout);
+    p.kv = caches[0];
+    cuda::attention(p, nullptr, sms);
+    ck(cudaMemcpy(ref.data(), out, nout * 2, cudaMemcpyDeviceToHost), "d2h sweep ref");
+    std::vector<cuda::AttentionVariant> seen;
+    for (const cuda::AttentionTuning t : {cuda::AttentionTuning{32, 1, 1}, cuda::AttentionTuning{64, 1, 1},
+                                          cuda::AttentionTuning{32, 2, 1}, cuda::AttentionTuning{0, 0, 2}}) {
       const cuda::AttentionVariant v = cuda::attention_variant(s.qlen, s.heads, s.dtype, t);
-      if (v.tile_tokens != t.tile_tokens || v.ctas_per_sm != t.ctas_per_sm) continue;  // not built for this shape
+      if (t.kernel == 1 && (v.tile_tokens != t.tile_tokens || v.ctas_per_sm != t.ctas_per_sm)) continue;  // not built
+      if (std::any_of(seen.begin(), seen.end(), [&](const auto& u) { return same_variant(u, v); })) continue;
+      seen.push_back(v);
       for (int i = 0; i < 3; ++i) {
         p.kv = caches[size_t(i % copies)];
         cuda::attention(p, nullptr, sms, true, t);
@@ -311,8 +333,18 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, cublasHandle_
         cuda::attention(p, nullptr, sms, true, t);
       });
       ck(cudaDeviceSynchronize(), "sweep");
-      char buf[64];
-      std::snprintf(buf, sizeof buf, "%s%s:%.1f", row.sweep.empty() ? "" : " ", variant_name(v).c_str(), vms * 1e3);
+      p.kv = caches[0];
+      cuda::attention(p, nullptr, sms, true, t);
+      ck(cudaMemcpy(got.data(), out, nout * 2, cudaMemcpyDeviceToHost), "d2h sweep");
+      double num = 0, den = 0;
+      for (size_t i = 0; i < nout; ++i) {
+        const double a = bf16_bits_to_double(got[i]), r = bf16_bits_to_double(ref[i]);
+        num += (a - r) * (a - r);
+        den += r * r;
+      }
+      char buf[96];
+      std::snprintf(buf, sizeof buf, "%s%s:%.1f(%.0e)", row.sweep.empty() ? "" : " ", variant_name(v).c_str(), vms * 1e3,
+                    den > 0 ? std::sqrt(num / den) : std::sqrt(num));
       row.sweep += buf;
     }
   }

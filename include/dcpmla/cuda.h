@@ -34,6 +34,11 @@ namespace cuda {
 struct AttentionTuning {
   int tile_tokens = 0;  // 32 or 64 KV tokens per pipeline stage
   int ctas_per_sm = 0;  // 1, or 2 (applies to 16-row CTAs, i.e. qlen x heads <= 16; else 1)
+  // 1: the mma.sync kernel (16/32/64-row CTAs, the reference variant); 2: the wgmma kernel
+  // (64-row CTAs on warpgroup MMA; tile_tokens and ctas_per_sm do not apply). 0 picks the
+  // wgmma kernel where it is the measured default, unless the knobs above ask for a
+  // variant only the mma.sync kernel has (32-token tiles, 2 CTAs per SM).
+  int kernel = 0;
 };
 
 // Attention over a plan whose view and buffers all live on the device (AttentionParams
@@ -52,6 +57,7 @@ int attention_rows_per_cta(int max_qlen, int heads);
 // The variant attention() runs for these capacities, dtype and tuning (for logs and the bench).
 struct AttentionVariant {
   int rows_per_cta, tile_tokens, ctas_per_sm, smem_bytes;
+  int kernel;  // 1 mma.sync, 2 wgmma (AttentionTuning::kernel)
 };
 AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const AttentionTuning& tuning = {});
 

@@ -9,6 +9,7 @@
 #include "dcpmla/cuda.h"
 #include "dcpmla/error.h"
 #include "dcpmla/layout.h"
+#include "attention/variants.h"
 #include "params.h"
 
 namespace dcpmla {
@@ -43,12 +44,16 @@ void validate_tuning(const cuda::AttentionTuning& t) {
   require(t.tile_tokens == 0 || t.tile_tokens == 32 || t.tile_tokens == 64, "tuning.tile_tokens", t.tile_tokens,
           "0 (auto), 32 or 64");
   require(t.ctas_per_sm >= 0 && t.ctas_per_sm <= 2, "tuning.ctas_per_sm", t.ctas_per_sm, "0 (auto), 1 or 2");
+  require(t.kernel >= 0 && t.kernel <= 2, "tuning.kernel", t.kernel, "0 (auto), 1 (mma.sync) or 2 (wgmma)");
 }
 
 // The one place a runtime configuration becomes a compiled variant. grid = 0 only opts
 // the variant into its shared memory.
 void launch_attention(const AttentionParams& p, int grid, cudaStream_t stream, const cuda::AttentionVariant& v,
                       bool fp8) {
+  if (v.kernel == cuda_detail::kKernelWgmma)
+    return fp8 ? cuda_detail::launch_attention_wgmma<true>(p, grid, stream)
+               : cuda_detail::launch_attention_wgmma<false>(p, grid, stream);
 #define DCPMLA_CASE(ROWS, NT, CPS, FP8)                                                         \
   if (v.rows_per_cta == ROWS && v.tile_tokens == NT && v.ctas_per_sm == CPS && fp8 == FP8)     \
     return cuda_detail::launch_attention_variant<ROWS / 16, NT, CPS, FP8>(p, grid, stream)
@@ -119,6 +124,18 @@ AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const
   const bool fp8 = dtype != KvDtype::bf16;
   AttentionVariant v{};
   v.rows_per_cta = attention_rows_per_cta(max_qlen, heads);
+  const bool mma_only_knobs = tuning.tile_tokens == 32 || tuning.ctas_per_sm == 2;
+  if (tuning.kernel == cuda_detail::kKernelWgmma ||
+      (tuning.kernel == 0 && !mma_only_knobs && cuda_detail::wgmma_by_default(v.rows_per_cta, fp8))) {
+    // 64 rows per CTA whatever qlen x heads is (fewer rows are padded inside the kernel).
+    v.rows_per_cta = 64;
+    v.tile_tokens = 64;
+    v.ctas_per_sm = 1;
+    v.smem_bytes = fp8 ? cuda_detail::attention_wgmma_smem_bytes<true>() : cuda_detail::attention_wgmma_smem_bytes<false>();
+    v.kernel = cuda_detail::kKernelWgmma;
+    return v;
+  }
+  v.kernel = cuda_detail::kKernelMma;
   v.tile_tokens = tuning.tile_tokens ? tuning.tile_tokens : default_tile_tokens(v.rows_per_cta, fp8);
   v.ctas_per_sm = tuning.ctas_per_sm ? tuning.ctas_per_sm : default_ctas_per_sm(v.rows_per_cta, fp8);
   // Two CTAs per SM exist for 32-token tiles of 16 rows only (their shared memory and
@@ -240,7 +257,10 @@ CudaRankRunner::CudaRankRunner(const PlannerConfig& config, float kv_scale, floa
       check(cudaEventCreateWithFlags(&staged_[k], cudaEventDisableTiming), "cudaEventCreate(plan staging)");
     }
     // Zeroed plan: a launch before the first plan() sees work_count = 0 and does nothing.
+    // Finished before the constructor returns: later work runs on the caller's non-blocking
+    // streams, which do not wait for the legacy default stream.
     check(cudaMemset(plan_dev_, 0, arena_bytes), "cudaMemset(plan arena)");
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(runner setup)");
     // Opt the chosen kernel variant into its shared memory now, before any graph capture.
     set_tuning(tuning_);
   } catch (...) {

@@ -46,7 +46,12 @@ class DeviceBuffer {
     return host;
   }
   // Fill with a byte pattern (0xff: NaN in bf16 and f32) so that an unwritten output shows.
-  void poison() { cuda_ok(cudaMemset(ptr_, 0xff, n_ * sizeof(T)), "cudaMemset(poison)"); }
+  // Synchronous: the graph and kernels under test run on non-blocking streams, which do not
+  // wait for the legacy default stream this memset runs on.
+  void poison() {
+    cuda_ok(cudaMemset(ptr_, 0xff, n_ * sizeof(T)), "cudaMemset(poison)");
+    cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize(poison)");
+  }
 
  private:
   T* ptr_ = nullptr;

@@ -101,10 +101,17 @@ inline PlannerConfig make_config(const Scenario& s, int64_t num_blocks, int max_
 inline float default_softmax_scale() { return 1.0f / std::sqrt(576.0f); }
 
 // Kernel variant under test: DCPMLA_TEST_TUNING = "<tile tokens>x<CTAs per SM>" (e.g. 64x1,
-// 32x2); unset means the library's choice. ctest runs the scenarios once per variant.
+// 32x2), "mma" (the mma.sync kernel at every shape) or "wgmma" (the wgmma kernel at every
+// shape, 16- and 32-row ones padded to 64); unset means the library's choice. ctest runs
+// the scenarios once per variant.
 inline cuda::AttentionTuning test_tuning() {
   cuda::AttentionTuning t;
-  if (const char* env = std::getenv("DCPMLA_TEST_TUNING")) std::sscanf(env, "%dx%d", &t.tile_tokens, &t.ctas_per_sm);
+  if (const char* env = std::getenv("DCPMLA_TEST_TUNING")) {
+    const std::string v = env;
+    if (v == "mma") t.kernel = 1;
+    else if (v == "wgmma") t.kernel = 2;
+    else std::sscanf(env, "%dx%d", &t.tile_tokens, &t.ctas_per_sm);
+  }
   return t;
 }
 

@@ -231,5 +231,29 @@ TEST(CudaValidation, RunnerRefusesBadBatchesAndAttendWithoutPlan) {
   EXPECT_THROW(r.plan(BatchDesc{lens3, 9, std::vector<int32_t>(1, 0), 1}, nullptr), Error);  // qlen > max
 }
 
+// Which kernel runs where (host-side dispatch, no device needed): the wgmma kernel serves
+// 64-row CTAs by default, the mma.sync kernel 16/32-row ones and every knob only it has;
+// either can be forced at any shape; an unknown kernel is refused.
+TEST(CudaValidation, KernelVariantDispatch) {
+  using cuda::AttentionTuning;
+  for (KvDtype d : {KvDtype::bf16, KvDtype::fp8_e4m3}) {
+    const cuda::AttentionVariant v128 = cuda::attention_variant(1, 128, d);
+    EXPECT_EQ(v128.kernel, 2);
+    EXPECT_EQ(v128.rows_per_cta, 64);
+    EXPECT_EQ(cuda::attention_variant(4, 16, d).kernel, 2);  // verify: 64 rows share each tile
+    EXPECT_EQ(cuda::attention_variant(1, 16, d).kernel, 1);
+    EXPECT_EQ(cuda::attention_variant(2, 16, d).kernel, 1);
+    const cuda::AttentionVariant forced = cuda::attention_variant(1, 16, d, AttentionTuning{0, 0, 2});
+    EXPECT_EQ(forced.kernel, 2);
+    EXPECT_EQ(forced.rows_per_cta, 64);  // 16 rows padded inside the CTA
+    EXPECT_GT(forced.smem_bytes, 200 * 1024);
+    EXPECT_EQ(cuda::attention_variant(1, 128, d, AttentionTuning{0, 0, 1}).kernel, 1);
+    EXPECT_EQ(cuda::attention_variant(1, 128, d, AttentionTuning{32, 0, 0}).kernel, 1);  // 32-token tiles
+    EXPECT_EQ(cuda::attention_variant(1, 128, d, AttentionTuning{64, 1, 0}).kernel, 2);
+  }
+  EXPECT_THROW(cuda::attention_variant(1, 16, KvDtype::bf16, AttentionTuning{0, 0, 3}), Error);
+  EXPECT_THROW(cuda::attention_variant(1, 16, KvDtype::bf16, AttentionTuning{0, 0, -1}), Error);
+}
+
 }  // namespace
 }  // namespace dcpmla::testing

@@ -5,8 +5,17 @@
 #include "../utils.cuh"
 #include "config.h"
 #include "dcpmla/cuda.h"
+#include "variants.h"
 
 namespace dcpmla::cuda_detail {
+
+// The wgmma kernel serves 64-row CTAs (qlen x heads > 32: verify at 16 heads, 128 heads),
+// where the mma.sync kernel is bound by ldmatrix traffic (bench/NOTES.md). Below 64 rows
+// it would pad each CTA to 64 rows; the mma.sync kernel keeps those shapes.
+bool wgmma_by_default(int rows_per_cta, bool fp8) {
+  (void)fp8;
+  return rows_per_cta == 64;
+}
 
 // One warp per (request, row, head): M = max m_s, l = sum l_s 2^(m_s - M),
 // o = sum l_s 2^(m_s - M) o_s / l, lse = (M + log2 l) ln 2. Segments with l_s = 0 hold

@@ -1,0 +1,4 @@
+// wgmma kernel: 64 query rows per CTA, 64-token tiles, fp8 cache (dequantised by the loader).
+#include "../kernel_wgmma.cuh"
+
+DCPMLA_INSTANTIATE_ATTENTION_WGMMA(true)

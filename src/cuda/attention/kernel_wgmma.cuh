@@ -1,0 +1,459 @@
+// Attention over a plan on sm_90a with warpgroup MMA: 64 query rows per CTA, KV tiles of 64
+// tokens in 128B-swizzled shared memory, S = Q K^T and O += P V on wgmma with the
+// accumulators in registers. Same contract as kernel.cuh (the mma.sync reference variant,
+// which the tests run beside this one): one CTA per (work item, row group) unit, persistent
+// over a fixed grid; batch, qlen, route and work_count come from the device plan header;
+// rows with no local key give out = 0, lse = -inf; split_k writes (o / l, m, l) partials.
+//
+// Two warpgroups (256 threads), one CTA per SM (smem: Q 72 KiB + 2 KV stages of 72 KiB):
+//   WG0 ("softmax"): waits for tile i, S = Q K_i^T (36 wgmma m64n64k16, A and B from shared
+//       memory), masks each row at its own local length, online softmax (base 2) in
+//       registers (a row's 64 scores live in one quad of lanes), hands P (bf16) and the
+//       rescale factors to WG1 through shared memory, then O[:, 0:256] += P V_i with P
+//       from registers (4 wgmma m64n256k16, V read MN-major from the same tile).
+//   WG1 ("loader"): O[:, 256:512] += P V_i with P from shared memory, then loads tile i + 2
+//       into the stage of tile i once both halves of P V_i are done.
+//   Per tile the tensor cores run S, then (after softmax) both halves of P V together; WG1's
+//   half may still run while WG0 starts the next S. (Overlapping softmax with the tensor
+//   cores needs another schedule: bench/NOTES.md, next steps.)
+//   bf16 cache: cp.async straight into the swizzled stage; each loader thread's copies
+//     arrive on the stage's mbarrier when they land (cp.async.mbarrier.arrive.noinc).
+//   fp8 cache: the loader keeps the raw bytes of the next tile in registers for one
+//     iteration, then dequantises them (exact; kv_scale folded into the softmax and output
+//     scales) into the free bf16 stage, fences them for the async proxy and arrives.
+//
+// Shared memory (from a 1024-byte aligned base; every buffer is a stack of (rows, 64)
+// column blocks of 128-byte rows, the 16-byte chunk c of row r at chunk c ^ (r & 7)):
+//   sQ   (64, 576) bf16      9 blocks of (64, 64)
+//   sKV  2 x (64, 576) bf16  K for S (K-major B) and V for P V (MN-major B) alike
+//   sP   (64, 64) bf16       A of WG1's P V
+//   sAlpha, sL, sM (64) f32, sLen (64) i32, 2 mbarriers ("stage s holds a tile")
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+#include "../params.h"
+#include "../utils.cuh"
+#include "config.h"
+#include "wgmma.cuh"
+
+namespace dcpmla::cuda_detail {
+
+template <bool FP8>
+struct WgConfig {
+  static constexpr int M = 64;         // query rows per CTA: one wgmma M
+  static constexpr int NT = 64;        // KV tokens per tile: N of S, K of P V
+  static constexpr int THREADS = 256;  // two warpgroups
+  static constexpr int STAGES = 2;
+  static constexpr int KSTEPS = kDim / 16;                  // 36 k16 steps of S
+  static constexpr int Q_BYTES = M * kDim * 2;              // (64, 576) bf16
+  static constexpr int TILE_BYTES = NT * kDim * 2;          // (64, 576) bf16
+  static constexpr int OFF_Q = 0;
+  static constexpr int OFF_KV = OFF_Q + Q_BYTES;
+  static constexpr int OFF_P = OFF_KV + STAGES * TILE_BYTES;
+  static constexpr int OFF_ALPHA = OFF_P + M * NT * 2;
+  static constexpr int OFF_L = OFF_ALPHA + 4 * M;
+  static constexpr int OFF_M = OFF_L + 4 * M;
+  static constexpr int OFF_LEN = OFF_M + 4 * M;
+  static constexpr int OFF_BAR = OFF_LEN + 4 * M;
+  static constexpr int SMEM_BYTES = OFF_BAR + 2 * 8 + 1024;  // + slack to align the base to 1024
+  static_assert(SMEM_BYTES <= kSmemPerCta, "wgmma tiles do not fit in shared memory");
+  static_assert(M == NT, "Q and KV column blocks share the k-step offsets of S");
+  static_assert(Q_BYTES % 1024 == 0 && TILE_BYTES % 1024 == 0 && (M * NT * 2) % 1024 == 0);
+};
+
+// Named barriers between the two warpgroups (256 threads each time).
+inline constexpr int kBarPReady = 1;  // WG0 -> WG1: P(i) and alpha(i) are in shared memory
+inline constexpr int kBarPFree = 2;   // WG0 <-> WG1: WG1 has consumed P(i); sP may be rewritten
+inline constexpr int kBarSFree = 3;   // WG0 -> WG1: WG0 is done with tile i's stage
+
+// Byte offset of 16-byte chunk `chunk` (0..71 along D) of row `row` in a (ROWS, 576) bf16
+// buffer stored as 9 column blocks of (ROWS, 64) with the 128-byte swizzle.
+template <int ROWS>
+__device__ __forceinline__ uint32_t swz128(int row, int chunk) {
+  return uint32_t((chunk >> 3) * (ROWS * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+}
+
+template <bool FP8>
+__global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_constant__ AttentionParams p) {
+  using C = WgConfig<FP8>;
+  constexpr int M = C::M, NT = C::NT;
+  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+  const float kNegInf = -__int_as_float(0x7f800000);
+
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  // Swizzle atoms must start on 1024-byte boundaries (descriptor base offset 0).
+  uint8_t* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  const uint32_t base = smem_addr(smem);
+  const uint32_t sQ_a = base + C::OFF_Q, sKV_a = base + C::OFF_KV, sP_a = base + C::OFF_P;
+  const uint32_t bar_a = base + C::OFF_BAR;  // full[s] at bar_a + 8 s
+  uint8_t* sP = smem + C::OFF_P;
+  float* sAlpha = reinterpret_cast<float*>(smem + C::OFF_ALPHA);
+  float* sL = reinterpret_cast<float*>(smem + C::OFF_L);
+  float* sM = reinterpret_cast<float*>(smem + C::OFF_M);
+  int* sLen = reinterpret_cast<int*>(smem + C::OFF_LEN);
+
+  const int tid = threadIdx.x, wg = tid >> 7, t = tid & 127;
+  const int lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int r0 = (t >> 5) * 16 + g, r1 = r0 + 8;  // the two accumulator rows of this thread
+
+  if (tid == 0) {
+    // bf16: one cp.async arrival per loader thread; fp8: one plain arrival per loader thread.
+    mbar_init(bar_a, 128);
+    mbar_init(bar_a + 8, 128);
+  }
+  __syncthreads();
+
+  const PlanHeader hdr = *p.plan.header;
+  const bool split = hdr.route == int32_t(Route::split_k);
+  const int qlen = hdr.qlen, page = hdr.page, heads = p.heads;
+  const int page_shift = __ffs(page) - 1;  // page is a power of two
+  const int rows_total = qlen * heads;
+  const int groups = (rows_total + M - 1) / M;
+  const int units = hdr.work_count * groups;
+  const float sl2 = p.softmax_scale * (FP8 ? p.kv_scale : 1.0f) * kLog2e;
+  const float out_scale = FP8 ? p.kv_scale : 1.0f;  // v = stored * kv_scale
+  const bool e5m2 = p.kv_dtype == KvDtype::fp8_e5m2;
+  constexpr int kRowBytes = FP8 ? kDim : kDim * 2;  // a stored token
+
+  // Loader (WG1) mapping: two threads per token, alternating 16-byte chunks of its row.
+  const int tk = t >> 1, half = t & 1;
+  uint32_t phase = 0;  // bit s: parity of the next completion of full[s] this thread waits for
+
+  float o[128];  // (64, 256) slice of O: this warpgroup's columns [256 wg, 256 wg + 256)
+  uint4 raw[FP8 ? 18 : 1];  // fp8: the loader's share of the next tile, (64, 576) bytes / 128
+
+  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    const int witem = unit / groups, grp = unit % groups;
+    const WorkItem item = p.plan.work[witem];
+    const int b = item.request;
+    const int row0 = grp * M, nr = min(M, rows_total - row0);
+    const int32_t* lens = p.plan.row_local_len + int64_t(b) * qlen;
+    const int32_t* subpages = p.plan.subpage_table + int64_t(b) * p.plan.table_stride;
+    int longest = 0;
+    for (int q = 0; q < qlen; ++q) longest = max(longest, lens[q]);
+    // Tokens past the longest row are never read: they may be NaN (poisoned) or unmapped.
+    const int tok_lo = item.tile_begin * page;
+    const int tok_hi = min(item.tile_end * page, longest);
+    const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + NT - 1) / NT : 0;
+    if (tid < M) sLen[tid] = tid < nr ? lens[(row0 + tid) / heads] : 0;
+
+    // ---- loader helpers (WG1) -------------------------------------------------------------
+    // Sub-page id of this thread's token of tile i (0 past the end: never dereferenced).
+    auto fetch_subpage = [&](int i) {
+      const int j = tok_lo + i * NT + tk;
+      return (i < ntiles && j < tok_hi) ? subpages[j >> page_shift] : 0;
+    };
+    auto token_src = [&](int i, int subpage) {
+      const int j = tok_lo + i * NT + tk;
+      return p.kv + (int64_t(subpage) * page + (j & (page - 1))) * kRowBytes;
+    };
+    // bf16: tile i -> stage s by cp.async (tokens at or past tok_hi are zero-filled), then
+    // one arrival on full[s] when this thread's copies have landed.
+    auto load_tile_bf16 = [&](int i, int s, int subpage) {
+      const bool ok = tok_lo + i * NT + tk < tok_hi;
+      const uint8_t* src = ok ? token_src(i, subpage) : p.kv;
+      const uint32_t dst = sKV_a + s * C::TILE_BYTES;
+#pragma unroll
+      for (int k = 0; k < kDim / 16; ++k) {
+        const int ch = 2 * k + half;
+        cp_async_16(dst + swz128<NT>(tk, ch), src + ch * 16, ok ? 16 : 0);
+      }
+      cp_async_mbar_arrive(bar_a + 8 * s);
+    };
+    // fp8: raw bytes of tile i into registers (zeros past tok_hi).
+    auto read_tile_fp8 = [&](int i, int subpage) {
+      const bool ok = i < ntiles && tok_lo + i * NT + tk < tok_hi;
+      const uint8_t* src = token_src(i, subpage);
+#pragma unroll
+      for (int k = 0; k < (FP8 ? 18 : 1); ++k)
+        raw[k] = ok ? __ldg(reinterpret_cast<const uint4*>(src + (2 * k + half) * 16)) : make_uint4(0u, 0u, 0u, 0u);
+    };
+    // fp8: dequantise the registers into stage s (exact: every e4m3 / e5m2 value is a
+    // bf16 value; kv_scale is applied outside), then publish the stage.
+    auto store_tile_fp8 = [&](int s) {
+      uint8_t* st = smem + C::OFF_KV + s * C::TILE_BYTES;
+#pragma unroll
+      for (int k = 0; k < (FP8 ? 18 : 1); ++k) {
+        const int ch = 2 * k + half;  // fp8 chunk: dims [16 ch, 16 ch + 16) = bf16 chunks 2 ch, 2 ch + 1
+        const uint32_t w[4] = {raw[k].x, raw[k].y, raw[k].z, raw[k].w};
+        uint32_t v[8];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          if (e5m2) {
+            v[2 * q] = fp8x2_to_bf16x2<true>(uint16_t(w[q] & 0xffffu));
+            v[2 * q + 1] = fp8x2_to_bf16x2<true>(uint16_t(w[q] >> 16));
+          } else {
+            v[2 * q] = fp8x2_to_bf16x2<false>(uint16_t(w[q] & 0xffffu));
+            v[2 * q + 1] = fp8x2_to_bf16x2<false>(uint16_t(w[q] >> 16));
+          }
+        }
+        *reinterpret_cast<uint4*>(st + swz128<NT>(tk, 2 * ch)) = make_uint4(v[0], v[1], v[2], v[3]);
+        *reinterpret_cast<uint4*>(st + swz128<NT>(tk, 2 * ch + 1)) = make_uint4(v[4], v[5], v[6], v[7]);
+      }
+      fence_proxy_async();  // the stores are read by wgmma (async proxy)
+      mbar_arrive(bar_a + 8 * s);
+    };
+
+    int next_subpage = 0;
+    if (wg == 1) {
+      if constexpr (!FP8) {
+        if (ntiles > 0) load_tile_bf16(0, 0, fetch_subpage(0));
+        if (ntiles > 1) load_tile_bf16(1, 1, fetch_subpage(1));
+      } else {
+        for (int i = 0; i < 2 && i < ntiles; ++i) {
+          read_tile_fp8(i, fetch_subpage(i));
+          store_tile_fp8(i);
+        }
+        if (ntiles > 2) read_tile_fp8(2, fetch_subpage(2));
+      }
+      if constexpr (FP8) next_subpage = fetch_subpage(3);
+    }
+
+    // Q rows [row0, row0 + nr) of request b; padding rows of the CTA are zero.
+    const bf16* qb = p.q + (int64_t(b) * rows_total + row0) * kDim;
+    for (int idx = tid; idx < M * (kDim / 8); idx += C::THREADS) {
+      const int r = idx / (kDim / 8), ch = idx % (kDim / 8);
+      const bool ok = r < nr;
+      cp_async_16(sQ_a + swz128<M>(r, ch), ok ? static_cast<const void*>(qb + int64_t(r) * kDim + ch * 8) : p.q,
+                  ok ? 16 : 0);
+    }
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncthreads();  // Q and sLen visible to both warpgroups
+
+#pragma unroll
+    for (int k = 0; k < 128; ++k) o[k] = 0.0f;
+    float m_run[2] = {kNegInf, kNegInf}, l_run[2] = {0.0f, 0.0f};
+
+    if (wg == 0) {
+      // ================= WG0: S, softmax, O[:, 0:256] ==========================================
+      const int lim0 = min(sLen[r0], tok_hi), lim1 = min(sLen[r1], tok_hi);
+      for (int i = 0; i < ntiles; ++i) {
+        const int s = i & 1;
+        mbar_wait(bar_a + 8 * s, (phase >> s) & 1u);
+        phase ^= 1u << s;
+        fence_proxy_async();
+        const uint32_t sK = sKV_a + s * C::TILE_BYTES;
+
+        // S (64, 64) = Q (64, 576) K^T: k16 step ks reads 32 bytes of column block ks / 4.
+        // sc[4 j + e]: row r0, token 8 j + 2 c + e; sc[4 j + 2 + e]: row r1.
+        float sc[32];
+#pragma unroll
+        for (int k = 0; k < 32; ++k) sc[k] = 0.0f;  // (overwritten: the first step has scale_d = 0)
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < C::KSTEPS; ++ks) {
+          const uint32_t off = uint32_t((ks >> 2) * (M * 128) + (ks & 3) * 32);
+          wgmma_m64n64k16_ss<0>(sc, smem_desc_sw128(sQ_a + off, 16, 1024), smem_desc_sw128(sK + off, 16, 1024),
+                                ks > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(sc);
+
+        // Online softmax, base 2; each row masked at its own local length (x: masked S).
+        const int tok0 = tok_lo + i * NT;
+        auto x = [&](int j, int e) {  // e 0, 1: row r0; 2, 3: row r1
+          const int jt = tok0 + 8 * j + 2 * c + (e & 1);
+          return jt < (e < 2 ? lim0 : lim1) ? sc[4 * j + e] : kNegInf;
+        };
+        float mx0 = kNegInf, mx1 = kNegInf;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          mx0 = fmaxf(mx0, fmaxf(x(j, 0), x(j, 1)));
+          mx1 = fmaxf(mx1, fmaxf(x(j, 2), x(j, 3)));
+        }
+#pragma unroll
+        for (int d = 1; d <= 2; d <<= 1) {
+          mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, d));
+          mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, d));
+        }
+        const float mn0 = fmaxf(m_run[0], mx0 * sl2), mn1 = fmaxf(m_run[1], mx1 * sl2);  // sl2 > 0
+        // A row with no key yet keeps m = -inf; exponents then use 0 so that nothing is NaN.
+        const float mu0 = mn0 == kNegInf ? 0.0f : mn0, mu1 = mn1 == kNegInf ? 0.0f : mn1;
+        const float al0 = fast_exp2(m_run[0] - mu0), al1 = fast_exp2(m_run[1] - mu1);
+        float sum0 = 0.0f, sum1 = 0.0f;
+        uint32_t pa[4][4];  // A fragments of P V, k16 step kk = tokens [16 kk, 16 kk + 16)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float p0 = fast_exp2(fmaf(x(j, 0), sl2, -mu0)), p1 = fast_exp2(fmaf(x(j, 1), sl2, -mu0));
+          const float p2 = fast_exp2(fmaf(x(j, 2), sl2, -mu1)), p3 = fast_exp2(fmaf(x(j, 3), sl2, -mu1));
+          sum0 += p0 + p1;
+          sum1 += p2 + p3;
+          pa[j >> 1][(j & 1) * 2] = pack_bf16x2(p0, p1);
+          pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16x2(p2, p3);
+        }
+        l_run[0] = l_run[0] * al0 + sum0;
+        l_run[1] = l_run[1] * al1 + sum1;
+        m_run[0] = mn0;
+        m_run[1] = mn1;
+        // Once the running maxima settle, alpha is exactly 1 and O needs no rescale.
+        if (__any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f)) {
+#pragma unroll
+          for (int k = 0; k < 128; k += 4) {
+            o[k] *= al0;
+            o[k + 1] *= al0;
+            o[k + 2] *= al1;
+            o[k + 3] *= al1;
+          }
+        }
+
+        // Hand P (bf16, K-major swizzled (64, 64)) and alpha to WG1.
+        if (i > 0) named_sync(kBarPFree, 256);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          *reinterpret_cast<uint32_t*>(sP + r0 * 128 + (((2 * kk) ^ g) << 4) + 4 * c) = pa[kk][0];
+          *reinterpret_cast<uint32_t*>(sP + r1 * 128 + (((2 * kk) ^ g) << 4) + 4 * c) = pa[kk][1];
+          *reinterpret_cast<uint32_t*>(sP + r0 * 128 + (((2 * kk + 1) ^ g) << 4) + 4 * c) = pa[kk][2];
+          *reinterpret_cast<uint32_t*>(sP + r1 * 128 + (((2 * kk + 1) ^ g) << 4) + 4 * c) = pa[kk][3];
+        }
+        if (c == 0) {
+          sAlpha[r0] = al0;
+          sAlpha[r1] = al1;
+        }
+        fence_proxy_async();
+        named_arrive(kBarPReady, 256);
+
+        // O[:, 0:256] += P V: V = dims [0, 256) of the tile, MN-major (4 blocks of 64 dims,
+        // LBO 8 KiB apart; 8-token groups SBO 1 KiB apart; k16 step = 2 KiB).
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_m64n256k16_rs<1>(o, pa[kk], smem_desc_sw128(sK + kk * 2048, NT * 128, 1024), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(o);
+        if (i + 2 < ntiles) named_arrive(kBarSFree, 256);
+      }
+      // l over the quad of lanes that share a row (each summed its own tokens).
+#pragma unroll
+      for (int d = 1; d <= 2; d <<= 1) {
+        l_run[0] += __shfl_xor_sync(0xffffffffu, l_run[0], d);
+        l_run[1] += __shfl_xor_sync(0xffffffffu, l_run[1], d);
+      }
+      if (c == 0) {
+        sL[r0] = l_run[0];
+        sL[r1] = l_run[1];
+        sM[r0] = m_run[0];
+        sM[r1] = m_run[1];
+      }
+    } else {
+      // ================= WG1: O[:, 256:512], loads ============================================
+      for (int i = 0; i < ntiles; ++i) {
+        const int s = i & 1;
+        named_sync(kBarPReady, 256);
+        mbar_wait(bar_a + 8 * s, (phase >> s) & 1u);  // long complete; orders the tile's bytes for this thread
+        phase ^= 1u << s;
+        // bf16: the cp.async bytes meet wgmma's async proxy. (fp8: every loader thread fenced
+        // its own stores before arriving; and fence.proxy.async is a MEMBAR that would wait
+        // for the next tile's register loads in flight.) The sub-page lookup for the next
+        // load is issued after the fence for the same reason, and has P V to land.
+        int subpage_next = 0;
+        if constexpr (!FP8) {
+          fence_proxy_async();
+          subpage_next = fetch_subpage(i + 2);
+        }
+        const float al0 = sAlpha[r0], al1 = sAlpha[r1];
+        if (__any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f)) {
+#pragma unroll
+          for (int k = 0; k < 128; k += 4) {
+            o[k] *= al0;
+            o[k + 1] *= al0;
+            o[k + 2] *= al1;
+            o[k + 3] *= al1;
+          }
+        }
+        const uint32_t sK = sKV_a + s * C::TILE_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_m64n256k16_ss<1>(o, smem_desc_sw128(sP_a + kk * 32, 16, 1024),
+                                 smem_desc_sw128(sK + 4 * (NT * 128) + kk * 2048, NT * 128, 1024), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(o);
+        if (i + 2 < ntiles) {
+          named_sync(kBarSFree, 256);  // WG0 has finished reading stage s
+          if constexpr (!FP8) {
+            load_tile_bf16(i + 2, s, subpage_next);
+          } else {
+            store_tile_fp8(s);  // tile i + 2, read into registers one iteration ago
+            read_tile_fp8(i + 3, next_subpage);
+            next_subpage = fetch_subpage(i + 4);
+          }
+        }
+        // sP and sAlpha may be rewritten once both warpgroups pass (a full barrier on both
+        // sides: WG1's reads above are ordered before WG0's writes of the next tile). After
+        // the stage handover, so that WG0 cannot arrive on kBarSFree twice before this
+        // warpgroup has synced on it once.
+        if (i + 1 < ntiles) named_sync(kBarPFree, 256);
+      }
+    }
+    __syncthreads();  // sL, sM
+
+    // ---- epilogue: normalise, write this warpgroup's 256 columns ----------------------------
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = h ? r1 : r0;
+      if (r >= nr) continue;
+      const float l = sL[r];
+      const float sc_out = l > 0.0f ? out_scale / l : 0.0f;
+      const int64_t row = int64_t(row0 + r);
+      if (split) {
+        float* dst = p.part_o + (int64_t(witem) * rows_total + row) * kRank + wg * 256 + 2 * c;
+#pragma unroll
+        for (int j = 0; j < 32; ++j)
+          *reinterpret_cast<float2*>(dst + j * 8) = make_float2(o[4 * j + 2 * h] * sc_out, o[4 * j + 2 * h + 1] * sc_out);
+      } else {
+        bf16* dst = p.out + (int64_t(b) * rows_total + row) * kRank + wg * 256 + 2 * c;
+#pragma unroll
+        for (int j = 0; j < 32; ++j)
+          *reinterpret_cast<uint32_t*>(dst + j * 8) = pack_bf16x2(o[4 * j + 2 * h] * sc_out, o[4 * j + 2 * h + 1] * sc_out);
+      }
+    }
+    if (tid < nr) {
+      const float l = sL[tid], m = sM[tid];
+      const int64_t row = int64_t(row0 + tid);
+      if (split) {
+        p.part_m[int64_t(witem) * rows_total + row] = l > 0.0f ? m : kNegInf;
+        p.part_l[int64_t(witem) * rows_total + row] = l;
+      } else {
+        p.lse[int64_t(b) * rows_total + row] = l > 0.0f ? (m + __log2f(l)) * kLn2 : kNegInf;
+      }
+    }
+    __syncthreads();  // shared memory is reused by the next unit
+  }
+}
+
+template <bool FP8>
+int attention_wgmma_smem_bytes() {
+  return WgConfig<FP8>::SMEM_BYTES;
+}
+
+template <bool FP8>
+void launch_attention_wgmma(const AttentionParams& p, int grid, cudaStream_t stream) {
+  constexpr int smem = WgConfig<FP8>::SMEM_BYTES;
+  // The shared-memory opt-in is per function and device; set it once per device.
+  static std::atomic<uint64_t> configured{0};
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (!(configured.load() & bit)) {
+    check(cudaFuncSetAttribute(attention_wgmma_kernel<FP8>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+          "cudaFuncSetAttribute(attention_wgmma_kernel, max dynamic shared memory)");
+    configured.fetch_or(bit);
+  }
+  if (grid > 0) {
+    attention_wgmma_kernel<FP8><<<grid, WgConfig<FP8>::THREADS, smem, stream>>>(p);
+    check(cudaGetLastError(), "attention_wgmma_kernel launch");
+  }
+}
+
+}  // namespace dcpmla::cuda_detail
+
+#define DCPMLA_INSTANTIATE_ATTENTION_WGMMA(FP8)                                                          \
+  template void dcpmla::cuda_detail::launch_attention_wgmma<FP8>(const dcpmla::AttentionParams&, int,  \
+                                                                 cudaStream_t);                         \
+  template int dcpmla::cuda_detail::attention_wgmma_smem_bytes<FP8>();
