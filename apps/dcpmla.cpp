@@ -4,10 +4,13 @@
 //                 -> plan -> per-rank attention -> merge) for decode, verify and draft in
 //                 bf16 and fp8, and checks every answer twice: against the same batch on
 //                 one rank (DCP1) and against the float64 reference.
+//   dcpmla bench  (CUDA builds) what each of --ranks N ranks does per DCP step on this GPU:
+//                 attention over its share, merge kernels, bytes sent (src/cuda/dcp_bench.cpp).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <exception>
 #include <limits>
 #include <random>
@@ -25,6 +28,9 @@
 #include "dcpmla/types.h"
 #ifdef DCPMLA_HAS_MPI
 #include "dcpmla/comm_mpi.h"
+#endif
+#ifdef DCPMLA_HAS_CUDA
+#include "dcpmla/dcp.h"
 #endif
 
 namespace {
@@ -230,6 +236,41 @@ int run_demo(const DemoOptions& opt) {
   return all_ok ? 0 : kExitExceeded;
 }
 
+struct BenchOptions {
+  std::vector<int> ranks{1, 2, 4, 8};
+  std::vector<int> heads_local{16, 64};
+  std::vector<int> qlens{1, 4};
+  int batch = 8;
+  int64_t context = 131072;
+  int runs = 20;
+  std::string json;
+};
+
+int run_bench(const BenchOptions& b) {
+#ifdef DCPMLA_HAS_CUDA
+  dcpmla::cuda::DcpBenchOptions o;
+  o.world_sizes = b.ranks;
+  o.heads_local = b.heads_local;
+  o.qlens = b.qlens;
+  o.batch = b.batch;
+  o.context = b.context;
+  o.runs = b.runs;
+  const auto rows = dcpmla::cuda::run_dcp_bench(o);
+  const std::string gpu = dcpmla::cuda::device_description(o.device);
+  fmt::print("GPU: {}\n{}", gpu, dcpmla::cuda::format_dcp_bench_table(rows, o));
+  if (!b.json.empty()) {
+    std::FILE* f = std::fopen(b.json.c_str(), "w");
+    if (!f) throw dcpmla::Error(fmt::format("dcpmla: field '--json' = {}: expected a writable file", b.json));
+    std::fputs(dcpmla::cuda::format_dcp_bench_json(rows, o, "\"gpu\": \"" + gpu + "\"").c_str(), f);
+    std::fclose(f);
+  }
+  return 0;
+#else
+  (void)b;
+  throw dcpmla::Error("dcpmla: 'bench' needs the CUDA backend, and this dcpmla was built without it (no nvcc)");
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -264,6 +305,23 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   demo->add_flag("--quick", opt.quick, "Short requests (seq_lens 300, 157, 5, 2, 0, 77) for tests");
 
+  BenchOptions bopt;
+  CLI::App* bench = app.add_subcommand(
+      "bench", "Time what each of N DCP ranks does per step on this GPU (CUDA builds)");
+  bench->footer(
+      "For each world size N: one rank's attention over its 1/N share of every request with all\n"
+      "N x heads-local heads (after the head all-gather), the merge kernels of both forms with their\n"
+      "bandwidth, and the bytes each rank sends per step. Default: batch 8 x 131072, heads-local 16\n"
+      "and 64, qlen 1 and 4, N = 1, 2, 4, 8. One process and one GPU; the whole step across GPUs\n"
+      "(NCCL, threads or mpirun) is measured with the NCCL communicator (README).");
+  bench->add_option("--ranks", bopt.ranks, "World sizes N to measure")->check(CLI::Range(1, 64))->delimiter(',');
+  bench->add_option("--heads-local", bopt.heads_local, "Query heads per rank")->check(CLI::Range(1, 128))->delimiter(',');
+  bench->add_option("--qlen", bopt.qlens, "Query rows per request")->check(CLI::Range(1, 16))->delimiter(',');
+  bench->add_option("--batch", bopt.batch, "Requests")->check(CLI::Range(1, 1024))->capture_default_str();
+  bench->add_option("--context", bopt.context, "Tokens per request")->check(CLI::Range(1, 1 << 24))->capture_default_str();
+  bench->add_option("--runs", bopt.runs, "Timed runs per measurement (median)")->check(CLI::Range(1, 1000))->capture_default_str();
+  bench->add_option("--json", bopt.json, "Also write the rows as JSON to this file");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -272,6 +330,14 @@ int main(int argc, char** argv) {
     return rc == 0 ? 0 : kExitError;
   }
 
+  if (*bench) {
+    try {
+      return run_bench(bopt);
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "dcpmla: error: {}\n", e.what());
+      return kExitError;
+    }
+  }
 #ifdef DCPMLA_HAS_MPI
   if (dcpmla::MpiSession::launched()) {
     dcpmla::MpiSession mpi(&argc, &argv);

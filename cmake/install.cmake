@@ -22,6 +22,12 @@ if(TARGET dcpmla_cuda)
   set(DCPMLA_CONFIG_NEEDS_CUDA ON)
 else()
   list(APPEND _dcpmla_header_excludes PATTERN "cuda.h" EXCLUDE)  # includes cuda_runtime_api.h
+  list(APPEND _dcpmla_header_excludes PATTERN "comm_device.h" EXCLUDE PATTERN "dcp.h" EXCLUDE)
+endif()
+if(TARGET dcpmla_nccl)
+  list(APPEND _dcpmla_install_targets dcpmla_nccl)  # links libnccl by its path
+else()
+  list(APPEND _dcpmla_header_excludes PATTERN "comm_nccl.h" EXCLUDE)
 endif()
 set(DCPMLA_CONFIG_NEEDS_MPI OFF)
 if(TARGET dcpmla_mpi)

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Build, test and benchmark the CUDA backend on a GPU machine in one go:
-#   scripts/device.sh [all|test|bench]      (default all), on the GPU machine
-#   scripts/device.sh deps                  here, before the call: fills .devdeps/ (carry it)
-# Builds with the machine's own toolchain (nvcc, cmake, g++), runs `ctest -L gpu`, a
-# compute-sanitizer memcheck / racecheck on small cases, then dcpmla_bench; logs and the
-# bench JSON go to $OUT (default build-device/out) and the bench table is printed last.
-# Missing build dependencies (the GPU image has no libfmt-dev / googletest) are taken from
-# .devdeps/ when present: fmt headers (used header-only) and googletest sources.
+# Build, test and benchmark the CUDA backend on a GPU machine in one call:
+#   scripts/device.sh [all|test|dcp|python|bench]   (default all: every phase below)
+#   scripts/device.sh deps                           here, before the call: fills .devdeps/ (carry it)
+# One configure and build with the machine's own toolchain (nvcc, cmake, g++), then:
+#   test    ctest -L gpu (without the DCP group), compute-sanitizer memcheck / racecheck / synccheck
+#   dcp     the GPU DCP step, the device and NCCL communicators (also under mpirun), DCP bench
+#   python  the pytest conformance grid with device="cuda" (the machine's python3 and nanobind)
+#   bench   dcpmla_bench: ceilings, baseline and dcpmla at the issue shapes; its table is printed last
+# Logs and JSON go to $OUT (default ./device-out). What the GPU image lacks (libfmt-dev,
+# googletest, nccl.h) is taken from .devdeps/.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -37,6 +39,9 @@ endif()
 set(fmt_FOUND TRUE)
 set(fmt_VERSION 9.1.0)
 CFG
+  # The image has libnccl.so.2 but no nccl.h; the toolkit here ships the header.
+  mkdir -p .devdeps/nccl/include && cp /usr/local/cuda/include/nccl.h .devdeps/nccl/include/ || exit 1
+  mkdir -p .devdeps/vectors && cp ../shared/vectors/* .devdeps/vectors/ 2>/dev/null || true
   grep -qx '/.devdeps/' .git/info/exclude 2>/dev/null || echo '/.devdeps/' >>.git/info/exclude
   say ".devdeps ready ($(du -sh .devdeps | cut -f1)); pass carry=[\".devdeps\"] to the device call"
   exit 0
@@ -81,25 +86,29 @@ prefix_path="$(IFS=';'; echo "${PREFIXES[*]:-}")"
 
 # ---- build ----------------------------------------------------------------------------------
 t0=$(date +%s)
+EXTRA=()
+[[ -f /usr/local/cuda/include/nccl.h || ! -d .devdeps/nccl ]] || EXTRA+=("-DNCCL_ROOT=$ROOT/.devdeps/nccl")
+if NB_DIR="$(python3 -m nanobind --cmake_dir 2>/dev/null)"; then
+  EXTRA+=(-DDCPMLA_PYTHON=ON "-Dnanobind_DIR=$NB_DIR" "-DPython_EXECUTABLE=$(command -v python3)")
+fi
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix_path" \
   -DDCPMLA_CUDA=ON -DDCPMLA_CUDA_TESTS=ON -DDCPMLA_BENCH=ON -DDCPMLA_TESTS=OFF -DDCPMLA_CLI=OFF \
-  -DDCPMLA_PYTHON=OFF -DDCPMLA_MPI=OFF -DDCPMLA_INSTALL=OFF >>"$OUT/build.log" 2>&1 &&
-  cmake --build "$BUILD" -j "$JOBS" --target test_cuda_attention test_cuda_graph test_cuda_kernels dcpmla_bench \
-    >>"$OUT/build.log" 2>&1
+  -DDCPMLA_INSTALL=OFF "${EXTRA[@]}" >>"$OUT/build.log" 2>&1 &&
+  cmake --build "$BUILD" -j "$JOBS" >>"$OUT/build.log" 2>&1
 if [[ $? -ne 0 ]]; then
   say "BUILD FAILED ($(( $(date +%s) - t0 )) s); last lines of build.log:"
   grep -E "error|Error" "$OUT/build.log" | head -n 30
   tail -n 30 "$OUT/build.log"
   exit 1
 fi
-say "built in $(( $(date +%s) - t0 )) s"
+say "built in $(( $(date +%s) - t0 )) s ($(grep -E 'dcpmla: (NCCL|MPI)' "$OUT/build.log" | tr '\n' ' '))"
 
 # ---- tests ----------------------------------------------------------------------------------
 if [[ "$MODE" == all || "$MODE" == test ]]; then
   t0=$(date +%s)
   # Four test processes share the GPU; each CPU reference gets a quarter of the cores.
   OMP_NUM_THREADS=$(( JOBS / 4 > 0 ? JOBS / 4 : 1 )) timeout 300 \
-    ctest --test-dir "$BUILD" -L gpu -j 4 --output-on-failure --timeout 200 \
+    ctest --test-dir "$BUILD" -L gpu -LE dcp -j 4 --output-on-failure --timeout 200 \
       --output-junit "$OUT/ctest_junit.xml" >"$OUT/ctest.log" 2>&1
   rc=$?
   [[ $rc -ne 0 ]] && status=1
@@ -122,10 +131,103 @@ if [[ "$MODE" == all || "$MODE" == test ]]; then
     timeout 60 compute-sanitizer --tool racecheck --error-exitcode 3 \
       "$BUILD/tests/cuda/test_cuda_attention" --gtest_filter='Scenarios/*heads5_verify:Scenarios/*heads40_qlen2_two_groups' >>"$OUT/sanitizer.log" 2>&1
     rcheck=$?
-    [[ $mc -ne 0 || $mc2 -ne 0 || $rcheck -ne 0 ]] && status=1
-    say "compute-sanitizer: memcheck rc $mc/$mc2, racecheck rc $rcheck ($(( $(date +%s) - t0 )) s): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer.log" | tr '\n' ' ')"
+    timeout 60 compute-sanitizer --tool synccheck --error-exitcode 3 \
+      "$BUILD/tests/cuda/test_cuda_attention" --gtest_filter='Scenarios/*heads5_verify:Scenarios/*heads40_qlen2_two_groups' >>"$OUT/sanitizer.log" 2>&1
+    scheck=$?
+    [[ $mc -ne 0 || $mc2 -ne 0 || $rcheck -ne 0 || $scheck -ne 0 ]] && status=1
+    say "compute-sanitizer: memcheck rc $mc/$mc2, racecheck rc $rcheck, synccheck rc $scheck ($(( $(date +%s) - t0 )) s): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer.log" | tr '\n' ' ')"
   else
     say "compute-sanitizer not found"
+  fi
+fi
+
+# ---- dcp: the GPU DCP step, device communicators and NCCL (issue 4) --------------------------
+# Runs test_cuda_dcp and test_cuda_nccl in parallel groups, then the single-GPU DCP
+# benchmark alone. Logs: $OUT/dcp_tests.log,
+# $OUT/dcp_bench.log, $OUT/dcp_bench.json, $OUT/dcp_env.txt (NCCL, MPI and loader findings).
+if [[ "$MODE" == all || "$MODE" == dcp ]]; then
+  BIN="$BUILD"
+  find_bin() { for p in "$BIN/$1" "$BIN/tests/cuda/$1" "$BIN/bench/$1"; do [[ -x "$p" ]] && { echo "$p"; return 0; }; done; return 1; }
+  {
+    echo "nccl.h: $(ls /usr/local/cuda/include/nccl.h 2>&1)"
+    echo "loader: $(ldconfig -p | grep -E 'libnccl|libgomp|libmpi' | tr '\n' ';')"
+    echo "mpirun: $(command -v mpirun mpiexec 2>&1 | tr '\n' ' ')"
+    ls -d /usr/lib/x86_64-linux-gnu/openmpi /opt/hpcx /usr/mpi 2>&1 | tr '\n' ';'; echo
+    python3 -c "import mpi4py; print('mpi4py', mpi4py.__version__, mpi4py.get_config())" 2>&1 | tail -n 1
+  } >"$OUT/dcp_env.txt"
+  # libnccl.so.2 and libgomp.so.1 for carried binaries, when the loader lacks them.
+  if ! ldconfig -p | grep -q 'libnccl.so.2 '; then
+    for d in /usr/local/cuda/lib64 /usr/local/cuda/lib \
+             "$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)"; do
+      [[ -n "$d" && -e "$d/libnccl.so.2" ]] && { export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; break; }
+    done
+  fi
+  ldconfig -p | grep -q 'libgomp.so.1 ' || export LD_LIBRARY_PATH="$BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}" >>"$OUT/dcp_env.txt"
+  say "env: $(tr '\n' ' ' <"$OUT/dcp_env.txt")"
+  t0=$(date +%s)
+  dcp="$(find_bin test_cuda_dcp)"; nccl="$(find_bin test_cuda_nccl)"
+  logs=()
+  run_group() {  # name, timeout, command...
+    local name=$1 limit=$2; shift 2
+    ( OMP_NUM_THREADS=2 timeout "$limit" "$@" >"/tmp/dcp_$name.log" 2>&1; echo "exit $?" >>"/tmp/dcp_$name.log" ) &
+    logs+=("$name")
+  }
+  for n in 2 4 8; do
+    for form in reduce_scatter all_to_all; do
+      run_group "grid${n}_$form" 200 "$dcp" --gtest_filter="Worlds/*/N${n}_$form"
+    done
+  done
+  run_group rest 200 "$dcp" --gtest_filter='-Worlds/*'
+  [[ -n "$nccl" ]] && run_group nccl 100 env NCCL_NVLS_ENABLE=0 "$nccl"
+  # The library must not depend on eager module loading (the tests set EAGER for themselves).
+  run_group lazy 100 env CUDA_MODULE_LOADING=LAZY "$dcp" \
+    --gtest_filter='DcpStep.ShortRequestsAndEmptyRanksAreExact:Worlds/*/N2_all_to_all'
+  # The mpirun start-up of NCCL, when this machine has MPI and the binary was built with it.
+  mpi="$(find_bin test_nccl_mpi)"
+  if [[ -n "$mpi" ]] && command -v mpirun >/dev/null 2>&1; then
+    for np in 1 2; do
+      run_group "mpi_np$np" 90 env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 \
+        mpirun -np "$np" --oversubscribe -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH "$mpi"
+    done
+  fi
+  if [[ "$SANITIZE" != 0 ]] && command -v compute-sanitizer >/dev/null 2>&1; then
+    # One rank only: a tool that serialises kernels would stall the device-side barriers.
+    run_group memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 3 "$dcp" \
+      --gtest_filter='DcpStep.OneRankEveryKernel'
+  fi
+  wait
+  : >"$OUT/dcp_tests.log"
+  for n in "${logs[@]}"; do { echo "===== $n"; cat "/tmp/dcp_$n.log"; } >>"$OUT/dcp_tests.log"; done
+  for n in "${logs[@]}"; do
+    rc=$(tail -n 1 "/tmp/dcp_$n.log")
+    say "tests $n: $rc; $(grep -E '^\[  (PASSED|FAILED|SKIPPED) |^nccl mpi:|^rank [0-9]+:' "/tmp/dcp_$n.log" | tr '\n' ' ' | cut -c1-300) $(grep -E 'ERROR SUMMARY' "/tmp/dcp_$n.log")"
+    [[ "$rc" != "exit 0" ]] && status=1
+  done
+  say "tests: $(( $(date +%s) - t0 )) s"
+  grep -E "Failure|error:|Expected|Which is|actual|worst|rel_l2|Trace|dcp_harness|test_cuda_(dcp|nccl).cpp:[0-9]+" "$OUT/dcp_tests.log" | grep -v Skipped | head -n 60
+  t0=$(date +%s)
+  # shellcheck disable=SC2086
+  timeout 180 "$(find_bin dcpmla_dcp_bench)" --json "$OUT/dcp_bench.json" $BENCH_ARGS >"$OUT/dcp_bench.log" 2>&1
+  rc=$?
+  [[ $rc -ne 0 ]] && status=1
+  say "dcp bench: rc $rc in $(( $(date +%s) - t0 )) s"
+  DCP_TABLE="$(cat "$OUT/dcp_bench.log")"
+fi
+
+# ---- python: the conformance grid on the GPU ----------------------------------------------------
+if [[ "$MODE" == all || "$MODE" == python ]]; then
+  t0=$(date +%s)
+  if ls python/dcpmla/_dcpmla*.so >/dev/null 2>&1; then
+    DCPMLA_VECTORS="$ROOT/.devdeps/vectors" PYTHONPATH="$ROOT/python" OMP_NUM_THREADS=4 timeout 240 \
+      python3 -m pytest -q -x -p no:cacheprovider tests/python/test_conformance.py tests/python/test_vectors.py \
+      -k cuda >"$OUT/pytest_cuda.log" 2>&1
+    rc=$?
+    [[ $rc -ne 0 ]] && status=1
+    say "pytest device=cuda: rc $rc in $(( $(date +%s) - t0 )) s: $(tail -n 1 "$OUT/pytest_cuda.log")"
+    grep -E "Error|assert|FAILED" "$OUT/pytest_cuda.log" | head -n 20
+  else
+    say "python module not built (no nanobind for python3?)"
   fi
 fi
 
@@ -154,6 +256,7 @@ if [[ "$MODE" == all || "$MODE" == bench ]]; then
   rc=$?
   [[ $rc -ne 0 ]] && status=1
   say "bench: rc $rc in $(( $(date +%s) - t0 )) s"
-  cat "$OUT/bench.log"
 fi
+[[ -n "${DCP_TABLE:-}" ]] && echo "$DCP_TABLE"
+[[ -f "$OUT/bench.log" ]] && cat "$OUT/bench.log"
 exit $status

@@ -1,0 +1,186 @@
+// The DCP step on GPUs (issue 4): one rank of an N-rank group over a device communicator
+// (NCCL, or the DeviceGroup that simulates the ranks on one GPU).
+//
+// Each rank holds H_local query heads (the TP layout) and 1/N of every request's KV.
+// One step, all on comm.stream():
+//   1. KV write: the step's new tokens (the last qlen positions of each request) go to the
+//      slots this rank owns; the others get PAD and are skipped.
+//   2. all-gather of q over heads: every rank then holds all H = N x H_local heads.
+//   3. attention over the local shard with this rank's plan (CudaRankRunner). The CUDA
+//      kernel serves at most 128 heads, so the H heads run as G groups of Hg heads (Hg = the
+//      largest multiple of H_local <= 128 that gives whole groups of ranks).
+//   4. merge, in one of two forms; either way rank k keeps its own heads [k Hl, (k+1) Hl):
+//      reduce_scatter: all-gather of lse, scale o_r by exp(lse_r - lse), reduce-scatter
+//                      over heads (bf16 on the wire by default, or f32);
+//      all_to_all:     all-to-all of (o bf16, lse f32) per destination, local combine.
+//   5. two_stage (verify): the merged prefix (stage A) is merged with stage B, the dense
+//      causal attention of the verify block for this rank's heads (balanced form, SPEC §4).
+// plan() is host work (validation, planning, a small synchronised exchange so that all
+// ranks agree on the batch shape); run() only enqueues: no allocation and no host sync, so
+// a CUDA graph captured around run() replays after every re-plan.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "dcpmla/comm_device.h"
+#include "dcpmla/cuda.h"
+#include "dcpmla/plan.h"
+
+namespace dcpmla {
+
+enum class DcpMerge : int32_t { reduce_scatter, all_to_all };
+DcpMerge parse_dcp_merge(std::string_view s);
+std::string_view to_string(DcpMerge m);
+
+struct DcpConfig {
+  int world_size = 0;  // 0: the communicator's; otherwise it must equal it
+  Mode mode = Mode::verify;
+  KvDtype kv_dtype = KvDtype::bf16;
+  float kv_scale = 1.0f;
+  float softmax_scale = 0.0f;  // 0 -> D^-0.5
+  int heads_local = 16;        // H_local, 1..128
+  int interleave = 1;
+  int block_size = 64;
+  int64_t num_blocks = 0;      // this rank's cache blocks
+  Route route = Route::automatic;
+  PlanLimits limits;           // capture limits: rows = max_batch x max_qlen
+  int min_segment_tokens = 256;
+  DcpMerge merge = DcpMerge::reduce_scatter;
+  DataType reduce_dtype = DataType::bf16;  // reduce_scatter's wire type: bf16 or f32
+  cuda::AttentionTuning tuning;
+};
+
+// Bytes one rank sends per step in each collective, counting what must leave the rank
+// ((N - 1) shares of each exchange, as ring and point-to-point algorithms move it).
+struct DcpTraffic {
+  int64_t q_all_gather = 0;
+  int64_t lse_all_gather = 0;  // reduce_scatter form
+  int64_t reduce_scatter = 0;  // reduce_scatter form
+  int64_t all_to_all = 0;      // all_to_all form
+  int64_t merge_total(DcpMerge m) const {
+    return m == DcpMerge::reduce_scatter ? lse_all_gather + reduce_scatter : all_to_all;
+  }
+};
+DcpTraffic dcp_traffic(int world_size, int64_t rows, int heads_local, int rank_dim, DataType reduce_dtype);
+
+// Ranks whose heads share one attention launch: the largest divisor d of world_size with
+// d x heads_local <= 128 (the CUDA kernel's head limit). Launches = world_size / d.
+int dcp_ranks_per_group(int world_size, int heads_local);
+
+class DcpStep {
+ public:
+  // Validates the configuration (dcpmla::Error) and allocates every buffer; then all ranks
+  // check that they were built alike (a synchronised exchange over comm).
+  DcpStep(const DcpConfig& config, DeviceCommunicator& comm);
+  ~DcpStep();
+  DcpStep(const DcpStep&) = delete;
+  DcpStep& operator=(const DcpStep&) = delete;
+
+  CudaRankRunner& runner() { return *runner_; }
+  const DcpConfig& config() const { return config_; }
+  int world_size() const { return world_; }
+  int rank() const { return rank_; }
+  int heads_total() const { return world_ * config_.heads_local; }
+  int group_heads() const { return hg_; }  // heads per attention launch
+  int groups() const { return groups_; }
+  int64_t row_capacity() const { return rows_; }  // max_batch x max_qlen
+
+  // Host, once per step and never inside a capture: all ranks agree on the batch
+  // (check_ranks_agree: the same shape, lengths and tables everywhere, else dcpmla::Error
+  // on every rank), the planner plans, and the plan, the new tokens' slots and the lengths
+  // are uploaded (stream-ordered) to buffers at stable addresses.
+  void plan(const BatchDesc& batch);
+
+  // Enqueues the step on the communicator's stream. Device pointers, rows laid out as
+  // [B, qlen] of the current batch in the first B x qlen of row_capacity() rows:
+  //   q_local     [rows, H_local, D]  this rank's query heads
+  //   new_latents [rows, D]           latents of positions L_b - qlen + t (the new tokens;
+  //                                   also two_stage's stage B block); nullptr skips the write
+  //                                   (only when the cache already holds them and the route
+  //                                   is not two_stage)
+  //   out         [rows, H_local, R]  merged output of this rank's heads
+  //   lse         [rows, H_local]     natural log
+  // Rows past the batch hold unspecified values.
+  void run(const bf16* q_local, const bf16* new_latents, bf16* out, float* lse);
+
+ private:
+  void enqueue_merge(bf16* out, float* lse);
+  void allocate(int64_t total, const int64_t* sizes);
+  void agree_on_config();
+  void release();
+
+  DcpConfig config_;
+  DeviceCommunicator& comm_;
+  int world_, rank_, hl_, hg_, rg_, groups_;
+  int64_t rows_;
+  float softmax_scale_;
+  std::unique_ptr<CudaRankRunner> runner_;
+  std::unique_ptr<HostStagedCommunicator> host_;  // agreement checks (persistent scratch)
+  bool planned_ = false;
+  Route route_ = Route::automatic;
+  // Device buffers (one allocation, carved).
+  void* arena_ = nullptr;
+  bf16* q_gathered_ = nullptr;  // [N][rows][Hl][D]
+  bf16* q_grp_ = nullptr;       // [G][rows][Hg][D] (aliases q_gathered_ when rg == 1)
+  bf16* o_grp_ = nullptr;       // [G][rows][Hg][R]
+  float* lse_grp_ = nullptr;    // [G][rows][Hg]
+  float* lse_all_ = nullptr;    // [N][G rows Hg]
+  void* rs_send_ = nullptr;     // [N][rows][Hl][R] bf16 or f32
+  float* rs_recv_ = nullptr;    // [rows][Hl][R] f32 (f32 wire only)
+  uint8_t* a2a_send_ = nullptr; // [N][chunk]
+  uint8_t* a2a_recv_ = nullptr;
+  int64_t chunk_bytes_ = 0, chunk_lse_offset_ = 0;
+  bf16* ob_ = nullptr;          // stage B [rows][Hl][R]
+  float* lb_ = nullptr;
+  int64_t* slots_dev_ = nullptr;    // [rows]
+  int32_t* lens_dev_ = nullptr;     // [max_batch]
+  // Pinned staging for slots and lengths; the upload's event guards its reuse.
+  int64_t* slots_host_ = nullptr;
+  int32_t* lens_host_ = nullptr;
+  cudaEvent_t staged_ = nullptr;
+};
+
+namespace cuda {
+
+// The single-GPU DCP benchmark (issue 4): per-rank attention time of each rank's share at
+// each world size, the merge kernels' time and bandwidth, and the bytes each rank would send
+// per step in each merge form. One row per (heads_local, qlen, world_size).
+struct DcpBenchOptions {
+  int batch = 8;
+  int64_t context = 131072;
+  std::vector<int> heads_local{16, 64};
+  std::vector<int> qlens{1, 4};
+  std::vector<int> world_sizes{1, 2, 4, 8};
+  int warmup = 3, runs = 20;
+  int device = 0;
+};
+struct DcpBenchRow {
+  int heads_local, qlen, world_size, heads_total, groups;
+  int64_t local_tokens;           // per request on rank 0
+  std::string route;
+  double attention_us;            // median, all G launches
+  double kv_bytes, attention_tbps;
+  double correct_us, correct_gbps;      // merge (i): correction kernel
+  double reduce_us, reduce_gbps;        // merge (i): local reduce of N chunks (device-group sum kernel)
+  double combine_us, combine_gbps;      // merge (ii): local combine of N partials
+  double pack_us;                       // merge (ii): packing for the all-to-all
+  DcpTraffic traffic;                   // bytes sent by one rank per step
+  int64_t q_bytes;                      // this rank's q (H_local heads)
+};
+std::vector<DcpBenchRow> run_dcp_bench(const DcpBenchOptions& options);
+// A text table of the rows (with a legend), and the rows as a JSON array (one object per
+// line; `extra` is spliced into each object, e.g. "\"gpu\": \"H200\"").
+std::string format_dcp_bench_table(const std::vector<DcpBenchRow>& rows, const DcpBenchOptions& options);
+std::string format_dcp_bench_json(const std::vector<DcpBenchRow>& rows, const DcpBenchOptions& options,
+                                  const std::string& extra = "");
+// The device's name and SM count, for the records.
+std::string device_description(int device = 0);
+
+}  // namespace cuda
+
+}  // namespace dcpmla

@@ -1,0 +1,299 @@
+// DeviceGroup: DCP ranks as threads on one GPU, collectives as device copies ordered by a
+// device-side barrier, so that each rank's CUDA graph replays on its own (see comm_device.h).
+#include "dcpmla/comm_device.h"
+
+#include <condition_variable>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "dcp_kernels.h"
+#include "dcpmla/cuda.h"
+#include "dcpmla/error.h"
+#include "params.h"
+
+namespace dcpmla {
+
+using cuda_detail::check;
+
+// ---- HostStagedCommunicator --------------------------------------------------------------
+
+HostStagedCommunicator::HostStagedCommunicator(DeviceCommunicator& device, size_t capacity_bytes) : dev_(device) {
+  if (capacity_bytes) scratch(capacity_bytes);
+}
+HostStagedCommunicator::~HostStagedCommunicator() { cudaFree(buf_); }
+int HostStagedCommunicator::rank() const { return dev_.rank(); }
+int HostStagedCommunicator::world_size() const { return dev_.world_size(); }
+
+void* HostStagedCommunicator::scratch(size_t bytes) {
+  if (bytes > bytes_) {
+    cudaFree(buf_);
+    buf_ = nullptr;
+    bytes_ = 0;
+    check(cudaMalloc(&buf_, bytes), "cudaMalloc(host-staged scratch)");
+    bytes_ = bytes;
+  }
+  return buf_;
+}
+
+void HostStagedCommunicator::all_gather(const void* send, void* recv, size_t count, DataType t) {
+  const size_t in = count * size_of(t), out = in * size_t(world_size());
+  char* s = static_cast<char*>(scratch(in + out));
+  check(cudaMemcpyAsync(s, send, in, cudaMemcpyHostToDevice, dev_.stream()), "cudaMemcpyAsync(staged send)");
+  dev_.all_gather(s, s + in, count, t);
+  check(cudaMemcpyAsync(recv, s + in, out, cudaMemcpyDeviceToHost, dev_.stream()), "cudaMemcpyAsync(staged recv)");
+  dev_.synchronize();
+}
+
+void HostStagedCommunicator::reduce_scatter_sum(const void* send, void* recv, size_t count, DataType t) {
+  const size_t out = count * size_of(t), in = out * size_t(world_size());
+  char* s = static_cast<char*>(scratch(in + out));
+  check(cudaMemcpyAsync(s, send, in, cudaMemcpyHostToDevice, dev_.stream()), "cudaMemcpyAsync(staged send)");
+  dev_.reduce_scatter_sum(s, s + in, count, t);
+  check(cudaMemcpyAsync(recv, s + in, out, cudaMemcpyDeviceToHost, dev_.stream()), "cudaMemcpyAsync(staged recv)");
+  dev_.synchronize();
+}
+
+void HostStagedCommunicator::all_to_all(const void* send, void* recv, size_t count, DataType t) {
+  const size_t bytes = count * size_of(t) * size_t(world_size());
+  char* s = static_cast<char*>(scratch(2 * bytes));
+  check(cudaMemcpyAsync(s, send, bytes, cudaMemcpyHostToDevice, dev_.stream()), "cudaMemcpyAsync(staged send)");
+  dev_.all_to_all(s, s + bytes, count, t);
+  check(cudaMemcpyAsync(recv, s + bytes, bytes, cudaMemcpyDeviceToHost, dev_.stream()), "cudaMemcpyAsync(staged recv)");
+  dev_.synchronize();
+}
+
+void HostStagedCommunicator::barrier() { dev_.barrier(); }
+
+// ---- DeviceGroup ---------------------------------------------------------------------------
+
+struct DeviceGroup::State {
+  State(int n, int dev, std::chrono::milliseconds t) : world(n), device(dev), timeout(t), sends(size_t(n)) {}
+  ~State() {
+    cudaFree(flags);
+    cudaFreeHost(const_cast<int*>(abort_host));
+  }
+
+  // Host barrier with abort and timeout: only used while enqueueing, to exchange addresses.
+  void host_barrier(int rank) {
+    std::unique_lock lock(mutex);
+    auto aborted_error = [&] {
+      return Error(fmt::format("dcpmla: device-group collective (rank {}) aborted: another rank failed", rank));
+    };
+    if (aborted) throw aborted_error();
+    const uint64_t gen = generation;
+    if (++arrived == world) {
+      arrived = 0;
+      ++generation;
+      cv.notify_all();
+      return;
+    }
+    if (!cv.wait_for(lock, timeout, [&] { return generation != gen || aborted; })) {
+      aborted = true;
+      if (abort_host) abort_host[0] = 1;
+      cv.notify_all();
+      throw CudaError(fmt::format("dcpmla: device-group collective (rank {}): peers did not arrive within {} ms; "
+                                  "the group was aborted",
+                                  rank, timeout.count()));
+    }
+    if (aborted) throw aborted_error();
+  }
+
+  void abort() {
+    std::lock_guard lock(mutex);
+    aborted = true;
+    if (abort_host) abort_host[0] = 1;
+    cv.notify_all();
+  }
+
+  const int world, device;
+  const std::chrono::milliseconds timeout;
+  std::vector<const void*> sends;
+  std::mutex mutex;
+  std::condition_variable cv;
+  uint64_t generation = 0;
+  int arrived = 0;
+  bool aborted = false;
+  unsigned long long* flags = nullptr;  // device [world]
+  volatile int* abort_host = nullptr;   // mapped pinned [2]: abort, status
+  int* abort_dev = nullptr;
+};
+
+namespace {
+
+class DeviceGroupComm final : public DeviceCommunicator {
+ public:
+  DeviceGroupComm(std::shared_ptr<DeviceGroup::State> s, int rank, cudaStream_t stream)
+      : s_(std::move(s)), rank_(rank), stream_(stream) {}
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return s_->world; }
+  cudaStream_t stream() const override { return stream_; }
+  int device() const override { return s_->device; }
+
+  void all_gather(const void* send, void* recv, size_t count, DataType t) override {
+    const size_t bytes = count * size_of(t);
+    const auto peers = publish(send);
+    cuda_detail::GatherParams g{};
+    for (int p = 0; p < s_->world; ++p) {
+      g.src[p] = peers[size_t(p)];
+      g.dst[p] = static_cast<char*>(recv) + size_t(p) * bytes;
+    }
+    g.bytes = int64_t(bytes);
+    g.n = s_->world;
+    device_barrier();
+    cuda_detail::launch_gather(g, stream_);
+    device_barrier();
+  }
+
+  void reduce_scatter_sum(const void* send, void* recv, size_t count, DataType t) override {
+    const auto peers = publish(send);
+    cuda_detail::ReduceParams p{};
+    for (int k = 0; k < s_->world; ++k) p.src[k] = peers[size_t(k)];
+    p.dst = recv;
+    p.offset = int64_t(rank_) * int64_t(count);
+    p.count = int64_t(count);
+    p.n = s_->world;
+    p.dtype = int(t);
+    device_barrier();
+    cuda_detail::launch_group_reduce(p, stream_);
+    device_barrier();
+  }
+
+  void all_to_all(const void* send, void* recv, size_t count, DataType t) override {
+    const size_t bytes = count * size_of(t);
+    const auto peers = publish(send);
+    cuda_detail::GatherParams g{};
+    for (int p = 0; p < s_->world; ++p) {
+      g.src[p] = static_cast<const char*>(peers[size_t(p)]) + size_t(rank_) * bytes;
+      g.dst[p] = static_cast<char*>(recv) + size_t(p) * bytes;
+    }
+    g.bytes = int64_t(bytes);
+    g.n = s_->world;
+    device_barrier();
+    cuda_detail::launch_gather(g, stream_);
+    device_barrier();
+  }
+
+  void barrier() override {
+    publish(nullptr);
+    device_barrier();
+    synchronize();
+  }
+
+  void synchronize() override {
+    // The device barrier gives up by itself after the timeout, so this wait ends.
+    const cudaError_t e = cudaStreamSynchronize(stream_);
+    if (e != cudaSuccess) check(e, "cudaStreamSynchronize(device group)");
+    const int status = s_->abort_host[1];
+    if (status == 1)
+      throw CudaError(fmt::format("dcpmla: device-group collective (rank {}): a peer did not arrive within {} ms; "
+                                  "the group was aborted",
+                                  rank_, s_->timeout.count()));
+    if (status != 0 || s_->abort_host[0])
+      throw CudaError(fmt::format("dcpmla: device-group collective (rank {}) aborted: another rank failed", rank_));
+  }
+
+  void abort() override { s_->abort(); }
+
+ private:
+  // Every rank's send address for this collective (host barrier twice: all published,
+  // then all read, so the slots can be reused by the next collective).
+  std::vector<const void*> publish(const void* send) {
+    s_->sends[size_t(rank_)] = send;
+    s_->host_barrier(rank_);
+    std::vector<const void*> peers = s_->sends;
+    s_->host_barrier(rank_);
+    return peers;
+  }
+
+  void device_barrier() {
+    cuda_detail::BarrierParams p{};
+    p.flags = s_->flags;
+    p.abort = s_->abort_dev;
+    p.status = s_->abort_dev + 1;
+    p.me = rank_;
+    p.n = s_->world;
+    p.timeout_ns = static_cast<unsigned long long>(s_->timeout.count()) * 1000000ull;
+    cuda_detail::launch_group_barrier(p, stream_);
+  }
+
+  std::shared_ptr<DeviceGroup::State> s_;
+  int rank_;
+  cudaStream_t stream_;
+};
+
+}  // namespace
+
+DeviceGroup::DeviceGroup(int world_size, int device, std::chrono::milliseconds timeout) {
+  require(world_size >= 1 && world_size <= kMaxDeviceGroupRanks, "world_size", world_size,
+          fmt::format("in [1, {}] for a device group (ranks simulated on one GPU)", kMaxDeviceGroupRanks));
+  require(timeout.count() > 0, "timeout", fmt::format("{} ms", timeout.count()), "> 0");
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    count = 0;
+  }
+  require(device >= 0 && device < count, "device", device,
+          fmt::format("a CUDA device in [0, {}) (this machine has {} GPU(s))", count, count));
+  state_ = std::make_shared<State>(world_size, device, timeout);
+  check(cudaSetDevice(device), "cudaSetDevice(device group)");
+  check(cudaMalloc(&state_->flags, sizeof(unsigned long long) * size_t(world_size)), "cudaMalloc(group flags)");
+  check(cudaMemset(state_->flags, 0, sizeof(unsigned long long) * size_t(world_size)), "cudaMemset(group flags)");
+  // The memset runs on the legacy stream, which the ranks' non-blocking streams do not wait
+  // for: finish it here. And load the kernels now (see preload_dcp_kernels).
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(device group setup)");
+  cuda_detail::preload_dcp_kernels();
+  int* host = nullptr;
+  check(cudaHostAlloc(&host, 2 * sizeof(int), cudaHostAllocMapped), "cudaHostAlloc(group abort flag)");
+  host[0] = host[1] = 0;
+  state_->abort_host = host;
+  check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&state_->abort_dev), host, 0),
+        "cudaHostGetDevicePointer(group abort flag)");
+}
+
+DeviceGroup::~DeviceGroup() = default;
+int DeviceGroup::world_size() const { return state_->world; }
+void DeviceGroup::abort() { state_->abort(); }
+
+std::unique_ptr<DeviceCommunicator> DeviceGroup::communicator(int rank, cudaStream_t stream) {
+  require(rank >= 0 && rank < state_->world, "rank", rank,
+          fmt::format("0 <= rank < world_size ({})", state_->world));
+  return std::make_unique<DeviceGroupComm>(state_, rank, stream);
+}
+
+void run_device_ranks(int world_size, int device, const std::function<void(int, DeviceCommunicator&)>& fn,
+                      std::chrono::milliseconds timeout) {
+  DeviceGroup group(world_size, device, timeout);
+  std::mutex mutex;
+  std::exception_ptr first;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world_size; ++r)
+    threads.emplace_back([&, r] {
+      cudaStream_t stream = nullptr;
+      try {
+        check(cudaSetDevice(device), "cudaSetDevice(rank thread)");
+        check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate(rank)");
+        auto comm = group.communicator(r, stream);
+        fn(r, *comm);
+      } catch (...) {
+        {
+          std::lock_guard lock(mutex);
+          if (!first) first = std::current_exception();
+        }
+        group.abort();
+      }
+      if (stream) {
+        cudaStreamSynchronize(stream);  // the barrier kernels leave after the abort
+        cudaStreamDestroy(stream);
+      }
+    });
+  for (auto& t : threads) t.join();
+  if (first) std::rethrow_exception(first);
+}
+
+}  // namespace dcpmla

@@ -1,0 +1,319 @@
+// The DCP step on GPUs (dcp.h): head all-gather, per-rank attention, the cross-rank merge in
+// two forms, two_stage's balanced stage B; everything enqueued on the communicator's stream.
+#include "dcpmla/dcp.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+
+#include <cuda_runtime.h>
+
+#include "dcp_kernels.h"
+#include "dcpmla/error.h"
+#include "dcpmla/layout.h"
+#include "dcpmla/runner.h"
+#include "params.h"
+
+namespace dcpmla {
+
+using cuda_detail::check;
+
+namespace {
+
+constexpr int kDim = 576, kRank = 512, kMaxHeads = 128;
+
+int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+int32_t lo32(int64_t v) { return int32_t(uint32_t(uint64_t(v))); }
+int32_t hi32(int64_t v) { return int32_t(uint32_t(uint64_t(v) >> 32)); }
+
+uint32_t fnv1a(std::span<const int32_t> values, uint32_t h = 2166136261u) {
+  for (int32_t v : values) h = (h ^ uint32_t(v)) * 16777619u;
+  return h;
+}
+
+}  // namespace
+
+DcpMerge parse_dcp_merge(std::string_view s) {
+  if (s == "reduce_scatter") return DcpMerge::reduce_scatter;
+  if (s == "all_to_all") return DcpMerge::all_to_all;
+  fail("merge", fmt::format("'{}'", s), "reduce_scatter or all_to_all");
+}
+
+std::string_view to_string(DcpMerge m) { return m == DcpMerge::reduce_scatter ? "reduce_scatter" : "all_to_all"; }
+
+DcpTraffic dcp_traffic(int world_size, int64_t rows, int heads_local, int rank_dim, DataType reduce_dtype) {
+  const int64_t others = world_size - 1, cells = rows * heads_local;
+  DcpTraffic t;
+  t.q_all_gather = others * cells * kDim * 2;
+  t.lse_all_gather = others * cells * world_size * 4;  // each rank's lse covers all H heads
+  t.reduce_scatter = others * cells * rank_dim * int64_t(size_of(reduce_dtype));
+  t.all_to_all = others * (cells * rank_dim * 2 + cells * 4);
+  return t;
+}
+
+int dcp_ranks_per_group(int world_size, int heads_local) {
+  int best = 1;
+  for (int d = 1; d <= world_size; ++d)
+    if (world_size % d == 0 && int64_t(d) * heads_local <= kMaxHeads) best = d;
+  return best;
+}
+
+DcpStep::DcpStep(const DcpConfig& config, DeviceCommunicator& comm)
+    : config_(config), comm_(comm), world_(comm.world_size()), rank_(comm.rank()) {
+  require(config.world_size == 0 || config.world_size == world_, "world_size", config.world_size,
+          fmt::format("the communicator's size ({}) (or 0 to take it)", world_));
+  require(config.heads_local >= 1 && config.heads_local <= kMaxHeads, "heads_local", config.heads_local,
+          "1..128 (the CUDA kernel's heads per launch)");
+  require(config.reduce_dtype == DataType::bf16 || config.reduce_dtype == DataType::f32, "reduce_dtype",
+          int(config.reduce_dtype), "bf16 or f32");
+  require(config.merge == DcpMerge::reduce_scatter || config.merge == DcpMerge::all_to_all, "merge",
+          int(config.merge), "reduce_scatter or all_to_all");
+  config_.world_size = world_;
+  hl_ = config.heads_local;
+  rg_ = dcp_ranks_per_group(world_, hl_);
+  hg_ = rg_ * hl_;
+  groups_ = world_ / rg_;
+  softmax_scale_ = config.softmax_scale == 0.0f ? 1.0f / std::sqrt(float(kDim)) : config.softmax_scale;
+
+  PlannerConfig pc;
+  pc.backend = Backend::cuda;
+  pc.mode = config.mode;
+  pc.kv_dtype = config.kv_dtype;
+  pc.heads = hg_;
+  pc.dims = LatentDims{kRank, kDim - kRank};
+  pc.layout = Layout{world_, rank_, config.interleave};
+  pc.block_size = config.block_size;
+  pc.num_blocks = config.num_blocks;
+  pc.route = config.route;
+  pc.limits = config.limits;
+  pc.min_segment_tokens = config.min_segment_tokens;
+  runner_ = std::make_unique<CudaRankRunner>(pc, config.kv_scale, softmax_scale_, comm.device());
+  runner_->set_tuning(config.tuning);
+  rows_ = int64_t(config.limits.max_batch) * config.limits.max_qlen;
+
+  // One device allocation carved into the step's buffers (256-byte aligned pieces).
+  const int64_t cells = rows_ * hl_, all_cells = rows_ * int64_t(world_) * hl_;
+  const int64_t wire = int64_t(size_of(config.reduce_dtype));
+  chunk_lse_offset_ = align_up(cells * kRank * 2, 16);
+  chunk_bytes_ = align_up(chunk_lse_offset_ + cells * 4, 256);
+  const bool rs = config.merge == DcpMerge::reduce_scatter;
+  const int64_t sizes[] = {
+      all_cells * kDim * 2,                                    // q_gathered
+      rg_ > 1 ? all_cells * kDim * 2 : 0,                      // q_grp
+      all_cells * kRank * 2,                                   // o_grp
+      all_cells * 4,                                           // lse_grp
+      rs ? all_cells * world_ * 4 : 0,                         // lse_all
+      rs ? all_cells * kRank * wire : 0,                       // rs_send
+      rs && config.reduce_dtype == DataType::f32 ? cells * kRank * 4 : 0,  // rs_recv
+      rs ? 0 : chunk_bytes_ * world_,                          // a2a_send
+      rs ? 0 : chunk_bytes_ * world_,                          // a2a_recv
+      cells * kRank * 2,                                       // ob
+      cells * 4,                                               // lb
+      rows_ * 8,                                               // slots
+      int64_t(config.limits.max_batch) * 4,                    // lens
+  };
+  int64_t total = 0;
+  for (int64_t s : sizes) total += align_up(s, 256);
+  check(cudaSetDevice(comm.device()), "cudaSetDevice(DcpStep)");
+  try {
+    allocate(total, sizes);
+    agree_on_config();
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+void DcpStep::allocate(int64_t total, const int64_t* sizes) {
+  const DcpConfig& config = config_;
+  check(cudaMalloc(&arena_, size_t(total)), "cudaMalloc(DcpStep buffers)");
+  // Zeroed once: rows past a batch hold zeros (or an earlier batch's values), never junk.
+  cudaStream_t stream = comm_.stream();
+  check(cudaMemsetAsync(arena_, 0, size_t(total), stream), "cudaMemsetAsync(DcpStep buffers)");
+  uint8_t* at = static_cast<uint8_t*>(arena_);
+  void* parts[13];
+  for (int k = 0; k < 13; ++k) {
+    parts[k] = sizes[k] ? at : nullptr;
+    at += align_up(sizes[k], 256);
+  }
+  q_gathered_ = static_cast<bf16*>(parts[0]);
+  q_grp_ = rg_ > 1 ? static_cast<bf16*>(parts[1]) : q_gathered_;
+  o_grp_ = static_cast<bf16*>(parts[2]);
+  lse_grp_ = static_cast<float*>(parts[3]);
+  lse_all_ = static_cast<float*>(parts[4]);
+  rs_send_ = parts[5];
+  rs_recv_ = static_cast<float*>(parts[6]);
+  a2a_send_ = static_cast<uint8_t*>(parts[7]);
+  a2a_recv_ = static_cast<uint8_t*>(parts[8]);
+  ob_ = static_cast<bf16*>(parts[9]);
+  lb_ = static_cast<float*>(parts[10]);
+  slots_dev_ = static_cast<int64_t*>(parts[11]);
+  lens_dev_ = static_cast<int32_t*>(parts[12]);
+  check(cudaMallocHost(&slots_host_, size_t(rows_) * 8), "cudaMallocHost(slot staging)");
+  check(cudaMallocHost(&lens_host_, size_t(config.limits.max_batch) * 4), "cudaMallocHost(length staging)");
+  check(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming), "cudaEventCreate(DcpStep staging)");
+
+  host_ = std::make_unique<HostStagedCommunicator>(comm_, size_t(64) * 4 * size_t(world_ + 1));
+
+  // Before any collective: (1) CudaRankRunner zeroes its plan arena on the legacy stream,
+  // which a non-blocking stream does not wait for; (2) with CUDA's lazy module loading the
+  // first launch of a kernel may wait for the device to go idle, which never happens while
+  // a peer's barrier kernel spins for this rank. So finish all setup work and launch every
+  // kernel run() uses once, on empty work, now (no peer waits on this rank yet).
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(DcpStep setup)");
+  cuda_detail::preload_dcp_kernels();
+  check(cudaMemsetAsync(slots_dev_, 0xff, size_t(rows_) * 8, stream), "cudaMemsetAsync(slots)");  // all PAD
+  cuda::write_kv(ob_, slots_dev_, 1, runner_->cache_config(), runner_->cache(), stream);  // writes nothing
+  cuda::attention(runner_->params(q_grp_, o_grp_, lse_grp_), stream, runner_->num_sms(), true,
+                  runner_->tuning());  // the zeroed plan has no work
+  cuda::merge_state(ob_, lb_, ob_, lb_, ob_, lb_, 1, kRank, stream);  // scratch row
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize(DcpStep warm-up)");
+}
+
+void DcpStep::agree_on_config() {
+  // Ranks built differently would merge garbage or wait on each other: refuse on every rank.
+  const DcpConfig& config = config_;
+  const PlanLimits& l = config.limits;
+  const int32_t signature[] = {world_, hl_, config.interleave, config.block_size, lo32(config.num_blocks),
+                               hi32(config.num_blocks), int32_t(config.kv_dtype), int32_t(config.mode),
+                               int32_t(config.route), l.max_batch, l.max_qlen, lo32(l.max_local_kv_len),
+                               hi32(l.max_local_kv_len), int32_t(config.merge), int32_t(config.reduce_dtype),
+                               config.min_segment_tokens, int32_t(std::bit_cast<uint32_t>(config.kv_scale)),
+                               int32_t(std::bit_cast<uint32_t>(softmax_scale_))};
+  check_ranks_agree(*host_, signature,
+                    "DcpConfig (world_size, heads_local, interleave, block_size, num_blocks, kv_dtype, mode, route, "
+                    "limits, merge, reduce_dtype, min_segment_tokens, kv_scale, softmax_scale)");
+}
+
+DcpStep::~DcpStep() { release(); }
+
+void DcpStep::release() {
+  cudaStreamSynchronize(comm_.stream());
+  host_.reset();
+  runner_.reset();
+  cudaFree(arena_);
+  cudaFreeHost(slots_host_);
+  cudaFreeHost(lens_host_);
+  if (staged_) cudaEventDestroy(staged_);
+  arena_ = nullptr;
+  slots_host_ = nullptr;
+  lens_host_ = nullptr;
+  staged_ = nullptr;
+}
+
+void DcpStep::plan(const BatchDesc& batch) {
+  const int B = int(batch.seq_lens.size());
+  // Agree first (same shape, lengths and tables everywhere); then every rank's planner sees
+  // the same batch and accepts or refuses it alike (its checks use rank 0's share).
+  const int32_t signature[] = {B, batch.qlen, batch.table_width, int32_t(fnv1a(batch.seq_lens)),
+                               int32_t(fnv1a(batch.block_tables))};
+  check_ranks_agree(*host_, signature, "batch (B, qlen, table_width, seq_lens hash, block_tables hash)");
+
+  cudaStream_t stream = comm_.stream();
+  runner_->plan(batch, stream);  // validates the batch first
+  route_ = runner_->current_plan().route();
+
+  const auto& c = runner_->planner().config();
+  check(cudaEventSynchronize(staged_), "cudaEventSynchronize(DcpStep staging)");
+  std::fill(slots_host_, slots_host_ + rows_, kPadSlot);
+  std::fill(lens_host_, lens_host_ + config_.limits.max_batch, 0);
+  const int qlen = batch.qlen;
+  for (int b = 0; b < B; ++b) {
+    const int32_t L = batch.seq_lens[size_t(b)];
+    lens_host_[b] = L;
+    if (L == 0) continue;
+    const auto table = batch.block_tables.subspan(size_t(b) * size_t(batch.table_width), size_t(batch.table_width));
+    for (int t = 0; t < qlen; ++t)
+      slots_host_[int64_t(b) * qlen + t] = slot_of(int64_t(L) - qlen + t, table, c.block_size, c.num_blocks, c.layout);
+  }
+  check(cudaMemcpyAsync(slots_dev_, slots_host_, size_t(rows_) * 8, cudaMemcpyHostToDevice, stream),
+        "cudaMemcpyAsync(slots)");
+  check(cudaMemcpyAsync(lens_dev_, lens_host_, size_t(config_.limits.max_batch) * 4, cudaMemcpyHostToDevice, stream),
+        "cudaMemcpyAsync(seq_lens)");
+  check(cudaEventRecord(staged_, stream), "cudaEventRecord(DcpStep staging)");
+  planned_ = true;
+}
+
+void DcpStep::run(const bf16* q_local, const bf16* new_latents, bf16* out, float* lse) {
+  require(planned_, "plan", "none", "a plan: call plan(batch) before run()");
+  require(q_local != nullptr && out != nullptr && lse != nullptr, "q_local/out/lse", "null", "device pointers");
+  require(new_latents != nullptr || route_ != Route::two_stage, "new_latents", "null",
+          "the verify block's latents (two_stage's stage B reads them)");
+  cudaStream_t stream = comm_.stream();
+  const CacheConfig& cache = runner_->cache_config();
+  if (new_latents) cuda::write_kv(new_latents, slots_dev_, rows_, cache, runner_->cache(), stream);
+
+  // q over heads: [N][rows][Hl][D] -> [G][rows][Hg][D] (one 2-D copy per rank; none when
+  // every group is one rank, where the layouts coincide).
+  comm_.all_gather(q_local, q_gathered_, size_t(rows_ * hl_ * kDim), DataType::bf16);
+  for (int first = 0; rg_ > 1 && first < world_; first += cuda_detail::kMaxPeers) {
+    cuda_detail::Copy2dParams c{};
+    c.n = std::min(world_ - first, cuda_detail::kMaxPeers);
+    for (int k = 0; k < c.n; ++k) {
+      const int p = first + k;
+      c.dst[k] = q_grp_ + (int64_t(p / rg_) * rows_ * hg_ + int64_t(p % rg_) * hl_) * kDim;
+      c.src[k] = q_gathered_ + int64_t(p) * rows_ * hl_ * kDim;
+    }
+    c.rows = rows_;
+    c.width = int64_t(hl_) * kDim * 2;
+    c.spitch = c.width;
+    c.dpitch = int64_t(hg_) * kDim * 2;
+    cuda_detail::launch_copy_2d(c, stream);
+  }
+  for (int g = 0; g < groups_; ++g)
+    runner_->attend(q_grp_ + int64_t(g) * rows_ * hg_ * kDim, o_grp_ + int64_t(g) * rows_ * hg_ * kRank,
+                    lse_grp_ + int64_t(g) * rows_ * hg_, stream);
+
+  enqueue_merge(out, lse);
+
+  if (route_ == Route::two_stage) {
+    // Balanced two_stage: the prefix is merged across ranks; each rank now attends the
+    // verify block for the heads it keeps and merges it in.
+    cuda_detail::BlockParams b{};
+    b.plan_header = runner_->device_plan();
+    b.q = q_local;
+    b.block = new_latents;
+    b.seq_lens = lens_dev_;
+    b.dtype = config_.kv_dtype;
+    b.kv_scale = config_.kv_scale;
+    b.softmax_scale = softmax_scale_;
+    b.heads = hl_;
+    b.dim = kDim;
+    b.width = kRank;
+    b.row_capacity = rows_;
+    b.out = ob_;
+    b.lse = lb_;
+    cuda_detail::launch_block_attention(b, stream);
+    cuda::merge_state(out, lse, ob_, lb_, out, lse, rows_ * hl_, kRank, stream);
+  }
+}
+
+void DcpStep::enqueue_merge(bf16* out, float* lse) {
+  cudaStream_t stream = comm_.stream();
+  const cuda_detail::HeadGroups g{world_, rank_, rg_, hl_, hg_, rows_};
+  const int64_t cells = rows_ * hl_;
+  if (config_.merge == DcpMerge::reduce_scatter) {
+    comm_.all_gather(lse_grp_, lse_all_, size_t(int64_t(groups_) * rows_ * hg_), DataType::f32);
+    const bool f32 = config_.reduce_dtype == DataType::f32;
+    cuda_detail::launch_correct(cuda_detail::CorrectParams{g, lse_all_, o_grp_, rs_send_, f32, lse, kRank}, stream);
+    if (f32) {
+      comm_.reduce_scatter_sum(rs_send_, rs_recv_, size_t(cells * kRank), DataType::f32);
+      cuda_detail::launch_to_bf16(rs_recv_, out, cells * kRank, stream);
+    } else {
+      comm_.reduce_scatter_sum(rs_send_, out, size_t(cells * kRank), DataType::bf16);
+    }
+    return;
+  }
+  cuda_detail::launch_pack(
+      cuda_detail::PackParams{g, o_grp_, lse_grp_, a2a_send_, chunk_bytes_, chunk_lse_offset_, kRank}, stream);
+  comm_.all_to_all(a2a_send_, a2a_recv_, size_t(chunk_bytes_ / 2), DataType::bf16);
+  cuda_detail::launch_merge(
+      cuda_detail::MergeParams{reinterpret_cast<const bf16*>(a2a_recv_),
+                               reinterpret_cast<const float*>(a2a_recv_ + chunk_lse_offset_), chunk_bytes_ / 2,
+                               chunk_bytes_ / 4, world_, cells, kRank, out, lse},
+      stream);
+}
+
+}  // namespace dcpmla

@@ -1,0 +1,445 @@
+// The GPU DCP step (dcp.h) with N = 2, 4, 8 ranks simulated on one GPU (DeviceGroup): it
+// must equal DCP1 (the CPU path on one rank, and the GPU step on one rank where H <= 128)
+// for every mode and dtype, both merge forms, interleave 1 and > 1, the two_stage route,
+// and after a CUDA graph replay that follows a re-plan. Requests shorter than N and ranks
+// holding no token of a row must give exact results (no NaN, -inf only for padding).
+// Bad input fails on every rank, never hangs.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "dcp_harness.h"
+#include "dcpmla/error.h"
+
+namespace dcpmla::testing {
+namespace {
+
+// Lengths with padding (0), requests shorter than every N tested (1, 2, 3: most ranks hold
+// no token of their rows), one that ends mid-run of an interleave, and longer ones.
+std::vector<int32_t> lens_for(int qlen) {
+  std::vector<int32_t> lens{0, 1, 2, 3, 37, 300, 523};
+  for (auto& L : lens) L = L == 0 ? 0 : std::max<int32_t>(L, qlen);
+  return lens;
+}
+
+struct Grid {
+  int world;
+  DcpMerge merge;
+};
+
+class DcpStepGrid : public ::testing::TestWithParam<Grid> {};
+
+// Every mode x dtype x interleave for one (N, merge form). Head counts vary with the dtype
+// so that groups of several launches (N x Hl > 128) and odd head counts run too.
+TEST_P(DcpStepGrid, EqualsDcp1AndCpuReference) {
+  DCPMLA_REQUIRE_GPU();
+  const Grid grid = GetParam();
+  uint64_t seed = 100 * uint64_t(grid.world) + uint64_t(grid.merge);
+  for (Mode mode : {Mode::decode, Mode::verify, Mode::draft})
+    for (KvDtype dtype : {KvDtype::bf16, KvDtype::fp8_e4m3, KvDtype::fp8_e5m2})
+      for (int interleave : {1, 4}) {
+        DcpCase c;
+        c.name = "grid";
+        c.world = grid.world;
+        c.merge = grid.merge;
+        c.mode = mode;
+        c.dtype = dtype;
+        c.kv_scale = dtype == KvDtype::bf16 ? 1.0f : dtype == KvDtype::fp8_e4m3 ? 0.05f : 2.0f;
+        c.interleave = interleave;
+        c.block_size = interleave == 1 ? 16 : 64;
+        c.heads_local = dtype == KvDtype::bf16 ? 8 : dtype == KvDtype::fp8_e4m3 ? 32 : 3;
+        c.qlen = mode == Mode::decode ? 1 : mode == Mode::verify ? 4 : 3;
+        // Routes: verify alternates two_stage (balanced) and auto; decode forces split_k
+        // at interleave 1; draft forces one_stage at interleave 4.
+        if (mode == Mode::verify) c.route = interleave == 1 ? Route::two_stage : Route::automatic;
+        if (mode == Mode::decode && interleave == 1) c.route = Route::split_k;
+        if (mode == Mode::draft && interleave == 4) c.route = Route::one_stage;
+        c.reduce = interleave == 1 ? DataType::bf16 : DataType::f32;
+        c.lens = lens_for(c.qlen);
+        c.seed = ++seed;
+        SCOPED_TRACE(c.describe());
+        const GlobalBatch g = make_global(c.lens, c.qlen, c.world * c.heads_local, c.seed);
+        const Result ref = cpu_reference(g, c);
+        const Result got = run_gpu(c, g);
+        EXPECT_EQ(got.cache_mismatch, 0) << "the step's KV write must equal the CPU write path";
+        if (c.route != Route::automatic) {
+          EXPECT_EQ(got.route, c.route);
+        }
+        expect_close(got, ref, g, "N ranks vs CPU DCP1");
+        if (g.H <= 128) {
+          DcpCase one = c;
+          one.world = 1;
+          one.heads_local = g.H;
+          const Result dcp1 = run_gpu(one, g);
+          expect_close(got, dcp1, g, "N ranks vs GPU DCP1");
+        }
+      }
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, DcpStepGrid,
+                         ::testing::Values(Grid{2, DcpMerge::reduce_scatter}, Grid{2, DcpMerge::all_to_all},
+                                           Grid{4, DcpMerge::reduce_scatter}, Grid{4, DcpMerge::all_to_all},
+                                           Grid{8, DcpMerge::reduce_scatter}, Grid{8, DcpMerge::all_to_all}),
+                         [](const auto& info) {
+                           return "N" + std::to_string(info.param.world) + "_" +
+                                  std::string(to_string(info.param.merge));
+                         });
+
+// Only short requests: with N = 8 most ranks hold no token of any row; and a request of
+// length 1 in verify with qlen 1 (the window is the block itself).
+TEST(DcpStep, ShortRequestsAndEmptyRanksAreExact) {
+  DCPMLA_REQUIRE_GPU();
+  for (DcpMerge merge : {DcpMerge::reduce_scatter, DcpMerge::all_to_all})
+    for (Route route : {Route::one_stage, Route::two_stage}) {
+      DcpCase c;
+      c.name = "short";
+      c.world = 8;
+      c.merge = merge;
+      c.route = route;
+      c.qlen = route == Route::two_stage ? 2 : 1;
+      c.lens = {1 + (c.qlen - 1), 2, 0, 7, 3};
+      c.heads_local = 4;
+      c.interleave = 2;
+      c.seed = 77 + uint64_t(merge);
+      SCOPED_TRACE(c.describe());
+      const GlobalBatch g = make_global(c.lens, c.qlen, c.world * c.heads_local, c.seed);
+      const Result ref = cpu_reference(g, c);
+      const Result got = run_gpu(c, g);
+      expect_close(got, ref, g, "short requests");
+      // Padding rows: exactly zero with lse = -inf.
+      for (int t = 0; t < c.qlen; ++t)
+        for (int h = 0; h < g.H; ++h) {
+          const size_t row = (size_t(2) * c.qlen + size_t(t)) * g.H + size_t(h);
+          EXPECT_TRUE(std::isinf(got.lse[row]) && got.lse[row] < 0);
+          for (int j = 0; j < kR; ++j) ASSERT_EQ(got.out[row * kR + j].bits, 0);
+        }
+    }
+}
+
+// One rank (no peer to wait for, so compute-sanitizer can run it): every kernel of the
+// step, both merge forms, two_stage's stage B, against the CPU path.
+TEST(DcpStep, OneRankEveryKernel) {
+  DCPMLA_REQUIRE_GPU();
+  for (DcpMerge merge : {DcpMerge::reduce_scatter, DcpMerge::all_to_all}) {
+    DcpCase c;
+    c.name = "one_rank";
+    c.world = 1;
+    c.merge = merge;
+    c.route = Route::two_stage;
+    c.dtype = KvDtype::fp8_e4m3;
+    c.kv_scale = 0.05f;
+    c.qlen = 3;
+    c.heads_local = 16;
+    c.reduce = DataType::f32;
+    c.lens = {3, 0, 100, 41};
+    c.seed = 61 + uint64_t(merge);
+    SCOPED_TRACE(c.describe());
+    const GlobalBatch g = make_global(c.lens, c.qlen, c.heads_local, c.seed);
+    const Result got = run_gpu(c, g);
+    EXPECT_EQ(got.cache_mismatch, 0);
+    expect_close(got, cpu_reference(g, c), g, "one rank");
+  }
+}
+
+// A CUDA graph per rank, captured once around DcpStep::run on the rank's stream, replayed
+// for batch 1, then after re-planning a different batch (fewer live requests, padding,
+// another qlen, another route): the communication is inside each graph.
+struct GraphCase {
+  DcpCase c;
+  std::vector<int32_t> lens1, lens2;
+  int qlen1, qlen2;
+};
+
+void run_graph_case(const GraphCase& gc) {
+  const DcpCase& c = gc.c;
+  SCOPED_TRACE(c.describe());
+  const int H = c.world * c.heads_local;
+  const GlobalBatch g1 = make_global(gc.lens1, gc.qlen1, H, c.seed), g2 = make_global(gc.lens2, gc.qlen2, H, c.seed + 5);
+  const Tables t = make_tables(c, {&g1, &g2});
+  const int max_batch = std::max(g1.B, g2.B), max_qlen = std::max(gc.qlen1, gc.qlen2);
+  Result got1, got2;
+  for (Result* r : {&got1, &got2}) {
+    const GlobalBatch& g = r == &got1 ? g1 : g2;
+    r->out.assign(size_t(g.B) * g.qlen * H * kR, bf16{});
+    r->lse.assign(size_t(g.B) * g.qlen * H, 0.0f);
+  }
+  std::mutex mutex;
+  std::vector<std::string> routes(static_cast<size_t>(c.world));
+  run_ranks_on_gpu(c.world, [&](int rank, DeviceCommunicator& comm) {
+    cudaStream_t stream = comm.stream();
+    DcpStep step(step_config(c, t, max_batch, max_qlen), comm);
+    cuda_ok(cudaMemsetAsync(step.runner().cache(), 0xff, size_t(step.runner().cache_config().bytes()), stream),
+            "poison");
+    const RankInputs in1 = rank_inputs(g1, rank, c.heads_local, step.row_capacity());
+    const RankInputs in2 = rank_inputs(g2, rank, c.heads_local, step.row_capacity());
+    const BatchDesc d1{g1.lens, g1.qlen, t.tables[0], t.widths[0]}, d2{g2.lens, g2.qlen, t.tables[1], t.widths[1]};
+    for (auto [in, d] : {std::pair{&in1, &d1}, std::pair{&in2, &d2}})
+      if (!in->prefix_positions.empty()) {
+        DeviceBuffer<bf16> lat(in->prefix_latents.size());
+        upload_on(lat, in->prefix_latents, stream);
+        step.runner().write(lat.get(), in->prefix_positions, in->prefix_requests, *d, stream);
+        cuda_ok(cudaStreamSynchronize(stream), "prefix write");
+      }
+    const size_t cap = size_t(step.row_capacity());
+    DeviceBuffer<bf16> q(cap * c.heads_local * kD), lat(cap * kD), out(cap * c.heads_local * kR);
+    DeviceBuffer<float> lse(cap * c.heads_local);
+
+    step.plan(d1);
+    upload_on(q, in1.q_local, stream);
+    upload_on(lat, in1.new_latents, stream);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+    step.run(q.get(), lat.get(), out.get(), lse.get());
+    cuda_ok(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
+    cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+    std::string route = std::string(to_string(step.runner().current_plan().route()));
+
+    auto replay = [&](const GlobalBatch& g, Result& res) {
+      poison_on(out, stream);
+      poison_on(lse, stream);
+      cuda_ok(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
+      comm.synchronize();
+      const std::vector<bf16> o = out.download();
+      const std::vector<float> l = lse.download();
+      std::lock_guard lock(mutex);
+      scatter_heads(res, g, rank, c.heads_local, o, l);
+    };
+    replay(g1, got1);
+    step.plan(d2);
+    upload_on(q, in2.q_local, stream);
+    upload_on(lat, in2.new_latents, stream);
+    replay(g2, got2);
+    route += " -> " + std::string(to_string(step.runner().current_plan().route()));
+    routes[size_t(rank)] = route;
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  });
+  ::testing::Test::RecordProperty("routes", routes[0]);
+  DcpCase c1 = c, c2 = c;
+  c1.qlen = gc.qlen1;
+  c2.qlen = gc.qlen2;
+  expect_close(got1, cpu_reference(g1, c1), g1, "graph replay of batch 1 (" + routes[0] + ")");
+  expect_close(got2, cpu_reference(g2, c2), g2, "graph replay after re-plan, batch 2 (" + routes[0] + ")");
+}
+
+TEST(DcpStepGraph, ReplayAfterReplanTwoStageReduceScatter) {
+  DCPMLA_REQUIRE_GPU();
+  GraphCase gc;
+  gc.c.name = "graph_two_stage";
+  gc.c.world = 4;
+  gc.c.mode = Mode::verify;
+  gc.c.route = Route::two_stage;
+  gc.c.interleave = 2;
+  gc.c.block_size = 16;
+  gc.c.heads_local = 16;
+  gc.c.merge = DcpMerge::reduce_scatter;
+  gc.c.seed = 501;
+  gc.lens1 = {900, 40, 4, 1200};  // 4 = qlen: an empty committed prefix
+  gc.qlen1 = 4;
+  gc.lens2 = {0, 77, 0, 2};
+  gc.qlen2 = 2;
+  run_graph_case(gc);
+}
+
+TEST(DcpStepGraph, ReplayAfterReplanSplitToOneStageAllToAllFp8) {
+  DCPMLA_REQUIRE_GPU();
+  GraphCase gc;
+  gc.c.name = "graph_split";
+  gc.c.world = 8;
+  gc.c.mode = Mode::decode;
+  gc.c.dtype = KvDtype::fp8_e4m3;
+  gc.c.kv_scale = 0.05f;
+  gc.c.interleave = 1;
+  gc.c.block_size = 64;
+  gc.c.heads_local = 32;  // 256 heads: two attention launches per rank
+  gc.c.merge = DcpMerge::all_to_all;
+  gc.c.seed = 502;
+  gc.lens1 = {6000, 9000, 100, 4000, 5};
+  gc.qlen1 = 1;
+  gc.lens2 = {0, 300, 0, 0, 1};
+  gc.qlen2 = 1;
+  run_graph_case(gc);
+}
+
+TEST(DcpStepGraph, ReplayDraftReduceScatterF32) {
+  DCPMLA_REQUIRE_GPU();
+  GraphCase gc;
+  gc.c.name = "graph_draft";
+  gc.c.world = 2;
+  gc.c.mode = Mode::draft;
+  gc.c.dtype = KvDtype::fp8_e5m2;
+  gc.c.kv_scale = 2.0f;
+  gc.c.interleave = 1;
+  gc.c.heads_local = 64;
+  gc.c.merge = DcpMerge::reduce_scatter;
+  gc.c.reduce = DataType::f32;
+  gc.c.seed = 503;
+  gc.lens1 = {50, 700, 3};
+  gc.qlen1 = 3;
+  gc.lens2 = {1000, 0, 4};
+  gc.qlen2 = 2;
+  run_graph_case(gc);
+}
+
+// ---- bad input: an error on every rank, never a hang ---------------------------------------
+
+// Runs fn on every rank; returns each rank's error text ("" when it did not throw).
+std::vector<std::string> errors_per_rank(int world, const std::function<void(int, DeviceCommunicator&)>& fn) {
+  std::vector<std::string> errors(static_cast<size_t>(world));
+  std::mutex mutex;
+  run_ranks_on_gpu(world, [&](int rank, DeviceCommunicator& comm) {
+    try {
+      fn(rank, comm);
+    } catch (const std::exception& e) {
+      std::lock_guard lock(mutex);
+      errors[size_t(rank)] = e.what();
+    }
+  });
+  return errors;
+}
+
+DcpConfig small_config(int world) {
+  DcpConfig cfg;
+  cfg.world_size = world;
+  cfg.heads_local = 4;
+  cfg.block_size = 16;
+  cfg.num_blocks = 64;
+  cfg.limits = PlanLimits{4, 2, 256};
+  return cfg;
+}
+
+TEST(DcpStepBadInput, WorldSizeNotMatchingTheCommunicator) {
+  DCPMLA_REQUIRE_GPU();
+  const auto errors = errors_per_rank(2, [](int, DeviceCommunicator& comm) {
+    DcpConfig cfg = small_config(3);
+    DcpStep step(cfg, comm);
+  });
+  for (const auto& e : errors) EXPECT_NE(e.find("'world_size' = 3"), std::string::npos) << e;
+}
+
+TEST(DcpStepBadInput, RanksDisagreeOnTheConfiguration) {
+  DCPMLA_REQUIRE_GPU();
+  const auto errors = errors_per_rank(4, [](int rank, DeviceCommunicator& comm) {
+    DcpConfig cfg = small_config(4);
+    if (rank == 3) cfg.interleave = 2;
+    DcpStep step(cfg, comm);
+  });
+  for (const auto& e : errors) EXPECT_NE(e.find("expected the same on every rank"), std::string::npos) << e;
+}
+
+TEST(DcpStepBadInput, RanksDisagreeOnThePlanShape) {
+  DCPMLA_REQUIRE_GPU();
+  const auto errors = errors_per_rank(4, [](int rank, DeviceCommunicator& comm) {
+    DcpStep step(small_config(4), comm);
+    const std::vector<int32_t> lens{rank == 1 ? 40 : 41, 8};
+    const std::vector<int32_t> tables{0, 1, 2, 3};
+    step.plan(BatchDesc{lens, 1, tables, 2});
+  });
+  for (const auto& e : errors) EXPECT_NE(e.find("expected the same on every rank"), std::string::npos) << e;
+}
+
+TEST(DcpStepBadInput, BatchRefusedAlikeOnEveryRank) {
+  DCPMLA_REQUIRE_GPU();
+  const auto errors = errors_per_rank(4, [](int, DeviceCommunicator& comm) {
+    DcpStep step(small_config(4), comm);
+    const std::vector<int32_t> lens{41, 8};
+    const std::vector<int32_t> tables{999, 1, 2, 3};  // a block id out of range, in a used entry
+    step.plan(BatchDesc{lens, 1, tables, 2});
+  });
+  for (const auto& e : errors) EXPECT_NE(e.find("999"), std::string::npos) << e;
+}
+
+TEST(DcpStepBadInput, FailedRankAbortsTheOthers) {
+  DCPMLA_REQUIRE_GPU();
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    run_ranks_on_gpu(4, [](int rank, DeviceCommunicator& comm) {
+      DcpStep step(small_config(4), comm);
+      if (rank == 2) throw Error("rank 2 failed on purpose");
+      const std::vector<int32_t> lens{41, 8};
+      const std::vector<int32_t> tables{0, 1, 2, 3};
+      step.plan(BatchDesc{lens, 1, tables, 2});  // the others wait here for rank 2
+    });
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 2 failed on purpose"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+}
+
+// A peer that never reaches the device-side barrier: the waiting rank's barrier kernel gives
+// up after the group's timeout, and every rank's synchronize() reports it.
+TEST(DcpStepBadInput, DeviceBarrierTimesOut) {
+  DCPMLA_REQUIRE_GPU();
+  DeviceGroup group(2, 0, std::chrono::milliseconds(300));
+  cudaStream_t s[2];
+  for (auto& x : s) cuda_ok(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking), "cudaStreamCreate");
+  auto c0 = group.communicator(0, s[0]);
+  auto c1 = group.communicator(1, s[1]);
+  DeviceBuffer<float> a(4), b(8), x(4), y(8);
+  // Rank 1's stream is held by a host callback for 2 s, so its barrier kernel starts late.
+  std::atomic<bool> release{false};
+  cuda_ok(cudaLaunchHostFunc(
+              s[1], [](void* flag) {
+                const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+                while (!static_cast<std::atomic<bool>*>(flag)->load() && std::chrono::steady_clock::now() < until)
+                  std::this_thread::sleep_for(std::chrono::milliseconds(10));
+              },
+              &release),
+          "cudaLaunchHostFunc");
+  std::string e0, e1;
+  std::thread t1([&] {
+    c1->all_gather(x.get(), y.get(), 4, DataType::f32);
+    try {
+      c1->synchronize();
+    } catch (const std::exception& e) {
+      e1 = e.what();
+    }
+  });
+  c0->all_gather(a.get(), b.get(), 4, DataType::f32);
+  try {
+    c0->synchronize();
+  } catch (const std::exception& e) {
+    e0 = e.what();
+  }
+  release = true;
+  t1.join();
+  EXPECT_NE(e0.find("did not arrive"), std::string::npos) << e0;
+  EXPECT_FALSE(e1.empty());
+  for (auto& st : s) cudaStreamDestroy(st);
+}
+
+TEST(DcpStepBadInput, DeviceGroupChecksItsArguments) {
+  EXPECT_THROW(DeviceGroup(0), Error);
+  EXPECT_THROW(DeviceGroup(kMaxDeviceGroupRanks + 1), Error);
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    n = 0;
+  }
+  try {
+    DeviceGroup g(2, n);  // one past the last GPU (CI: there is none)
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'device'"), std::string::npos) << e.what();
+  }
+}
+
+TEST(DcpTraffic, BytesPerRank) {
+  const DcpTraffic t = dcp_traffic(4, 32, 16, 512, DataType::bf16);
+  EXPECT_EQ(t.q_all_gather, 3 * 32 * 16 * 576 * 2);
+  EXPECT_EQ(t.reduce_scatter, 3 * 32 * 16 * 512 * 2);
+  EXPECT_EQ(t.lse_all_gather, 3 * 32 * 16 * 4 * 4);
+  EXPECT_EQ(t.all_to_all, 3 * (32 * 16 * 512 * 2 + 32 * 16 * 4));
+  EXPECT_EQ(dcp_ranks_per_group(8, 16), 8);
+  EXPECT_EQ(dcp_ranks_per_group(8, 32), 4);
+  EXPECT_EQ(dcp_ranks_per_group(8, 3), 8);
+  EXPECT_EQ(dcp_ranks_per_group(6, 32), 3);
+  EXPECT_EQ(dcp_ranks_per_group(2, 128), 1);
+}
+
+}  // namespace
+}  // namespace dcpmla::testing
