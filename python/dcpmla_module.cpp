@@ -141,6 +141,7 @@ NB_MODULE(_dcpmla, m) {
   m.doc() = "dcpmla native module (internal): use the functions of the dcpmla package.";
   m.attr("__version__") = DCPMLA_VERSION_STRING;
   m.attr("cuda_available") = kCudaBuilt;
+  m.attr("max_in_process_bytes") = dcpmla::kMaxInProcessBytes;
   m.def("cuda_device_available", [] {
 #ifdef DCPMLA_HAS_CUDA
     return dcpmla::cuda_device_available();

@@ -121,7 +121,8 @@ class InProcessComm final : public Communicator {
 }  // namespace
 
 InProcessGroup::InProcessGroup(int world_size) {
-  require(world_size >= 1, "world_size", world_size, ">= 1");
+  require(world_size >= 1 && world_size <= kMaxInProcessRanks, "world_size", world_size,
+          fmt::format("in [1, {}] for in-process ranks (threads)", kMaxInProcessRanks));
   state_ = std::make_shared<State>(world_size);
 }
 InProcessGroup::~InProcessGroup() = default;

@@ -13,10 +13,11 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 // Row-wise LSE merge of n partials at o_at(k), lse_at(k). Ranks whose lse is -inf
 // hold no key of the row and get weight 0; all -inf gives o = 0, lse = -inf.
+// A NaN lse (a NaN or inf read by the row) is not empty: it makes the row's out and lse NaN.
 template <class OAt, class LseAt>
 void merge_row(int n, OAt o_at, LseAt lse_at, int width, bf16* o, float* lse) {
   float m = kNegInf;
-  for (int k = 0; k < n; ++k) m = std::max(m, lse_at(k));
+  for (int k = 0; k < n; ++k) m = nan_max(m, lse_at(k));
   if (m == kNegInf) {
     std::fill(o, o + width, bf16{});
     *lse = kNegInf;
@@ -57,10 +58,16 @@ void combine_partials(const bf16* o_parts, const float* lse_parts, int n, bf16* 
 
 void merge_split_k(const float* part_o, const float* part_m, const float* part_l, int segments,
                    int64_t segment_stride_o, int64_t segment_stride_ml, int width, bf16* o, float* lse) {
+  // l = 0 marks an empty segment; a NaN l (a NaN or inf score or value) must poison the row,
+  // also when its m is -inf (every score NaN), so it counts as not empty.
   float m = kNegInf;
+  bool any = false;
   for (int s = 0; s < segments; ++s)
-    if (part_l[s * segment_stride_ml] > 0.0f) m = std::max(m, part_m[s * segment_stride_ml]);
-  if (m == kNegInf) {
+    if (part_l[s * segment_stride_ml] != 0.0f) {
+      any = true;
+      m = nan_max(m, part_m[s * segment_stride_ml]);
+    }
+  if (!any) {
     std::fill(o, o + width, bf16{});
     *lse = kNegInf;
     return;
@@ -69,7 +76,7 @@ void merge_split_k(const float* part_o, const float* part_m, const float* part_l
   float l = 0.0f;
   for (int s = 0; s < segments; ++s) {
     const float ls = part_l[s * segment_stride_ml];
-    if (ls <= 0.0f) continue;
+    if (ls == 0.0f) continue;
     const float w = ls * std::exp2(part_m[s * segment_stride_ml] - m);
     l += w;
     const float* src = part_o + s * segment_stride_o;

@@ -26,6 +26,11 @@ class Communicator {
   virtual void barrier() = 0;
 };
 
+// Most in-process ranks a group may have. In-process ranks are threads, each with its own
+// cache shard; a DCP group is a handful of ranks, so a larger count is a mistake, refused
+// before any thread starts (world_size = 10**6 must not try to spawn a million threads).
+inline constexpr int kMaxInProcessRanks = 256;
+
 // Ranks as threads of one process over host memory. A rank that fails aborts the group:
 // the others leave their collective with an error instead of waiting forever.
 class InProcessGroup {

@@ -2,11 +2,21 @@
 // All lse here are natural log; split-K statistics are base 2 and say so.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "dcpmla/numeric.h"
 
 namespace dcpmla {
+
+// max(a, b) that keeps a NaN: the merges take their reference maximum with it, so a NaN
+// partial poisons its row (NaN out and lse) instead of being skipped, or of turning a row
+// whose other partials are empty into an empty row. std::max drops a NaN second argument.
+inline float nan_max(float a, float b) {
+  if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<float>::quiet_NaN();
+  return a < b ? b : a;
+}
 
 // (o, lse) = merge of two partials over disjoint key sets, row by row:
 // lse = ln(e^a + e^b), o = e^(a-lse) o_a + e^(b-lse) o_b. -inf partials contribute nothing;

@@ -79,13 +79,19 @@ def _host_array(field, x):
 
 
 def _array(field, x, dtype, ndim, layout):
-    """A C-contiguous numpy array of exactly `dtype` and `ndim` (no silent casts)."""
+    """A C-contiguous numpy array of exactly `dtype` and `ndim` (no silent casts). A view is
+    copied; a view that would copy more than the in-process limit (a broadcast array can
+    describe petabytes in a few bytes) is refused instead."""
     a = _host_array(field, x)
     dtype = np.dtype(dtype)
     if a.dtype != dtype:
         raise _error(f"{field}.dtype", a.dtype, f"{dtype} {layout}")
     if a.ndim != ndim:
         raise _error(f"{field}.ndim", a.ndim, f"{ndim} {layout}")
+    limit = _dcpmla.max_in_process_bytes
+    if not a.flags.c_contiguous and a.nbytes > limit:
+        raise _error(field, f"a non-contiguous view of shape {a.shape} ({a.nbytes / 2**30:.3g} GiB)",
+                     f"at most {limit / 2**30:.3g} GiB to copy (pass a contiguous array)")
     return np.ascontiguousarray(a)
 
 

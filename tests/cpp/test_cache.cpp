@@ -59,4 +59,17 @@ TEST(Cache, RefusesBadInputBeforeWriting) {
   EXPECT_THROW(PagedCache(CacheConfig{1, 4, 2, KvDtype::fp8_e4m3, NAN}), Error);
 }
 
+// Refused before any allocation: a byte count that overflows int64, a block beyond the limit.
+TEST(Cache, RefusesAbsurdSizes) {
+  try {
+    PagedCache(CacheConfig{int64_t(1) << 50, 64, 576, KvDtype::bf16, 1.0f});
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'num_blocks' = 1125899906842624"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(PagedCache(CacheConfig{1, kMaxBlockSize + 1, 2, KvDtype::bf16, 1.0f}), Error);
+  EXPECT_THROW(PagedCache(CacheConfig{1, INT32_MAX, 576, KvDtype::bf16, 1.0f}), Error);
+  EXPECT_EQ(PagedCache(CacheConfig{1, kMaxBlockSize, 1, KvDtype::fp8_e4m3, 1.0f}).config().num_slots(), kMaxBlockSize);
+}
+
 }  // namespace dcpmla

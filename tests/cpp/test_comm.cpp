@@ -66,6 +66,10 @@ TEST(Comm, AFailingRankAbortsTheOthersInsteadOfHanging) {
 
 TEST(Comm, RefusesBadRanks) {
   EXPECT_THROW(InProcessGroup(0), Error);
+  EXPECT_THROW(InProcessGroup(kMaxInProcessRanks + 1), Error);
+  bool ran = false;
+  EXPECT_THROW(run_ranks(1000000, [&](int, Communicator&) { ran = true; }), Error);
+  EXPECT_FALSE(ran) << "no rank may start when the group is refused";
   InProcessGroup group(2);
   EXPECT_THROW(group.communicator(2), Error);
   EXPECT_THROW(group.communicator(-1), Error);

@@ -67,6 +67,14 @@ TEST(Layout, SlotMappingIsBijectionOntoOwnedSlots) {
       }
 }
 
+TEST(Layout, BlockSizeLimit) {
+  const std::vector<int32_t> table{0};
+  const std::vector<int64_t> positions{0, 1};
+  EXPECT_EQ(slot_mapping(positions, table, kMaxBlockSize, 1, Layout{1, 0, 1}), (std::vector<int64_t>{0, 1}));
+  EXPECT_THROW(slot_mapping(positions, table, kMaxBlockSize + 1, 1, Layout{1, 0, 1}), Error);
+  EXPECT_THROW(Layout({2, 0, INT32_MAX}).validate_with_block_size(INT32_MAX), Error);
+}
+
 TEST(Layout, PerRowLengthsCountFromGlobalWindowEnd) {
   // N = 2, r = 1, L = 10, qlen = 3: windows 8, 9, 10 hold 4, 4, 5 positions on rank 1.
   EXPECT_EQ(row_local_lengths(Mode::verify, 10, 3, Layout{2, 1, 1}), (std::vector<int64_t>{4, 4, 5}));

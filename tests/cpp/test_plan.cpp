@@ -194,6 +194,45 @@ TEST(Plan, RefusesBadConfigurations) {
   expect_error([&] { Planner p(c); }, "limits");
 }
 
+// Each of these overflowed int arithmetic in the planner before it was refused: the first
+// three were found by tests/fuzz/fuzz_planner (UBSan: signed overflow), the sub-page one by
+// its oracle (sub-page ids are int32 in the plan).
+TEST(Plan, RefusesConfigurationsWhoseArithmeticWouldOverflow) {
+  auto c = config();
+  c.limits.max_batch = INT32_MAX;
+  c.num_workers = INT32_MAX;  // work capacity max_batch + num_workers
+  expect_error([&] { Planner p(c); }, "limits");
+  c = config();
+  c.limits.max_local_kv_len = INT64_MAX - 3;  // table stride ceil(len / page)
+  expect_error([&] { Planner p(c); }, "'limits.max_local_kv_len' = 9223372036854775804");
+  c = config();
+  c.dims = LatentDims{512, INT32_MAX - 3};  // D = R + P
+  expect_error([&] { Planner p(c); }, "'rope_dim' = 2147483644");
+  c = config();
+  c.block_size = 3;  // page 1: three sub-pages per block
+  c.num_blocks = INT32_MAX / 3 + 1;
+  expect_error([&] { Planner p(c); }, "'num_blocks' = 715827883");
+  c = config();
+  c.block_size = kMaxBlockSize * 2;
+  expect_error([&] { Planner p(c); }, "'block_size' = 131072");
+}
+
+TEST(Plan, SubpageIdsAtTheInt32Edge) {
+  auto c = config(Mode::draft);
+  c.block_size = 3;
+  c.num_blocks = INT32_MAX / 3;  // the largest cache whose sub-page ids fit int32
+  c.limits = PlanLimits{1, 1, 16};
+  Planner planner(c);
+  Plan plan = planner.make_plan();
+  const std::vector<int32_t> lens{6}, table{int32_t(c.num_blocks - 1), 7};
+  planner.plan(BatchDesc{lens, 1, table, 2}, plan);
+  const PlanView v = plan.view();
+  const int64_t last = (c.num_blocks - 1) * 3;
+  for (int k = 0; k < 3; ++k) EXPECT_EQ(v.subpage_table[k], last + k);
+  EXPECT_EQ(v.subpage_table[3], 21);
+  EXPECT_EQ(v.subpage_table[2], INT32_MAX - 2);  // the largest id: num_blocks x 3 - 1
+}
+
 TEST(Plan, RefusesBadBatches) {
   Planner planner(config());
   Plan plan = planner.make_plan();

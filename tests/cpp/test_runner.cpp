@@ -92,6 +92,16 @@ TEST(Runner, EntryPointRefusesBadInput) {
   o.mode = Mode::draft;
   o.route = Route::two_stage;
   expect_error([&] { call(o); }, "route");
+  // Refused before allocating: a million threads; 14 GB of blocks for 11 tokens.
+  o = {};
+  o.world_size = 1000000;
+  expect_error([&] { call(o); }, "world_size");
+  o = {};
+  o.world_size = 64;
+  o.block_size = kMaxBlockSize;
+  expect_error([&] { call(o); }, "GiB");
+  o.block_size = kMaxBlockSize * 2;
+  expect_error([&] { call(o); }, "'block_size' = 131072");
   expect_error([] { parse_route("fast"); }, "'route' = 'fast'");
   expect_error([] { parse_mode("prefill"); }, "'mode' = 'prefill'");
   expect_error([] { parse_kv_dtype("fp16"); }, "kv_dtype");

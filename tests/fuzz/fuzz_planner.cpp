@@ -1,0 +1,328 @@
+// Fuzzes the planner with the layout (SPEC §2, §4): arbitrary bytes become a planner
+// configuration and a batch (lengths, qlen, mode, world, rank, interleave, block size,
+// block tables, capture limits, num_blocks, heads, route, dtype). Every input must either
+// give a plan or raise dcpmla::Error -- any other exception, crash, sanitizer report or hang
+// is a bug. The planner must refuse exactly the configurations and batches the contract
+// calls bad (an independent oracle below), and every plan it accepts must hold:
+//  - per-row local lengths are n_r(w_t), and summed over the ranks they equal the window;
+//  - every rank of the group accepts or refuses the same batch and takes the same route;
+//  - every sub-page id is the spec's expansion of the table and lies inside the cache;
+//  - the work list covers each request's tiles exactly once, in order;
+//  - padding requests get zero rows and no work, and never change the route or the split.
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "dcpmla/cache.h"
+#include "dcpmla/error.h"
+#include "dcpmla/layout.h"
+#include "dcpmla/plan.h"
+#include "fuzz_common.h"
+
+using namespace dcpmla;
+using dcpmla::fuzz::field;
+using dcpmla::fuzz::pick;
+using dcpmla::fuzz::spec_local_length;
+
+namespace {
+
+// Harness caps: values the library accepts by design but that would make one execution
+// slow. The library itself refuses what is absurd (its own limits are in the oracles).
+constexpr int64_t kArenaCapInts = int64_t(1) << 22;  // per planned rank (the library allows 1 << 30)
+constexpr int kMaxBatch = 64;
+constexpr int kMaxTableWidth = 256;
+constexpr int64_t kMaxTableEntries = 1 << 14;
+constexpr int kMaxRanksPlanned = 16;  // plan every rank of the group up to this world size
+
+int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }
+
+int64_t spec_page(int64_t block_size) {
+  int64_t p = 1;
+  while (p < 128 && block_size % (p * 2) == 0) p *= 2;
+  return p;
+}
+
+struct Batch {
+  std::vector<int32_t> lens, tables;
+  int qlen = 1, width = 0;
+  BatchDesc desc() const { return BatchDesc{lens, qlen, tables, width}; }
+};
+
+// Global window of row t (SPEC §1), or two_stage's sharded prefix.
+int64_t window(Mode mode, bool two_stage, int64_t len, int64_t qlen, int64_t t) {
+  if (len == 0) return 0;
+  if (two_stage) return len - qlen;
+  return mode == Mode::draft ? len : len - qlen + t + 1;
+}
+
+// Plan ints the planner's arena needs (as plan.h lays it out), without overflow.
+__int128 arena_ints(const PlannerConfig& c, int64_t page) {
+  const __int128 stride = (__int128(c.limits.max_local_kv_len) + page - 1) / page;
+  const __int128 work = __int128(c.limits.max_batch) + c.num_workers;
+  return __int128(c.limits.max_batch) * (__int128(c.limits.max_qlen) + stride + 1) + work * 4;
+}
+
+// The configurations the contract and docs/design.md accept.
+bool config_is_valid(const PlannerConfig& c) {
+  const Layout& l = c.layout;
+  if (l.world_size < 1 || l.rank < 0 || l.rank >= l.world_size || l.interleave < 1) return false;
+  if (c.block_size < 1 || c.block_size > kMaxBlockSize || c.block_size % l.interleave) return false;
+  if (c.num_blocks < 1 || c.dims.kv_lora_rank < 1 || c.dims.rope_dim < 1) return false;
+  if (int64_t(c.dims.kv_lora_rank) + c.dims.rope_dim > INT32_MAX) return false;
+  if (c.limits.max_batch < 1 || c.limits.max_qlen < 1) return false;
+  if (c.limits.max_local_kv_len < 1 || c.limits.max_local_kv_len > INT32_MAX) return false;
+  if (c.num_workers < 1 || c.min_segment_tokens < 1 || c.heads < 1) return false;
+  const Route checked = c.route == Route::automatic ? Route::one_stage : c.route;
+  if (!is_supported(c.backend, checked, c.mode, c.kv_dtype, c.heads)) return false;
+  const int64_t page = spec_page(c.block_size);
+  if (__int128(c.num_blocks) * (c.block_size / page) > INT32_MAX) return false;  // int32 sub-page ids
+  return arena_ints(c, page) < (int64_t(1) << 30);
+}
+
+bool batch_is_valid(const PlannerConfig& c, const Batch& b) {
+  const int64_t n = int64_t(b.lens.size());
+  if (n < 1 || n > c.limits.max_batch || b.qlen < 1 || b.qlen > c.limits.max_qlen) return false;
+  if (c.mode == Mode::decode && b.qlen != 1) return false;
+  if (b.width < 0 || int64_t(b.tables.size()) != n * b.width) return false;
+  const Layout& l = c.layout;
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t len = b.lens[size_t(r)];
+    if (len < 0 || (c.mode != Mode::draft && len != 0 && len < b.qlen)) return false;
+    const int64_t largest = spec_local_length(len, l.world_size, 0, l.interleave);
+    if (largest > c.limits.max_local_kv_len) return false;
+    const int64_t entries = ceil_div(largest, c.block_size);
+    if (entries > b.width) return false;
+    for (int64_t j = 0; j < entries; ++j) {
+      const int32_t id = b.tables[size_t(r * b.width + j)];
+      if (id < 0 || id >= c.num_blocks) return false;
+    }
+  }
+  return true;
+}
+
+// Tiles (of `page` local tokens) request r covers on this rank.
+int64_t request_tiles(const Plan& plan, int r) {
+  const PlanView v = plan.view();
+  const int qlen = v.header->qlen;
+  int64_t longest = 0;
+  for (int t = 0; t < qlen; ++t) longest = std::max<int64_t>(longest, v.row_local_len[r * qlen + t]);
+  return ceil_div(longest, v.header->page);
+}
+
+// Invariants of one accepted plan on one rank.
+void check_plan(const Planner& planner, const Batch& b, const Plan& plan) {
+  const PlannerConfig& c = planner.config();
+  const Layout& l = c.layout;
+  const PlanView v = plan.view();
+  const PlanHeader& h = *v.header;
+  const int n = int(b.lens.size()), qlen = b.qlen;
+  const int64_t page = spec_page(c.block_size);
+
+  FUZZ_CHECK(h.batch == n && h.qlen == qlen && h.page == page);
+  FUZZ_CHECK(n <= v.max_batch && qlen <= v.max_qlen && h.work_count >= 0 && h.work_count <= v.work_capacity);
+  const Route route = Route(h.route);
+  FUZZ_CHECK(route == Route::one_stage || route == Route::two_stage || route == Route::split_k);
+  FUZZ_CHECK(c.route == Route::automatic ? route != Route::two_stage : route == c.route);
+  FUZZ_CHECK(route != Route::two_stage || c.mode == Mode::verify);
+
+  // Rows: n_r of the row's global window, counted from the global window end.
+  int active = 0;
+  int64_t max_share = 0, min_share = 0;
+  for (int r = 0; r < n; ++r) {
+    const int64_t len = b.lens[size_t(r)];
+    for (int t = 0; t < qlen; ++t) {
+      const int64_t w = window(c.mode, route == Route::two_stage, len, qlen, t);
+      FUZZ_CHECK(v.row_local_len[r * qlen + t] == spec_local_length(w, l.world_size, l.rank, l.interleave));
+      FUZZ_CHECK(v.row_local_len[r * qlen + t] <= c.limits.max_local_kv_len);
+    }
+    if (route != Route::two_stage) {  // the layout's own per-row rule agrees with the plan
+      const std::vector<int64_t> lens = row_local_lengths(c.mode, len, qlen, l);
+      for (int t = 0; t < qlen; ++t) FUZZ_CHECK(lens[size_t(t)] == v.row_local_len[r * qlen + t]);
+    }
+    if (len == 0) continue;
+    const int64_t share = spec_local_length(len, l.world_size, 0, l.interleave);
+    min_share = active == 0 ? share : std::min(min_share, share);
+    max_share = std::max(max_share, share);
+    ++active;
+  }
+  FUZZ_CHECK(plan.stats().active_requests == active);
+  FUZZ_CHECK(plan.stats().max_local_len == max_share && plan.stats().min_local_len == min_share);
+
+  // Sub-pages: sub-page k is table[k / per_block] * per_block + k % per_block, inside the cache.
+  const int64_t per_block = c.block_size / page;
+  const __int128 subpages_in_cache = __int128(c.num_blocks) * per_block;
+  for (int r = 0; r < n; ++r) {
+    const int64_t tiles = request_tiles(plan, r);
+    FUZZ_CHECK(tiles <= v.table_stride);
+    for (int64_t k = 0; k < tiles; ++k) {
+      const int64_t want = int64_t(b.tables[size_t(r * b.width + k / per_block)]) * per_block + k % per_block;
+      const int32_t got = v.subpage_table[int64_t(r) * v.table_stride + k];
+      FUZZ_CHECK(got == want);
+      FUZZ_CHECK(got >= 0 && got < subpages_in_cache);
+    }
+  }
+
+  // Work: grouped by request in request order; each request's items cover [0, tiles) once, in
+  // order. A request with no tile (padding, or no local token here) has no work: no item under
+  // split_k, one empty item otherwise (the one-item-per-request routes).
+  FUZZ_CHECK(v.request_work[0] == 0 && v.request_work[n] == h.work_count);
+  for (int r = 0; r < n; ++r) {
+    const int first = v.request_work[r], last = v.request_work[r + 1];
+    FUZZ_CHECK(first <= last);
+    const int64_t tiles = request_tiles(plan, r);
+    if (b.lens[size_t(r)] == 0) {
+      for (int t = 0; t < qlen; ++t) FUZZ_CHECK(v.row_local_len[r * qlen + t] == 0);
+      FUZZ_CHECK(tiles == 0);
+    }
+    if (route != Route::split_k) FUZZ_CHECK(last - first == 1);
+    else if (tiles == 0) FUZZ_CHECK(last == first);
+    int64_t next = 0;
+    for (int i = first; i < last; ++i) {
+      const WorkItem& w = v.work[i];
+      FUZZ_CHECK(w.request == r && w.tile_begin == next && w.tile_end >= w.tile_begin);
+      FUZZ_CHECK(route != Route::split_k || w.tile_end > w.tile_begin);  // no empty segment
+      next = w.tile_end;
+    }
+    FUZZ_CHECK(next == tiles);
+  }
+}
+
+// The same batch with its padding requests removed: the route and every active request's
+// split must not change (seed 002: one padded row collapsed 17 KV splits to 1).
+void check_padding_is_neutral(const Planner& planner, const Batch& b, Plan& plan) {
+  Batch active;
+  active.qlen = b.qlen;
+  active.width = b.width;
+  std::vector<int> kept;
+  for (size_t r = 0; r < b.lens.size(); ++r) {
+    if (b.lens[r] == 0) continue;
+    kept.push_back(int(r));
+    active.lens.push_back(b.lens[r]);
+    active.tables.insert(active.tables.end(), b.tables.begin() + int64_t(r) * b.width,
+                         b.tables.begin() + int64_t(r + 1) * b.width);
+  }
+  if (kept.empty() || kept.size() == b.lens.size()) return;
+  const Route route = plan.route();
+  std::vector<int> segments;
+  for (int r : kept) segments.push_back(plan.view().request_work[r + 1] - plan.view().request_work[r]);
+  // Re-plan into the same arena: a replayed graph sees only what this plan wrote.
+  planner.plan(active.desc(), plan);
+  check_plan(planner, active, plan);
+  FUZZ_CHECK(plan.route() == route);
+  for (size_t i = 0; i < kept.size(); ++i)
+    FUZZ_CHECK(plan.view().request_work[i + 1] - plan.view().request_work[i] == segments[i]);
+}
+
+PlannerConfig read_config(FuzzedDataProvider& in) {
+  PlannerConfig c;
+  c.backend = in.ConsumeBool() ? Backend::cpu : Backend::cuda;
+  c.mode = Mode(in.ConsumeIntegralInRange<int>(0, 2));
+  c.kv_dtype = KvDtype(in.ConsumeIntegralInRange<int>(0, 2));
+  c.route = Route(in.ConsumeIntegralInRange<int>(0, 3));
+  c.heads = field<int32_t>(in, 1, 160);
+  c.dims = LatentDims{field<int32_t>(in, 1, 600), field<int32_t>(in, 1, 100)};
+  const int32_t world = field<int32_t>(in, 1, 16);
+  c.layout = Layout{world, field<int32_t>(in, 0, int32_t(std::max<int64_t>(1, world) - 1)), field<int32_t>(in, 1, 8)};
+  // Mostly a multiple of the interleave (the contract's rule), sometimes anything.
+  const int64_t blocks_of_runs = int64_t(c.layout.interleave) * in.ConsumeIntegralInRange<int>(1, 300);
+  c.block_size = in.ConsumeIntegralInRange<int>(0, 3) && blocks_of_runs <= INT32_MAX ? int32_t(blocks_of_runs)
+                                                                                       : pick<int32_t>(in);
+  c.num_blocks = field<int64_t>(in, 1, 1 << 16);
+  c.limits = PlanLimits{field<int32_t>(in, 1, kMaxBatch), field<int32_t>(in, 1, 16), field<int64_t>(in, 1, 1 << 16)};
+  c.num_workers = field<int32_t>(in, 1, 300);
+  c.min_segment_tokens = field<int32_t>(in, 1, 1024);
+  return c;
+}
+
+Batch read_batch(FuzzedDataProvider& in, const PlannerConfig& c) {
+  Batch b;
+  const int n = in.ConsumeIntegralInRange<int>(0, kMaxBatch);
+  b.qlen = field<int32_t>(in, 1, std::clamp(c.limits.max_qlen, 1, 16));
+  b.width = in.ConsumeIntegralInRange<int>(-1, kMaxTableWidth);
+  if (int64_t(n) * std::max(b.width, 0) > kMaxTableEntries) b.width = int(kMaxTableEntries / std::max(n, 1));
+  const int64_t longest = std::clamp<int64_t>(c.limits.max_local_kv_len, 1, 1 << 20) * std::clamp(c.layout.world_size, 1, 16);
+  for (int r = 0; r < n; ++r) {
+    switch (in.ConsumeIntegralInRange<int>(0, 3)) {
+      case 0: b.lens.push_back(0); break;  // padding
+      case 1: b.lens.push_back(int32_t(std::clamp<int64_t>(int64_t(b.qlen) + in.ConsumeIntegralInRange<int>(-1, 40), INT32_MIN, INT32_MAX))); break;
+      case 2: b.lens.push_back(int32_t(in.ConsumeIntegralInRange<int64_t>(0, longest))); break;
+      default: b.lens.push_back(pick<int32_t>(in));
+    }
+  }
+  // Table ids: mostly valid ids of the cache, sometimes anything.
+  const bool any_id = in.ConsumeIntegralInRange<int>(0, 7) == 0;
+  const int64_t hi = std::clamp<int64_t>(c.num_blocks, 1, INT32_MAX) - 1;
+  for (int64_t i = 0; i < int64_t(n) * std::max(b.width, 0); ++i)
+    b.tables.push_back(any_id ? pick<int32_t>(in) : int32_t(in.ConsumeIntegralInRange<int64_t>(0, hi)));
+  if (!b.tables.empty() && in.ConsumeIntegralInRange<int>(0, 15) == 0) b.tables.pop_back();  // wrong size
+  return b;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  FuzzedDataProvider in(data, size);
+  const PlannerConfig config = read_config(in);
+  const Batch batch = read_batch(in, config);
+
+  std::optional<Planner> planner;
+  try {
+    planner.emplace(config);
+  } catch (const Error&) {
+    FUZZ_CHECK(!config_is_valid(config));
+    return 0;
+  }
+  FUZZ_CHECK(config_is_valid(config));
+  FUZZ_CHECK(planner->page() == spec_page(config.block_size));
+
+  const int world = config.layout.world_size;
+  const bool all_ranks = world <= kMaxRanksPlanned;
+  const int planned = all_ranks ? world : 1;
+  if (arena_ints(config, planner->page()) * planned > kArenaCapInts) return 0;  // harness cap
+
+  // Plan the batch on the fuzzed rank, then (small groups) on every rank of the group.
+  const bool valid = batch_is_valid(config, batch);
+  std::vector<std::vector<int32_t>> rows;  // per planned rank, [batch, qlen]
+  std::optional<Route> route;
+  for (int k = 0; k < planned; ++k) {
+    PlannerConfig rc = config;
+    if (all_ranks) rc.layout.rank = k;
+    std::optional<Planner> p;
+    if (!all_ranks) {
+      p.emplace(*planner);
+    } else {
+      try {
+        p.emplace(rc);
+      } catch (const Error&) {
+        FUZZ_CHECK(false && "a configuration valid on one rank is refused on another");
+      }
+    }
+    Plan plan = p->make_plan();
+    try {
+      p->plan(batch.desc(), plan);
+    } catch (const Error&) {
+      FUZZ_CHECK(!valid);  // every rank refuses alike: the oracle does not depend on the rank
+      continue;
+    }
+    FUZZ_CHECK(valid);
+    check_plan(*p, batch, plan);
+    FUZZ_CHECK(!route || *route == plan.route());  // every rank takes the same route
+    route = plan.route();
+    const PlanView v = plan.view();
+    rows.emplace_back(v.row_local_len, v.row_local_len + batch.lens.size() * size_t(batch.qlen));
+    check_padding_is_neutral(*p, batch, plan);
+  }
+
+  // Summed over the ranks, each row's local lengths give its global window.
+  if (all_ranks && valid) {
+    FUZZ_CHECK(int(rows.size()) == world);
+    for (size_t r = 0; r < batch.lens.size(); ++r)
+      for (int t = 0; t < batch.qlen; ++t) {
+        int64_t sum = 0;
+        for (const auto& per_rank : rows) sum += per_rank[r * size_t(batch.qlen) + size_t(t)];
+        FUZZ_CHECK(sum == window(config.mode, *route == Route::two_stage, batch.lens[r], batch.qlen, t));
+      }
+  }
+  return 0;
+}
