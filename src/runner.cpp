@@ -51,7 +51,7 @@ void merge_across_ranks(Communicator& comm, MergeForm form, const bf16* o, const
   std::vector<float> chunks(size_t(cells * width));
   for (int64_t c = 0; c < cells; ++c) {
     float m = kNegInf;
-    for (int k = 0; k < n; ++k) m = std::max(m, all_lse[size_t(k * cells + c)]);
+    for (int k = 0; k < n; ++k) m = nan_max(m, all_lse[size_t(k * cells + c)]);  // a NaN partial poisons the row
     float sum = 0.0f;
     if (m != kNegInf)
       for (int k = 0; k < n; ++k) sum += std::exp(all_lse[size_t(k * cells + c)] - m);
@@ -78,7 +78,6 @@ RankRunner::RankRunner(const PlannerConfig& config, float kv_scale, float softma
           "cpu for RankRunner (the CUDA backend has its own engine)");
   require(std::isfinite(softmax_scale) && softmax_scale > 0.0f, "softmax_scale", softmax_scale,
           "a finite value > 0");
-  workspace_.resize(size_t(split_workspace_floats(plan_.view(), config.heads, config.dims.kv_lora_rank)));
 }
 
 void RankRunner::write(std::span<const bf16> latents, std::span<const int64_t> positions,
@@ -98,26 +97,19 @@ void RankRunner::write(std::span<const bf16> latents, std::span<const int64_t> p
 }
 
 AttentionParams RankRunner::params(const bf16* q, bf16* out, float* lse) {
-  const auto& c = planner_.config();
-  const PlanView view = plan_.view();
-  const int64_t parts = int64_t(view.work_capacity) * view.max_qlen * c.heads;
-  return AttentionParams{q,
-                         cache_.data(),
-                         c.kv_dtype,
-                         kv_scale_,
-                         softmax_scale_,
-                         c.heads,
-                         c.dims.dim(),
-                         c.dims.kv_lora_rank,
-                         view,
-                         out,
-                         lse,
-                         workspace_.data(),
-                         workspace_.data() + parts * c.dims.kv_lora_rank,
-                         workspace_.data() + parts * (c.dims.kv_lora_rank + 1)};
+  return attention_params(planner_.config(), q, cache_.data(), kv_scale_, softmax_scale_, plan_.view(),
+                          workspace_.data(), out, lse);
 }
 
-void RankRunner::attend(const bf16* q, bf16* out, float* lse) { attention_cpu(params(q, out, lse)); }
+void RankRunner::attend(const bf16* q, bf16* out, float* lse) {
+  // Host memory may grow here (no graph to keep stable): the split-K workspace is taken
+  // only once a plan splits.
+  if (plan_.route() == Route::split_k && workspace_.empty()) {
+    const auto& c = planner_.config();
+    workspace_.resize(size_t(split_workspace_floats(plan_.view(), c.heads, c.dims.kv_lora_rank)));
+  }
+  attention_cpu(params(q, out, lse));
+}
 
 void check_ranks_agree(Communicator& comm, std::span<const int32_t> signature, std::string_view what) {
   const int n = comm.world_size();
@@ -325,6 +317,16 @@ AttentionResult mla_attention(std::span<const float> q, std::span<const float> k
                               int64_t max_len, int dim, const AttentionOptions& options,
                               const RankEngineFactory& engines) {
   const Inputs in = prepare(q, kv, seq_lens, batch, qlen, heads, max_len, dim, options, engines);
+  // With the CPU engines, all ranks' caches and split-K workspaces (RankRunner's sizes) live
+  // in this process. (A device engine keeps its caches in device memory.)
+  const double per_rank =
+      double(in.num_blocks) * options.block_size * dim * bytes_per_value(options.kv_dtype) +
+      4.0 * (double(batch) + PlannerConfig{}.num_workers) * qlen * heads * (options.kv_lora_rank + 2);
+  require(bool(engines) || per_rank * options.world_size <= double(kMaxInProcessBytes),
+          "world_size x (cache + workspace per rank)",
+          fmt::format("{:.3g} GiB", per_rank * options.world_size / double(1 << 30)),
+          fmt::format("<= {} GiB in one process (lower world_size, block_size, heads or the batch)",
+                      kMaxInProcessBytes >> 30));
   AttentionResult result;
   run_ranks(options.world_size, [&](int rank, Communicator& comm) {
     AttentionResult mine = run_rank(in, options, comm, engines);
