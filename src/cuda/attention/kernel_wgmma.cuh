@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
         }
 
         // Hand P (bf16, K-major swizzled (64, 64)) and alpha to WG1.
-        if (i > 0) named_sync(kBarPFree, 256);
+        if (i > 0) named_sync_across_roles(kBarPFree, 256);
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
           *reinterpret_cast<uint32_t*>(sP + r0 * 128 + (((2 * kk) ^ g) << 4) + 4 * c) = pa[kk][0];
@@ -388,7 +388,7 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
         // sides: WG1's reads above are ordered before WG0's writes of the next tile). After
         // the stage handover, so that WG0 cannot arrive on kBarSFree twice before this
         // warpgroup has synced on it once.
-        if (i + 1 < ntiles) named_sync(kBarPFree, 256);
+        if (i + 1 < ntiles) named_sync_across_roles(kBarPFree, 256);
       }
     }
     __syncthreads();  // sL, sM

@@ -51,12 +51,19 @@ __device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Named barriers 1..15 (0 is __syncthreads). arrive does not wait; sync waits until
-// `threads` threads (a multiple of 32) have arrived or synced.
+// `threads` threads (a multiple of 32) have arrived or synced. bar.sync is the aligned form:
+// every thread that blocks in one generation must block at the same instruction.
 __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// The unaligned form, for a barrier that both warpgroups block on from their own role
+// branches (different instructions); the aligned bar.sync there is undefined behaviour
+// (compute-sanitizer synccheck reports it as divergence). It costs more: use it only there.
+__device__ __forceinline__ void named_sync_across_roles(int id, int threads) {
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // mbarrier in shared memory (8 bytes, 8-byte aligned).
