@@ -275,7 +275,8 @@ int run_bench(const BenchOptions& b) {
 
 int main(int argc, char** argv) {
   CLI::App app{"dcpmla: MLA attention (DeepSeek-V3 style latent attention) for decoding with the\n"
-               "KV cache sharded across ranks (decode context parallelism), on the CPU."};
+               "KV cache sharded across ranks (decode context parallelism). demo runs the CPU path;\n"
+               "bench times the GPU DCP step (CUDA builds)."};
   app.require_subcommand(1);
   app.footer("Exit status: 0 every case passed, 1 a case exceeded the bound or gave NaN,\n"
              "2 an error (bad option, or the library refused the input).");
