@@ -50,6 +50,10 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
 }
 
 // 2^x; ex2.approx(-inf) = +0, which the masked softmax relies on.
+// max that keeps a NaN (fmaxf drops one): the merges take their reference maximum with it,
+// so a NaN partial poisons its row instead of being skipped as empty (merge.h's nan_max).
+__device__ __forceinline__ float nan_max(float a, float b) { return (isnan(a) || isnan(b)) ? a + b : fmaxf(a, b); }
+
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
         float l = 0.0f;
 #pragma unroll
         for (int q = 0; q < C::WN; ++q) l += sMax[q * M + r];
-        const float sc_out = l > 0.0f ? out_scale / l : 0.0f;
+        const float sc_out = l != 0.0f ? out_scale / l : 0.0f;  // l = 0: no key; NaN l propagates
         const int64_t row = int64_t(row0 + r);
         if (split) {
           float* dst = p.part_o + (int64_t(witem) * rows_total + row) * kRank + warp * 64 + 2 * c;
@@ -406,10 +406,10 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
       const float m = sM[tid];
       const int64_t row = int64_t(row0 + tid);
       if (split) {
-        p.part_m[int64_t(witem) * rows_total + row] = l > 0.0f ? m : kNegInf;
+        p.part_m[int64_t(witem) * rows_total + row] = l != 0.0f ? m : kNegInf;
         p.part_l[int64_t(witem) * rows_total + row] = l;
       } else {
-        p.lse[int64_t(b) * rows_total + row] = l > 0.0f ? (m + __log2f(l)) * kLn2 : kNegInf;
+        p.lse[int64_t(b) * rows_total + row] = l != 0.0f ? (m + __log2f(l)) * kLn2 : kNegInf;
       }
     }
     __syncthreads();  // shared memory is reused by the next unit

@@ -399,7 +399,7 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
       const int r = h ? r1 : r0;
       if (r >= nr) continue;
       const float l = sL[r];
-      const float sc_out = l > 0.0f ? out_scale / l : 0.0f;
+      const float sc_out = l != 0.0f ? out_scale / l : 0.0f;  // l = 0: no key; NaN l propagates
       const int64_t row = int64_t(row0 + r);
       if (split) {
         float* dst = p.part_o + (int64_t(witem) * rows_total + row) * kRank + wg * 256 + 2 * c;
@@ -417,10 +417,10 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
       const float l = sL[tid], m = sM[tid];
       const int64_t row = int64_t(row0 + tid);
       if (split) {
-        p.part_m[int64_t(witem) * rows_total + row] = l > 0.0f ? m : kNegInf;
+        p.part_m[int64_t(witem) * rows_total + row] = l != 0.0f ? m : kNegInf;
         p.part_l[int64_t(witem) * rows_total + row] = l;
       } else {
-        p.lse[int64_t(b) * rows_total + row] = l > 0.0f ? (m + __log2f(l)) * kLn2 : kNegInf;
+        p.lse[int64_t(b) * rows_total + row] = l != 0.0f ? (m + __log2f(l)) * kLn2 : kNegInf;
       }
     }
     __syncthreads();  // shared memory is reused by the next unit

@@ -19,7 +19,7 @@ bool wgmma_by_default(int rows_per_cta, bool fp8) {
 
 // One warp per (request, row, head): M = max m_s, l = sum l_s 2^(m_s - M),
 // o = sum l_s 2^(m_s - M) o_s / l, lse = (M + log2 l) ln 2. Segments with l_s = 0 hold
-// no key; none at all (padding, no local key) gives o = 0, lse = -inf.
+// no key; none at all (padding, no local key) gives o = 0, lse = -inf; a NaN gives NaN.
 // The statistics are reduced across lanes (lane k takes segments k, k + 32, ...), and the
 // o loop is unrolled so that several segments' loads are in flight: a ragged batch can
 // give one request a hundred segments, and a serial loop would wait on each.
@@ -34,15 +34,22 @@ __global__ void __launch_bounds__(256) split_merge_kernel(const __grid_constant_
   for (int64_t row = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5); row < rows; row += int64_t(gridDim.x) * 8) {
     const int b = int(row / rows_total), rr = int(row % rows_total);
     const int first = p.plan.request_work[b], count = p.plan.request_work[b + 1] - first;
+    // l_s = 0 marks an empty segment; a NaN l_s (a NaN or inf read) is not empty and
+    // poisons the row (the CPU merge's rule).
     float m = kNegInf;
+    bool any = false;
     for (int s = lane; s < count; s += 32) {
       const int64_t at = int64_t(first + s) * rows_total + rr;
-      if (p.part_l[at] > 0.0f) m = fmaxf(m, p.part_m[at]);
+      if (p.part_l[at] != 0.0f) {
+        any = true;
+        m = nan_max(m, p.part_m[at]);
+      }
     }
 #pragma unroll
-    for (int d = 16; d; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
+    for (int d = 16; d; d >>= 1) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, d));
+    any = __any_sync(0xffffffffu, any);
     bf16* out = p.out + row * kRank;
-    if (m == kNegInf) {
+    if (!any) {
       for (int col = lane * 4; col < kRank; col += 128)
         *reinterpret_cast<uint2*>(out + col) = make_uint2(0u, 0u);
       if (lane == 0) p.lse[row] = kNegInf;
@@ -52,7 +59,7 @@ __global__ void __launch_bounds__(256) split_merge_kernel(const __grid_constant_
     for (int s = lane; s < count; s += 32) {
       const int64_t at = int64_t(first + s) * rows_total + rr;
       const float ls = p.part_l[at];
-      if (ls > 0.0f) l += ls * exp2f(p.part_m[at] - m);
+      if (ls != 0.0f) l += ls * exp2f(p.part_m[at] - m);
     }
 #pragma unroll
     for (int d = 16; d; d >>= 1) l += __shfl_xor_sync(0xffffffffu, l, d);
@@ -65,7 +72,7 @@ __global__ void __launch_bounds__(256) split_merge_kernel(const __grid_constant_
       const int64_t at = int64_t(first + s) * rows_total + rr;
       const float ls = p.part_l[at];
       // Empty segments weigh 0 (their o is 0, never NaN: the kernel writes 0 for them).
-      const float w = ls > 0.0f ? ls * exp2f(p.part_m[at] - m) * inv : 0.0f;
+      const float w = ls != 0.0f ? ls * exp2f(p.part_m[at] - m) * inv : 0.0f;
       const float* src = p.part_o + at * kRank;
 #pragma unroll
       for (int k = 0; k < kRank / 128; ++k) {

@@ -15,7 +15,8 @@ __global__ void __launch_bounds__(256) merge_kernel(const MergeParams p) {
   for (int64_t row = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5); row < p.rows;
        row += int64_t(gridDim.x) * 8) {
     float m = kNegInf;
-    for (int k = 0; k < p.n; ++k) m = fmaxf(m, p.lse_parts[k * p.part_stride_lse + row]);
+    // nan_max: a NaN partial poisons the row instead of passing for an empty one.
+    for (int k = 0; k < p.n; ++k) m = nan_max(m, p.lse_parts[k * p.part_stride_lse + row]);
     float sum = 0.0f;
     if (m != kNegInf)
       for (int k = 0; k < p.n; ++k) {
