@@ -77,11 +77,11 @@ cp /usr/local/share/ca-certificates/*.crt "$ROOT/usr/local/share/ca-certificates
 
 # The repository as its working tree has it (uncommitted edits and new files included,
 # ignored build outputs and the venv left out), and shared/ beside it.
-mkdir -p "$ROOT/work/dcpmla"
+mkdir -p "$ROOT/srv/dcpmla"
 (cd "$REPO" && git ls-files -z --cached --others --exclude-standard |
-   tar --null -T - --ignore-failed-read -cf - 2>/dev/null) | tar -xf - -C "$ROOT/work/dcpmla"
+   tar --null -T - --ignore-failed-read -cf - 2>/dev/null) | tar -xf - -C "$ROOT/srv/dcpmla"
 if [[ -d "$SHARED" ]]; then
-  cp -a "$SHARED" "$ROOT/work/shared"
+  cp -a "$SHARED" "$ROOT/srv/shared"
 else
   echo "fresh-check: no $SHARED beside the repository; the vector tests will fail" >&2
 fi
@@ -95,7 +95,7 @@ echo "fresh-check: running in the chroot: $STEPS"
 set +e
 chroot "$ROOT" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM=dumb \
   PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-  bash -c "cd /work/dcpmla && { $STEPS; }" 2>&1 | tee "$FRESH_DIR/run.log"
+  bash -c "cd /srv/dcpmla && { $STEPS; }" 2>&1 | tee "$FRESH_DIR/run.log"
 rc=${PIPESTATUS[0]}
 set -e
 chroot "$ROOT" dpkg-query -W -f='${Package}\n' | sort > "$FRESH_DIR/packages.after"
@@ -107,7 +107,7 @@ echo "fresh-check: packages setup.sh asked for:"
 grep -h '^setup: installing Debian packages:' "$FRESH_DIR/run.log" | sed 's/^setup: installing Debian packages: /  /' || true
 echo "fresh-check: $(wc -l < "$FRESH_DIR/packages.added") Debian packages added in all (with dependencies;" \
      "list in $FRESH_DIR/packages.added)"
-echo "fresh-check: Python tools in .venv: $(chroot "$ROOT" /work/dcpmla/.venv/bin/python -m pip freeze 2>/dev/null | tr '\n' ' ')"
+echo "fresh-check: Python tools in .venv: $(chroot "$ROOT" /srv/dcpmla/.venv/bin/python -m pip freeze 2>/dev/null | tr '\n' ' ')"
 echo "fresh-check: debootstrap $((boot_done - start)) s, README steps $((end - boot_done)) s, total $((end - start)) s"
 if ((rc == 0)); then echo "fresh-check: PASSED"; else echo "fresh-check: FAILED (exit $rc; log in $FRESH_DIR/run.log)"; fi
 exit "$rc"
