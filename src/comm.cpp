@@ -1,16 +1,13 @@
 #include "dcpmla/comm.h"
 
 #include <algorithm>
-#include <condition_variable>
 #include <cstring>
-#include <exception>
-#include <mutex>
 #include <omp.h>
-#include <thread>
 #include <vector>
 
 #include "dcpmla/error.h"
 #include "dcpmla/numeric.h"
+#include "rank_threads.h"
 
 namespace dcpmla {
 
@@ -19,35 +16,17 @@ size_t size_of(DataType t) { return t == DataType::bf16 ? 2 : 4; }
 // Ranks meet at a generation barrier; each collective publishes its send buffer, lets every
 // rank read what it needs, and meets again before anyone reuses a buffer.
 struct InProcessGroup::State {
-  explicit State(int n) : world(n), sends(size_t(n), nullptr) {}
+  explicit State(int n) : world(n), sends(size_t(n), nullptr), rendezvous(n) {}
 
   void barrier() {
-    std::unique_lock lock(mutex);
-    if (aborted) throw Error("dcpmla: in-process collective aborted: another rank failed");
-    const uint64_t gen = generation;
-    if (++arrived == world) {
-      arrived = 0;
-      ++generation;
-      cv.notify_all();
-      return;
-    }
-    cv.wait(lock, [&] { return generation != gen || aborted; });
-    if (aborted) throw Error("dcpmla: in-process collective aborted: another rank failed");
+    if (rendezvous.arrive_and_wait() != RankBarrier::Outcome::passed)
+      throw Error("dcpmla: in-process collective aborted: another rank failed");
   }
-
-  void abort() {
-    std::lock_guard lock(mutex);
-    aborted = true;
-    cv.notify_all();
-  }
+  void abort() { rendezvous.abort(); }
 
   const int world;
   std::vector<const void*> sends;
-  std::mutex mutex;
-  std::condition_variable cv;
-  uint64_t generation = 0;
-  int arrived = 0;
-  bool aborted = false;
+  RankBarrier rendezvous;
 };
 
 namespace {
@@ -137,27 +116,17 @@ std::unique_ptr<Communicator> InProcessGroup::communicator(int rank) {
 
 void run_ranks(int world_size, const std::function<void(int, Communicator&)>& fn) {
   InProcessGroup group(world_size);
-  std::mutex mutex;
-  std::exception_ptr first;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world_size; ++r)
-    threads.emplace_back([&, r] {
-      // Ranks share the cores: each rank's kernels get its share, so threads do not
-      // oversubscribe the machine and spin against each other.
-      omp_set_num_threads(std::max(1, omp_get_max_threads() / world_size));
-      try {
+  const std::exception_ptr failed = run_rank_threads(
+      world_size,
+      [&](int r) {
+        // Ranks share the cores: each rank's kernels get its share, so threads do not
+        // oversubscribe the machine and spin against each other.
+        omp_set_num_threads(std::max(1, omp_get_max_threads() / world_size));
         auto comm = group.communicator(r);
         fn(r, *comm);
-      } catch (...) {
-        {
-          std::lock_guard lock(mutex);
-          if (!first) first = std::current_exception();
-        }
-        group.abort();
-      }
-    });
-  for (auto& t : threads) t.join();
-  if (first) std::rethrow_exception(first);
+      },
+      [&] { group.abort(); });
+  if (failed) std::rethrow_exception(failed);
 }
 
 }  // namespace dcpmla

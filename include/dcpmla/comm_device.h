@@ -45,7 +45,11 @@ class HostStagedCommunicator final : public Communicator {
   void barrier() override;
 
  private:
-  void* scratch(size_t bytes);
+  void reserve(size_t bytes);  // device scratch of at least `bytes`
+  // Host send (in_bytes) to device scratch, op(device send, device recv), back to the host
+  // recv (out_bytes), then wait for the stream.
+  void staged(const void* send, size_t in_bytes, void* recv, size_t out_bytes,
+              const std::function<void(const void*, void*)>& op);
   DeviceCommunicator& dev_;
   void* buf_ = nullptr;
   size_t bytes_ = 0;

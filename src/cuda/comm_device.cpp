@@ -2,11 +2,8 @@
 // device-side barrier, so that each rank's CUDA graph replays on its own (see comm_device.h).
 #include "dcpmla/comm_device.h"
 
-#include <condition_variable>
 #include <cstring>
-#include <exception>
-#include <mutex>
-#include <thread>
+#include <functional>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -15,6 +12,7 @@
 #include "dcpmla/cuda.h"
 #include "dcpmla/error.h"
 #include "params.h"
+#include "../rank_threads.h"
 
 namespace dcpmla {
 
@@ -23,48 +21,46 @@ using cuda_detail::check;
 // ---- HostStagedCommunicator --------------------------------------------------------------
 
 HostStagedCommunicator::HostStagedCommunicator(DeviceCommunicator& device, size_t capacity_bytes) : dev_(device) {
-  if (capacity_bytes) scratch(capacity_bytes);
+  reserve(capacity_bytes);
 }
 HostStagedCommunicator::~HostStagedCommunicator() { cudaFree(buf_); }
 int HostStagedCommunicator::rank() const { return dev_.rank(); }
 int HostStagedCommunicator::world_size() const { return dev_.world_size(); }
 
-void* HostStagedCommunicator::scratch(size_t bytes) {
-  if (bytes > bytes_) {
-    cudaFree(buf_);
-    buf_ = nullptr;
-    bytes_ = 0;
-    check(cudaMalloc(&buf_, bytes), "cudaMalloc(host-staged scratch)");
-    bytes_ = bytes;
-  }
-  return buf_;
+void HostStagedCommunicator::reserve(size_t bytes) {
+  if (bytes <= bytes_) return;
+  cudaFree(buf_);
+  buf_ = nullptr;
+  bytes_ = 0;
+  check(cudaMalloc(&buf_, bytes), "cudaMalloc(host-staged scratch)");
+  bytes_ = bytes;
+}
+
+void HostStagedCommunicator::staged(const void* send, size_t in_bytes, void* recv, size_t out_bytes,
+                                    const std::function<void(const void*, void*)>& op) {
+  reserve(in_bytes + out_bytes);
+  char* s = static_cast<char*>(buf_);
+  check(cudaMemcpyAsync(s, send, in_bytes, cudaMemcpyHostToDevice, dev_.stream()), "cudaMemcpyAsync(staged send)");
+  op(s, s + in_bytes);
+  check(cudaMemcpyAsync(recv, s + in_bytes, out_bytes, cudaMemcpyDeviceToHost, dev_.stream()),
+        "cudaMemcpyAsync(staged recv)");
+  dev_.synchronize();
 }
 
 void HostStagedCommunicator::all_gather(const void* send, void* recv, size_t count, DataType t) {
-  const size_t in = count * size_of(t), out = in * size_t(world_size());
-  char* s = static_cast<char*>(scratch(in + out));
-  check(cudaMemcpyAsync(s, send, in, cudaMemcpyHostToDevice, dev_.stream()), "cudaMemcpyAsync(staged send)");
-  dev_.all_gather(s, s + in, count, t);
-  check(cudaMemcpyAsync(recv, s + in, out, cudaMemcpyDeviceToHost, dev_.stream()), "cudaMemcpyAsync(staged recv)");
-  dev_.synchronize();
+  const size_t in = count * size_of(t);
+  staged(send, in, recv, in * size_t(world_size()), [&](const void* s, void* r) { dev_.all_gather(s, r, count, t); });
 }
 
 void HostStagedCommunicator::reduce_scatter_sum(const void* send, void* recv, size_t count, DataType t) {
-  const size_t out = count * size_of(t), in = out * size_t(world_size());
-  char* s = static_cast<char*>(scratch(in + out));
-  check(cudaMemcpyAsync(s, send, in, cudaMemcpyHostToDevice, dev_.stream()), "cudaMemcpyAsync(staged send)");
-  dev_.reduce_scatter_sum(s, s + in, count, t);
-  check(cudaMemcpyAsync(recv, s + in, out, cudaMemcpyDeviceToHost, dev_.stream()), "cudaMemcpyAsync(staged recv)");
-  dev_.synchronize();
+  const size_t out = count * size_of(t);
+  staged(send, out * size_t(world_size()), recv, out,
+         [&](const void* s, void* r) { dev_.reduce_scatter_sum(s, r, count, t); });
 }
 
 void HostStagedCommunicator::all_to_all(const void* send, void* recv, size_t count, DataType t) {
   const size_t bytes = count * size_of(t) * size_t(world_size());
-  char* s = static_cast<char*>(scratch(2 * bytes));
-  check(cudaMemcpyAsync(s, send, bytes, cudaMemcpyHostToDevice, dev_.stream()), "cudaMemcpyAsync(staged send)");
-  dev_.all_to_all(s, s + bytes, count, t);
-  check(cudaMemcpyAsync(recv, s + bytes, bytes, cudaMemcpyDeviceToHost, dev_.stream()), "cudaMemcpyAsync(staged recv)");
-  dev_.synchronize();
+  staged(send, bytes, recv, bytes, [&](const void* s, void* r) { dev_.all_to_all(s, r, count, t); });
 }
 
 void HostStagedCommunicator::barrier() { dev_.barrier(); }
@@ -72,52 +68,34 @@ void HostStagedCommunicator::barrier() { dev_.barrier(); }
 // ---- DeviceGroup ---------------------------------------------------------------------------
 
 struct DeviceGroup::State {
-  State(int n, int dev, std::chrono::milliseconds t) : world(n), device(dev), timeout(t), sends(size_t(n)) {}
+  State(int n, int dev, std::chrono::milliseconds t) : world(n), device(dev), timeout(t), sends(size_t(n)), rendezvous(n, t) {}
   ~State() {
     cudaFree(flags);
     cudaFreeHost(const_cast<int*>(abort_host));
   }
 
   // Host barrier with abort and timeout: only used while enqueueing, to exchange addresses.
+  // Either failure also raises the device-side abort flag, so no device barrier waits on.
   void host_barrier(int rank) {
-    std::unique_lock lock(mutex);
-    auto aborted_error = [&] {
-      return Error(fmt::format("dcpmla: device-group collective (rank {}) aborted: another rank failed", rank));
-    };
-    if (aborted) throw aborted_error();
-    const uint64_t gen = generation;
-    if (++arrived == world) {
-      arrived = 0;
-      ++generation;
-      cv.notify_all();
-      return;
-    }
-    if (!cv.wait_for(lock, timeout, [&] { return generation != gen || aborted; })) {
-      aborted = true;
-      if (abort_host) abort_host[0] = 1;
-      cv.notify_all();
+    const RankBarrier::Outcome outcome = rendezvous.arrive_and_wait();
+    if (outcome == RankBarrier::Outcome::passed) return;
+    if (abort_host) abort_host[0] = 1;
+    if (outcome == RankBarrier::Outcome::timed_out)
       throw CudaError(fmt::format("dcpmla: device-group collective (rank {}): peers did not arrive within {} ms; "
                                   "the group was aborted",
                                   rank, timeout.count()));
-    }
-    if (aborted) throw aborted_error();
+    throw Error(fmt::format("dcpmla: device-group collective (rank {}) aborted: another rank failed", rank));
   }
 
   void abort() {
-    std::lock_guard lock(mutex);
-    aborted = true;
+    rendezvous.abort();
     if (abort_host) abort_host[0] = 1;
-    cv.notify_all();
   }
 
   const int world, device;
   const std::chrono::milliseconds timeout;
   std::vector<const void*> sends;
-  std::mutex mutex;
-  std::condition_variable cv;
-  uint64_t generation = 0;
-  int arrived = 0;
-  bool aborted = false;
+  RankBarrier rendezvous;
   unsigned long long* flags = nullptr;  // device [world]
   volatile int* abort_host = nullptr;   // mapped pinned [2]: abort, status
   int* abort_dev = nullptr;
@@ -269,31 +247,23 @@ std::unique_ptr<DeviceCommunicator> DeviceGroup::communicator(int rank, cudaStre
 void run_device_ranks(int world_size, int device, const std::function<void(int, DeviceCommunicator&)>& fn,
                       std::chrono::milliseconds timeout) {
   DeviceGroup group(world_size, device, timeout);
-  std::mutex mutex;
-  std::exception_ptr first;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world_size; ++r)
-    threads.emplace_back([&, r] {
-      cudaStream_t stream = nullptr;
-      try {
+  std::vector<cudaStream_t> streams(size_t(world_size), nullptr);
+  const std::exception_ptr failed = run_rank_threads(
+      world_size,
+      [&](int r) {
         check(cudaSetDevice(device), "cudaSetDevice(rank thread)");
-        check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate(rank)");
-        auto comm = group.communicator(r, stream);
+        check(cudaStreamCreateWithFlags(&streams[size_t(r)], cudaStreamNonBlocking), "cudaStreamCreate(rank)");
+        auto comm = group.communicator(r, streams[size_t(r)]);
         fn(r, *comm);
-      } catch (...) {
-        {
-          std::lock_guard lock(mutex);
-          if (!first) first = std::current_exception();
-        }
-        group.abort();
-      }
-      if (stream) {
-        cudaStreamSynchronize(stream);  // the barrier kernels leave after the abort
-        cudaStreamDestroy(stream);
-      }
-    });
-  for (auto& t : threads) t.join();
-  if (first) std::rethrow_exception(first);
+      },
+      [&] { group.abort(); });
+  // After the abort (if any): the device barrier kernels leave once it is raised.
+  for (cudaStream_t stream : streams)
+    if (stream) {
+      cudaStreamSynchronize(stream);
+      cudaStreamDestroy(stream);
+    }
+  if (failed) std::rethrow_exception(failed);
 }
 
 }  // namespace dcpmla

@@ -8,6 +8,7 @@
 
 #include "dcpmla/error.h"
 #include "dcpmla/numeric.h"
+#include "../../src/rank_threads.h"
 
 namespace dcpmla {
 
@@ -62,6 +63,27 @@ TEST(Comm, AFailingRankAbortsTheOthersInsteadOfHanging) {
   }
   EXPECT_EQ(aborted.load(), 3);
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+}
+
+TEST(Comm, RankBarrierTimesOutAndAbortsTheGroup) {
+  // One of two ranks never comes: the waiter gives up after the timeout and the group stays
+  // aborted, so a late rank does not wait either.
+  RankBarrier barrier(2, std::chrono::milliseconds(50));
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(barrier.arrive_and_wait(), RankBarrier::Outcome::timed_out);
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(50));
+  EXPECT_EQ(barrier.arrive_and_wait(), RankBarrier::Outcome::aborted);
+  // Without a timeout, generations pass as long as every rank arrives.
+  RankBarrier open(3);
+  std::atomic<int> passed{0};
+  const auto failed = run_rank_threads(
+      3,
+      [&](int) {
+        for (int i = 0; i < 100; ++i) passed += open.arrive_and_wait() == RankBarrier::Outcome::passed;
+      },
+      [&] { open.abort(); });
+  EXPECT_FALSE(failed);
+  EXPECT_EQ(passed.load(), 300);
 }
 
 TEST(Comm, RefusesBadRanks) {

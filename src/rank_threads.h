@@ -1,0 +1,88 @@
+// Ranks as threads of one process: the barrier they meet at and the way they are run. The
+// in-process host group (comm.cpp) and the device group (cuda/comm_device.cpp) share both.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace dcpmla {
+
+// Meets generation by generation. abort() releases every waiter; with a timeout, a wait
+// that outlasts it aborts the group, since a peer that never arrives would otherwise hold
+// the others forever.
+class RankBarrier {
+ public:
+  enum class Outcome { passed, aborted, timed_out };
+
+  // timeout = 0: wait as long as it takes (a failing rank still aborts the group).
+  explicit RankBarrier(int world, std::chrono::milliseconds timeout = std::chrono::milliseconds::zero())
+      : world_(world), timeout_(timeout) {}
+
+  Outcome arrive_and_wait() {
+    std::unique_lock lock(mutex_);
+    if (aborted_) return Outcome::aborted;
+    const uint64_t gen = generation_;
+    if (++arrived_ == world_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return Outcome::passed;
+    }
+    const auto released = [&] { return generation_ != gen || aborted_; };
+    if (timeout_.count() == 0) {
+      cv_.wait(lock, released);
+    } else if (!cv_.wait_for(lock, timeout_, released)) {
+      aborted_ = true;
+      cv_.notify_all();
+      return Outcome::timed_out;
+    }
+    return aborted_ ? Outcome::aborted : Outcome::passed;
+  }
+
+  void abort() {
+    std::lock_guard lock(mutex_);
+    aborted_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  const int world_;
+  const std::chrono::milliseconds timeout_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  uint64_t generation_ = 0;
+  int arrived_ = 0;
+  bool aborted_ = false;
+};
+
+// Runs body(rank) on `world` threads. The first exception is kept and abort() is called at
+// once, so the other ranks leave their collectives instead of waiting for the failed one;
+// returned (not rethrown) so that the caller can release what the ranks used first.
+inline std::exception_ptr run_rank_threads(int world, const std::function<void(int)>& body,
+                                           const std::function<void()>& abort) {
+  std::mutex mutex;
+  std::exception_ptr first;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        body(r);
+      } catch (...) {
+        {
+          std::lock_guard lock(mutex);
+          if (!first) first = std::current_exception();
+        }
+        abort();
+      }
+    });
+  for (auto& t : threads) t.join();
+  return first;
+}
+
+}  // namespace dcpmla
