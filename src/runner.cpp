@@ -106,7 +106,7 @@ void RankRunner::attend(const bf16* q, bf16* out, float* lse) {
   // only once a plan splits.
   if (plan_.route() == Route::split_k && workspace_.empty()) {
     const auto& c = planner_.config();
-    workspace_.resize(size_t(split_workspace_floats(plan_.view(), c.heads, c.dims.kv_lora_rank)));
+    workspace_.resize(size_t(split_workspace_floats(planner_.work_capacity(), c.limits.max_qlen, c.heads, c.dims.kv_lora_rank)));
   }
   attention_cpu(params(q, out, lse));
 }
@@ -217,22 +217,27 @@ std::unique_ptr<RankEngine> make_engine(const RankEngineFactory& engines, const 
   return std::make_unique<RankRunner>(config, kv_scale, softmax_scale);
 }
 
-AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, Communicator& comm,
-                         const RankEngineFactory& engines) {
-  const int rank = comm.rank(), N = o.world_size, R = o.kv_lora_rank, heads = in.heads, qlen = in.qlen;
-  const int64_t rows = int64_t(in.batch) * qlen;
+PlannerConfig rank_config(const Inputs& in, const AttentionOptions& o, int rank) {
   PlannerConfig config;
   config.backend = o.backend;
   config.mode = o.mode;
   config.kv_dtype = o.kv_dtype;
-  config.heads = heads;
-  config.dims = LatentDims{R, in.dim - R};
-  config.layout = Layout{N, rank, o.interleave};
+  config.heads = in.heads;
+  config.dims = LatentDims{o.kv_lora_rank, in.dim - o.kv_lora_rank};
+  config.layout = Layout{o.world_size, rank, o.interleave};
   config.block_size = o.block_size;
   config.num_blocks = in.num_blocks;
   config.route = o.route;
-  config.limits = PlanLimits{in.batch, qlen, in.longest};
+  config.limits = PlanLimits{in.batch, in.qlen, in.longest};
   config.min_segment_tokens = o.min_segment_tokens;
+  return config;
+}
+
+AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, Communicator& comm,
+                         const RankEngineFactory& engines) {
+  const int rank = comm.rank(), N = o.world_size, R = o.kv_lora_rank, heads = in.heads, qlen = in.qlen;
+  const int64_t rows = int64_t(in.batch) * qlen;
+  const PlannerConfig config = rank_config(in, o, rank);
   const auto engine = make_engine(engines, config, o.kv_scale, in.softmax_scale);
   if (o.poison) engine->poison();
   const BatchDesc desc = in.desc();
@@ -318,10 +323,13 @@ AttentionResult mla_attention(std::span<const float> q, std::span<const float> k
                               const RankEngineFactory& engines) {
   const Inputs in = prepare(q, kv, seq_lens, batch, qlen, heads, max_len, dim, options, engines);
   // With the CPU engines, all ranks' caches and split-K workspaces (RankRunner's sizes) live
-  // in this process. (A device engine keeps its caches in device memory.)
+  // in this process. (A device engine keeps its caches in device memory.) The planner also
+  // checks the configuration here, once, before any rank starts.
+  const PlannerConfig config = rank_config(in, options, 0);
+  const Planner sizing(config);
   const double per_rank =
-      double(in.num_blocks) * options.block_size * dim * bytes_per_value(options.kv_dtype) +
-      4.0 * (double(batch) + PlannerConfig{}.num_workers) * qlen * heads * (options.kv_lora_rank + 2);
+      double(CacheConfig{config.num_blocks, config.block_size, dim, config.kv_dtype, options.kv_scale}.bytes()) +
+      4.0 * double(split_workspace_floats(sizing.work_capacity(), qlen, heads, options.kv_lora_rank));
   require(bool(engines) || per_rank * options.world_size <= double(kMaxInProcessBytes),
           "world_size x (cache + workspace per rank)",
           fmt::format("{:.3g} GiB", per_rank * options.world_size / double(1 << 30)),

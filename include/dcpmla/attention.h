@@ -34,8 +34,9 @@ struct AttentionParams {
 // get out = 0, lse = -inf.
 void attention_cpu(const AttentionParams& p);
 
-// Workspace floats a plan of this capacity needs for split_k partials.
-int64_t split_workspace_floats(const PlanView& plan, int heads, int rank_dim);
+// Workspace floats split_k partials need for plans of these capacities
+// (PlanView::work_capacity, PlanView::max_qlen).
+int64_t split_workspace_floats(int64_t work_capacity, int max_qlen, int heads, int rank_dim);
 
 // The parameters of a plan's attention (host or device pointers alike), with the split-K
 // workspace (split_workspace_floats floats) laid out as part_o, then part_m, then part_l.

@@ -120,8 +120,8 @@ void attend_range(const AttentionParams& p, const Dequantizer& deq, int b, int h
 
 }  // namespace
 
-int64_t split_workspace_floats(const PlanView& plan, int heads, int rank_dim) {
-  return int64_t(plan.work_capacity) * plan.max_qlen * heads * (rank_dim + 2);
+int64_t split_workspace_floats(int64_t work_capacity, int max_qlen, int heads, int rank_dim) {
+  return work_capacity * max_qlen * heads * (rank_dim + 2);
 }
 
 AttentionParams attention_params(const PlannerConfig& c, const bf16* q, const uint8_t* kv, float kv_scale,

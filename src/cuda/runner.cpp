@@ -250,7 +250,8 @@ CudaRankRunner::CudaRankRunner(const PlannerConfig& config, float kv_scale, floa
     const size_t arena_bytes = plan_.arena().size() * sizeof(int32_t);
     check(cudaMalloc(&cache_, size_t(cache_config_.bytes())), "cudaMalloc(cache)");
     check(cudaMalloc(&plan_dev_, arena_bytes), "cudaMalloc(plan arena)");
-    workspace_floats_ = split_workspace_floats(plan_.view(), config.heads, config.dims.kv_lora_rank);
+    workspace_floats_ = split_workspace_floats(planner_.work_capacity(), config.limits.max_qlen, config.heads,
+                                               config.dims.kv_lora_rank);
     check(cudaMalloc(&workspace_, size_t(workspace_floats_) * sizeof(float)), "cudaMalloc(split-K workspace)");
     for (int k = 0; k < 2; ++k) {
       check(cudaMallocHost(&staging_[k], arena_bytes), "cudaMallocHost(plan staging)");
