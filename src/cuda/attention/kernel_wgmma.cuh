@@ -27,7 +27,8 @@
 //   sQ   (64, 576) bf16      9 blocks of (64, 64)
 //   sKV  2 x (64, 576) bf16  K for S (K-major B) and V for P V (MN-major B) alike
 //   sP   (64, 64) bf16       A of WG1's P V
-//   sAlpha, sL, sM (64) f32, sLen (64) i32, 2 mbarriers ("stage s holds a tile")
+//   sAlpha, sL, sM (64) f32, sLen (64) i32, 3 mbarriers (full[0], full[1]: "stage s holds a
+//   tile"; P free)
 #pragma once
 
 #include <atomic>
@@ -57,16 +58,19 @@ struct WgConfig {
   static constexpr int OFF_M = OFF_L + 4 * M;
   static constexpr int OFF_LEN = OFF_M + 4 * M;
   static constexpr int OFF_BAR = OFF_LEN + 4 * M;
-  static constexpr int SMEM_BYTES = OFF_BAR + 2 * 8 + 1024;  // + slack to align the base to 1024
+  static constexpr int SMEM_BYTES = OFF_BAR + 3 * 8 + 1024;  // + slack to align the base to 1024
   static_assert(SMEM_BYTES <= kSmemPerCta, "wgmma tiles do not fit in shared memory");
   static_assert(M == NT, "Q and KV column blocks share the k-step offsets of S");
   static_assert(Q_BYTES % 1024 == 0 && TILE_BYTES % 1024 == 0 && (M * NT * 2) % 1024 == 0);
 };
 
-// Named barriers between the two warpgroups (256 threads each time).
-inline constexpr int kBarPReady = 1;  // WG0 -> WG1: P(i) and alpha(i) are in shared memory
-inline constexpr int kBarPFree = 2;   // WG0 <-> WG1: WG1 has consumed P(i); sP may be rewritten
-inline constexpr int kBarSFree = 3;   // WG0 -> WG1: WG0 is done with tile i's stage
+// Named barriers from WG0 (bar.arrive) to WG1 (bar.sync), 256 threads each time.
+inline constexpr int kBarPReady = 1;  // P(i) and alpha(i) are in shared memory
+inline constexpr int kBarSFree = 3;   // WG0 is done with tile i's stage
+// WG1 -> WG0: WG1 has consumed P(i) and alpha(i); sP may be rewritten. An mbarrier (index
+// 2 beside full[0], full[1]; one arrival per WG1 thread): WG0 waits on it from its own
+// branch, where a named barrier would have to be the slower unaligned barrier.sync.
+inline constexpr int kMbarPFree = 2;
 
 // Byte offset of 16-byte chunk `chunk` (0..71 along D) of row `row` in a (ROWS, 576) bf16
 // buffer stored as 9 column blocks of (ROWS, 64) with the 128-byte swizzle.
@@ -102,6 +106,7 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
     // bf16: one cp.async arrival per loader thread; fp8: one plain arrival per loader thread.
     mbar_init(bar_a, 128);
     mbar_init(bar_a + 8, 128);
+    mbar_init(bar_a + 8 * kMbarPFree, 128);
   }
   __syncthreads();
 
@@ -119,7 +124,7 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
 
   // Loader (WG1) mapping: two threads per token, alternating 16-byte chunks of its row.
   const int tk = t >> 1, half = t & 1;
-  uint32_t phase = 0;  // bit s: parity of the next completion of full[s] this thread waits for
+  uint32_t phase = 0;  // bit k: parity of the next completion of mbarrier k this thread waits for
 
   float o[128];  // (64, 256) slice of O: this warpgroup's columns [256 wg, 256 wg + 256)
   uint4 raw[FP8 ? 18 : 1];  // fp8: the loader's share of the next tile, (64, 576) bytes / 128
@@ -232,9 +237,13 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
       const int lim0 = min(sLen[r0], tok_hi), lim1 = min(sLen[r1], tok_hi);
       for (int i = 0; i < ntiles; ++i) {
         const int s = i & 1;
+        // No proxy fence after the wait: cp.async bytes, completed through
+        // cp.async.mbarrier.arrive, go to wgmma straight after the barrier (as in
+        // FlashAttention-3's paged-KV path); fp8 loaders fence their own stores before
+        // arriving. Here fence.proxy.async is a MEMBAR that also waits for this thread's loads
+        // in flight: dropping it took verify16_q4 from 225 to 204 us (bench/NOTES.md).
         mbar_wait(bar_a + 8 * s, (phase >> s) & 1u);
         phase ^= 1u << s;
-        fence_proxy_async();
         const uint32_t sK = sKV_a + s * C::TILE_BYTES;
 
         // S (64, 64) = Q (64, 576) K^T: k16 step ks reads 32 bytes of column block ks / 4.
@@ -301,7 +310,10 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
         }
 
         // Hand P (bf16, K-major swizzled (64, 64)) and alpha to WG1.
-        if (i > 0) named_sync_across_roles(kBarPFree, 256);
+        if (i > 0) {
+          mbar_wait(bar_a + 8 * kMbarPFree, (phase >> kMbarPFree) & 1u);
+          phase ^= 1u << kMbarPFree;
+        }
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
           *reinterpret_cast<uint32_t*>(sP + r0 * 128 + (((2 * kk) ^ g) << 4) + 4 * c) = pa[kk][0];
@@ -344,17 +356,11 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
       for (int i = 0; i < ntiles; ++i) {
         const int s = i & 1;
         named_sync(kBarPReady, 256);
-        mbar_wait(bar_a + 8 * s, (phase >> s) & 1u);  // long complete; orders the tile's bytes for this thread
+        mbar_wait(bar_a + 8 * s, (phase >> s) & 1u);  // long complete (no proxy fence: see WG0)
         phase ^= 1u << s;
-        // bf16: the cp.async bytes meet wgmma's async proxy. (fp8: every loader thread fenced
-        // its own stores before arriving; and fence.proxy.async is a MEMBAR that would wait
-        // for the next tile's register loads in flight.) The sub-page lookup for the next
-        // load is issued after the fence for the same reason, and has P V to land.
+        // The sub-page lookup for the next load has P V to land.
         int subpage_next = 0;
-        if constexpr (!FP8) {
-          fence_proxy_async();
-          subpage_next = fetch_subpage(i + 2);
-        }
+        if constexpr (!FP8) subpage_next = fetch_subpage(i + 2);
         const float al0 = sAlpha[r0], al1 = sAlpha[r1];
         if (__any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f)) {
 #pragma unroll
@@ -384,11 +390,10 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
             next_subpage = fetch_subpage(i + 4);
           }
         }
-        // sP and sAlpha may be rewritten once both warpgroups pass (a full barrier on both
-        // sides: WG1's reads above are ordered before WG0's writes of the next tile). After
-        // the stage handover, so that WG0 cannot arrive on kBarSFree twice before this
-        // warpgroup has synced on it once.
-        if (i + 1 < ntiles) named_sync_across_roles(kBarPFree, 256);
+        // sP and sAlpha may be rewritten once every WG1 thread has arrived (its reads above
+        // are released to WG0's writes of the next tile). After the stage handover, so that
+        // WG0 cannot arrive on kBarSFree twice before this warpgroup has synced on it once.
+        if (i + 1 < ntiles) mbar_arrive(bar_a + 8 * kMbarPFree);
       }
     }
     __syncthreads();  // sL, sM

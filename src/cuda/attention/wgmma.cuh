@@ -59,13 +59,6 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-// The unaligned form, for a barrier that both warpgroups block on from their own role
-// branches (different instructions); the aligned bar.sync there is undefined behaviour
-// (compute-sanitizer synccheck reports it as divergence). It costs more: use it only there.
-__device__ __forceinline__ void named_sync_across_roles(int id, int threads) {
-  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
 // mbarrier in shared memory (8 bytes, 8-byte aligned).
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
