@@ -235,16 +235,16 @@ fi
 if [[ "$NCU" == 1 ]] && command -v ncu >/dev/null 2>&1; then
   t0=$(date +%s)
   : >"$OUT/ncu.txt"
-  for shape in decode16 decode16_e4m3 decode128; do
+  for shape in ${NCU_SHAPES:-decode16 decode16_e4m3 decode128 verify16_q4}; do
     echo "=== $shape" >>"$OUT/ncu.txt"
-    timeout 45 ncu --clock-control none -k regex:attention_kernel -c 1 \
+    timeout 60 ncu --clock-control none -k regex:'attention_(wgmma_)?kernel' -c 1 \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-      --section LaunchStats --section Occupancy \
+      --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section LaunchStats --section Occupancy \
       "$BUILD/bench/dcpmla_bench" --only "$shape" --runs 3 --no-baseline --no-ceilings >>"$OUT/ncu.txt" 2>&1
   done
   say "ncu: $(( $(date +%s) - t0 )) s; summary:"
-  grep -E "^=== |Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Registers Per|Achieved Occupancy" \
-    "$OUT/ncu.txt" | head -n 60
+  grep -E "^=== |Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Registers Per|Achieved Occupancy|Shared Memory|Tensor|Pipe" \
+    "$OUT/ncu.txt" | head -n 100
   grep -E "stalled|stall" "$OUT/ncu.txt" | cut -c1-300 | head -n 16
 fi
 

@@ -122,7 +122,10 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
   const bool e5m2 = p.kv_dtype == KvDtype::fp8_e5m2;
   constexpr int kRowBytes = FP8 ? kDim : kDim * 2;  // a stored token
 
-  // Loader (WG1) mapping: two threads per token, alternating 16-byte chunks of its row.
+  // Loader (WG1) mappings. bf16: eight threads per token (chunks lc + 8 m, m < 9: one
+  // 128-byte row of each column block), tokens lt + 16 j (j < 4); a warp's copy reads 4 tokens
+  // x 128 contiguous bytes. fp8: two threads per token, alternating 16-byte chunks of its row.
+  const int lt = t >> 3, lc = t & 7;
   const int tk = t >> 1, half = t & 1;
   uint32_t phase = 0;  // bit k: parity of the next completion of mbarrier k this thread waits for
 
@@ -145,32 +148,41 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
     if (tid < M) sLen[tid] = tid < nr ? lens[(row0 + tid) / heads] : 0;
 
     // ---- loader helpers (WG1) -------------------------------------------------------------
-    // Sub-page id of this thread's token of tile i (0 past the end: never dereferenced).
-    auto fetch_subpage = [&](int i) {
-      const int j = tok_lo + i * NT + tk;
+    // Sub-page id of token `tok` of tile i (0 past the end: never dereferenced).
+    auto fetch_subpage = [&](int i, int tok) {
+      const int j = tok_lo + i * NT + tok;
       return (i < ntiles && j < tok_hi) ? subpages[j >> page_shift] : 0;
     };
-    auto token_src = [&](int i, int subpage) {
-      const int j = tok_lo + i * NT + tk;
+    auto token_src = [&](int i, int tok, int subpage) {
+      const int j = tok_lo + i * NT + tok;
       return p.kv + (int64_t(subpage) * page + (j & (page - 1))) * kRowBytes;
+    };
+    // bf16: the sub-pages of this thread's four tokens of tile i.
+    auto fetch_subpages_bf16 = [&](int i, int (&sp)[4]) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sp[j] = fetch_subpage(i, lt + 16 * j);
     };
     // bf16: tile i -> stage s by cp.async (tokens at or past tok_hi are zero-filled), then
     // one arrival on full[s] when this thread's copies have landed.
-    auto load_tile_bf16 = [&](int i, int s, int subpage) {
-      const bool ok = tok_lo + i * NT + tk < tok_hi;
-      const uint8_t* src = ok ? token_src(i, subpage) : p.kv;
+    auto load_tile_bf16 = [&](int i, int s, const int (&sp)[4]) {
       const uint32_t dst = sKV_a + s * C::TILE_BYTES;
 #pragma unroll
-      for (int k = 0; k < kDim / 16; ++k) {
-        const int ch = 2 * k + half;
-        cp_async_16(dst + swz128<NT>(tk, ch), src + ch * 16, ok ? 16 : 0);
+      for (int j = 0; j < 4; ++j) {
+        const int tok = lt + 16 * j;
+        const bool ok = tok_lo + i * NT + tok < tok_hi;
+        const uint8_t* src = ok ? token_src(i, tok, sp[j]) : p.kv;
+#pragma unroll
+        for (int m = 0; m < kDim / 64; ++m) {
+          const int ch = lc + 8 * m;
+          cp_async_16(dst + swz128<NT>(tok, ch), src + ch * 16, ok ? 16 : 0);
+        }
       }
       cp_async_mbar_arrive(bar_a + 8 * s);
     };
     // fp8: raw bytes of tile i into registers (zeros past tok_hi).
     auto read_tile_fp8 = [&](int i, int subpage) {
       const bool ok = i < ntiles && tok_lo + i * NT + tk < tok_hi;
-      const uint8_t* src = token_src(i, subpage);
+      const uint8_t* src = token_src(i, tk, subpage);
 #pragma unroll
       for (int k = 0; k < (FP8 ? 18 : 1); ++k)
         raw[k] = ok ? __ldg(reinterpret_cast<const uint4*>(src + (2 * k + half) * 16)) : make_uint4(0u, 0u, 0u, 0u);
@@ -204,16 +216,19 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
     int next_subpage = 0;
     if (wg == 1) {
       if constexpr (!FP8) {
-        if (ntiles > 0) load_tile_bf16(0, 0, fetch_subpage(0));
-        if (ntiles > 1) load_tile_bf16(1, 1, fetch_subpage(1));
+        int sp[4];
+        for (int i = 0; i < 2 && i < ntiles; ++i) {
+          fetch_subpages_bf16(i, sp);
+          load_tile_bf16(i, i, sp);
+        }
       } else {
         for (int i = 0; i < 2 && i < ntiles; ++i) {
-          read_tile_fp8(i, fetch_subpage(i));
+          read_tile_fp8(i, fetch_subpage(i, tk));
           store_tile_fp8(i);
         }
-        if (ntiles > 2) read_tile_fp8(2, fetch_subpage(2));
+        if (ntiles > 2) read_tile_fp8(2, fetch_subpage(2, tk));
       }
-      if constexpr (FP8) next_subpage = fetch_subpage(3);
+      if constexpr (FP8) next_subpage = fetch_subpage(3, tk);
     }
 
     // Q rows [row0, row0 + nr) of request b; padding rows of the CTA are zero.
@@ -359,8 +374,8 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
         mbar_wait(bar_a + 8 * s, (phase >> s) & 1u);  // long complete (no proxy fence: see WG0)
         phase ^= 1u << s;
         // The sub-page lookup for the next load has P V to land.
-        int subpage_next = 0;
-        if constexpr (!FP8) subpage_next = fetch_subpage(i + 2);
+        int subpage_next[4];
+        if constexpr (!FP8) fetch_subpages_bf16(i + 2, subpage_next);
         const float al0 = sAlpha[r0], al1 = sAlpha[r1];
         if (__any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f)) {
 #pragma unroll
@@ -387,7 +402,7 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
           } else {
             store_tile_fp8(s);  // tile i + 2, read into registers one iteration ago
             read_tile_fp8(i + 3, next_subpage);
-            next_subpage = fetch_subpage(i + 4);
+            next_subpage = fetch_subpage(i + 4, tk);
           }
         }
         // sP and sAlpha may be rewritten once every WG1 thread has arrived (its reads above
