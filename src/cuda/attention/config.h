@@ -40,7 +40,6 @@ struct AttnConfig {
   static constexpr int ROW_BYTES = kDim * 2;                  // a bf16 row in shared memory
   static constexpr int STORED_ROW_BYTES = FP8 ? kDim : kDim * 2;
   static constexpr int STAGE_BYTES = NT * STORED_ROW_BYTES;
-  static constexpr int TPT = kThreads / NT;                   // loader threads per token
 
   static constexpr int Q_BYTES = M * ROW_BYTES;                        // (M, D) bf16, swizzled
   static constexpr int CONV_BYTES = FP8 ? NT * ROW_BYTES : 0;          // (NT, D) dequantised tile

@@ -36,7 +36,7 @@ __device__ __forceinline__ uint32_t swz_p(int row, int chunk) {
 template <int MT, int NT, int CPS, bool FP8>
 __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_constant__ AttentionParams p) {
   using C = AttnConfig<MT, NT, CPS, FP8>;
-  constexpr int M = C::M, STAGES = C::STAGES, TPT = C::TPT;
+  constexpr int M = C::M, STAGES = C::STAGES;
   static_assert(kThreads % NT == 0);
   constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
   const float kNegInf = -__int_as_float(0x7f800000);
@@ -94,47 +94,56 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
     }
     cp_async_commit();
 
-    // Tile i: tokens [tok_lo + i NT, +NT) -> stage s; TPT threads per token. The sub-page
-    // id of this thread's token is fetched one tile ahead (fetch_subpage), so the table
-    // lookup's latency is off the per-tile critical path. Tokens at or past tok_hi are
+    // Tile i: tokens [tok_lo + i NT, +NT) -> stage s; eight threads per token row, so that a
+    // warp's copy reads 4 tokens x 128 contiguous bytes (whole lines), tokens tk + 32 j. The
+    // sub-page ids of this thread's tokens are fetched one tile ahead (fetch_subpages), so the
+    // table lookups' latency is off the per-tile critical path. Tokens at or past tok_hi are
     // zero-filled (never read from memory).
-    const int tk = tid / TPT, sub = tid % TPT;
-    auto fetch_subpage = [&](int i) {
-      const int j = tok_lo + i * NT + tk;
-      return (i < ntiles && j < tok_hi) ? subpages[j >> page_shift] : 0;
+    constexpr int kPass = kThreads / 8, kTokens = NT / kPass;  // tokens per pass, per thread
+    const int tk = tid / 8, sub = tid % 8;
+    struct Subpages {
+      int v[kTokens];
     };
-    auto load_tile = [&](int i, int s, int subpage) {
-      const int j = tok_lo + i * NT + tk;
-      const bool ok = j < tok_hi;
-      const uint8_t* src = p.kv;
-      if (ok) {
-        const int64_t slot = int64_t(subpage) * page + (j & (page - 1));
-        src = p.kv + slot * C::STORED_ROW_BYTES;
+    auto fetch_subpages = [&](int i) {
+      Subpages sp;
+#pragma unroll
+      for (int j = 0; j < kTokens; ++j) {
+        const int jt = tok_lo + i * NT + tk + kPass * j;
+        sp.v[j] = (i < ntiles && jt < tok_hi) ? subpages[jt >> page_shift] : 0;
       }
+      return sp;
+    };
+    auto load_tile = [&](int i, int s, const Subpages& sp) {
       uint8_t* st = sStage + s * C::STAGE_BYTES;
-      if constexpr (!FP8) {
-        const uint32_t dst = smem_addr(st);
 #pragma unroll
-        for (int k = 0; k < (kDim / 8) / TPT; ++k) {
-          const int ch = sub + k * TPT;
-          cp_async_16(dst + swz(tk, ch), src + ch * 16, ok ? 16 : 0);
-        }
-      } else {
-        const uint32_t dst = smem_addr(st + tk * kDim);
+      for (int j = 0; j < kTokens; ++j) {
+        const int tok = tk + kPass * j, jt = tok_lo + i * NT + tok;
+        const bool ok = jt < tok_hi;
+        const uint8_t* src = ok ? p.kv + (int64_t(sp.v[j]) * page + (jt & (page - 1))) * C::STORED_ROW_BYTES : p.kv;
+        if constexpr (!FP8) {
+          const uint32_t dst = smem_addr(st);
 #pragma unroll
-        for (int k = 0; k < (kDim / 16 + TPT - 1) / TPT; ++k) {
-          const int ch = sub + k * TPT;
-          if (ch < kDim / 16) cp_async_16(dst + ch * 16, src + ch * 16, ok ? 16 : 0);
+          for (int m = 0; m < kDim / 64; ++m) {
+            const int ch = sub + 8 * m;
+            cp_async_16(dst + swz(tok, ch), src + ch * 16, ok ? 16 : 0);
+          }
+        } else {
+          const uint32_t dst = smem_addr(st + tok * kDim);
+#pragma unroll
+          for (int m = 0; m < (kDim / 16 + 7) / 8; ++m) {
+            const int ch = sub + 8 * m;
+            if (ch < kDim / 16) cp_async_16(dst + ch * 16, src + ch * 16, ok ? 16 : 0);
+          }
         }
       }
     };
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < ntiles) load_tile(s, s, fetch_subpage(s));
+      if (s < ntiles) load_tile(s, s, fetch_subpages(s));
       cp_async_commit();
     }
-    int next_subpage = fetch_subpage(STAGES - 1);
+    Subpages next_subpages = fetch_subpages(STAGES - 1);
 
     cp_async_wait<STAGES - 1>();  // Q has landed (the oldest group)
     __syncthreads();
@@ -166,9 +175,9 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
       __syncthreads();  // tile i visible; tile i-1's stage, P and alpha are free
       {
         const int nxt = i + STAGES - 1;
-        if (nxt < ntiles) load_tile(nxt, nxt % STAGES, next_subpage);
+        if (nxt < ntiles) load_tile(nxt, nxt % STAGES, next_subpages);
         cp_async_commit();
-        next_subpage = fetch_subpage(nxt + 1);
+        next_subpages = fetch_subpages(nxt + 1);
       }
       const uint8_t* sK = sStage + (i % STAGES) * C::STAGE_BYTES;
       if constexpr (FP8) {
