@@ -19,7 +19,7 @@ OUT="${OUT:-$BUILD/out}"
 JOBS="${JOBS:-$(nproc)}"
 BENCH_ARGS="${BENCH_ARGS:-}"
 SANITIZE="${SANITIZE:-1}"   # 0 skips compute-sanitizer
-NCU="${NCU:-0}"             # 1 profiles the attention kernel at a few shapes (Nsight Compute)
+NCU="${NCU:-0}"             # 1 profiles the attention kernels at NCU_SHAPES (Nsight Compute)
 export NCCL_NVLS_ENABLE=0
 say() { echo "[device.sh] $*"; }
 
