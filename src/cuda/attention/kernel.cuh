@@ -17,6 +17,7 @@
 #include "../params.h"
 #include "../utils.cuh"
 #include "config.h"
+#include "epilogue.cuh"
 
 namespace dcpmla::cuda_detail {
 
@@ -38,7 +39,7 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
   using C = AttnConfig<MT, NT, CPS, FP8>;
   constexpr int M = C::M, STAGES = C::STAGES;
   static_assert(kThreads % NT == 0);
-  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+  constexpr float kLog2e = 1.4426950408889634f;
   const float kNegInf = -__int_as_float(0x7f800000);
 
   extern __shared__ __align__(128) uint8_t smem[];
@@ -385,42 +386,23 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
       }
     }
     __syncthreads();
+    // l of row r: the sum over the WN token-warps' partial sums.
+    auto row_l = [&](int r) {
+      float l = 0.0f;
+#pragma unroll
+      for (int q = 0; q < C::WN; ++q) l += sMax[q * M + r];
+      return l;
+    };
 #pragma unroll
     for (int a = 0; a < MT; ++a)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = a * 16 + g + 8 * h;
-        if (r >= nr) continue;
-        float l = 0.0f;
-#pragma unroll
-        for (int q = 0; q < C::WN; ++q) l += sMax[q * M + r];
-        const float sc_out = l != 0.0f ? out_scale / l : 0.0f;  // l = 0: no key; NaN l propagates
-        const int64_t row = int64_t(row0 + r);
-        if (split) {
-          float* dst = p.part_o + (int64_t(witem) * rows_total + row) * kRank + warp * 64 + 2 * c;
-#pragma unroll
-          for (int n = 0; n < 8; ++n)
-            *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[a][n][2 * h] * sc_out, o[a][n][2 * h + 1] * sc_out);
-        } else {
-          bf16* dst = p.out + (int64_t(b) * rows_total + row) * kRank + warp * 64 + 2 * c;
-#pragma unroll
-          for (int n = 0; n < 8; ++n)
-            *reinterpret_cast<uint32_t*>(dst + n * 8) = pack_bf16x2(o[a][n][2 * h] * sc_out, o[a][n][2 * h + 1] * sc_out);
-        }
+        if (r < nr)
+          store_row_slice<8>(p, split, witem, b, rows_total, row0 + r, warp * 64 + 2 * c, row_l(r), out_scale,
+                             [&](int n) { return make_float2(o[a][n][2 * h], o[a][n][2 * h + 1]); });
       }
-    if (tid < nr) {
-      float l = 0.0f;
-#pragma unroll
-      for (int q = 0; q < C::WN; ++q) l += sMax[q * M + tid];
-      const float m = sM[tid];
-      const int64_t row = int64_t(row0 + tid);
-      if (split) {
-        p.part_m[int64_t(witem) * rows_total + row] = l != 0.0f ? m : kNegInf;
-        p.part_l[int64_t(witem) * rows_total + row] = l;
-      } else {
-        p.lse[int64_t(b) * rows_total + row] = l != 0.0f ? (m + __log2f(l)) * kLn2 : kNegInf;
-      }
-    }
+    if (tid < nr) store_row_stats(p, split, witem, b, rows_total, row0 + tid, sM[tid], row_l(tid));
     __syncthreads();  // shared memory is reused by the next unit
   }
 }

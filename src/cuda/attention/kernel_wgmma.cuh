@@ -37,6 +37,7 @@
 #include "../params.h"
 #include "../utils.cuh"
 #include "config.h"
+#include "epilogue.cuh"
 #include "wgmma.cuh"
 
 namespace dcpmla::cuda_detail {
@@ -83,7 +84,7 @@ template <bool FP8>
 __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_constant__ AttentionParams p) {
   using C = WgConfig<FP8>;
   constexpr int M = C::M, NT = C::NT;
-  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+  constexpr float kLog2e = 1.4426950408889634f;
   const float kNegInf = -__int_as_float(0x7f800000);
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -130,6 +131,18 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
   uint32_t phase = 0;  // bit k: parity of the next completion of mbarrier k this thread waits for
 
   float o[128];  // (64, 256) slice of O: this warpgroup's columns [256 wg, 256 wg + 256)
+  // O's rows r0, r1 times alpha; once the running maxima settle alpha is exactly 1 (skipped).
+  auto rescale_o = [&](float al0, float al1) {
+    if (__any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f)) {
+#pragma unroll
+      for (int k = 0; k < 128; k += 4) {
+        o[k] *= al0;
+        o[k + 1] *= al0;
+        o[k + 2] *= al1;
+        o[k + 3] *= al1;
+      }
+    }
+  };
   uint4 raw[FP8 ? 18 : 1];  // fp8: the loader's share of the next tile, (64, 576) bytes / 128
 
   for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
@@ -313,16 +326,7 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
         l_run[1] = l_run[1] * al1 + sum1;
         m_run[0] = mn0;
         m_run[1] = mn1;
-        // Once the running maxima settle, alpha is exactly 1 and O needs no rescale.
-        if (__any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f)) {
-#pragma unroll
-          for (int k = 0; k < 128; k += 4) {
-            o[k] *= al0;
-            o[k + 1] *= al0;
-            o[k + 2] *= al1;
-            o[k + 3] *= al1;
-          }
-        }
+        rescale_o(al0, al1);
 
         // Hand P (bf16, K-major swizzled (64, 64)) and alpha to WG1.
         if (i > 0) {
@@ -376,16 +380,7 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
         // The sub-page lookup for the next load has P V to land.
         int subpage_next[4];
         if constexpr (!FP8) fetch_subpages_bf16(i + 2, subpage_next);
-        const float al0 = sAlpha[r0], al1 = sAlpha[r1];
-        if (__any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f)) {
-#pragma unroll
-          for (int k = 0; k < 128; k += 4) {
-            o[k] *= al0;
-            o[k + 1] *= al0;
-            o[k + 2] *= al1;
-            o[k + 3] *= al1;
-          }
-        }
+        rescale_o(sAlpha[r0], sAlpha[r1]);
         const uint32_t sK = sKV_a + s * C::TILE_BYTES;
         wgmma_fence();
 #pragma unroll
@@ -417,32 +412,11 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = h ? r1 : r0;
-      if (r >= nr) continue;
-      const float l = sL[r];
-      const float sc_out = l != 0.0f ? out_scale / l : 0.0f;  // l = 0: no key; NaN l propagates
-      const int64_t row = int64_t(row0 + r);
-      if (split) {
-        float* dst = p.part_o + (int64_t(witem) * rows_total + row) * kRank + wg * 256 + 2 * c;
-#pragma unroll
-        for (int j = 0; j < 32; ++j)
-          *reinterpret_cast<float2*>(dst + j * 8) = make_float2(o[4 * j + 2 * h] * sc_out, o[4 * j + 2 * h + 1] * sc_out);
-      } else {
-        bf16* dst = p.out + (int64_t(b) * rows_total + row) * kRank + wg * 256 + 2 * c;
-#pragma unroll
-        for (int j = 0; j < 32; ++j)
-          *reinterpret_cast<uint32_t*>(dst + j * 8) = pack_bf16x2(o[4 * j + 2 * h] * sc_out, o[4 * j + 2 * h + 1] * sc_out);
-      }
+      if (r < nr)
+        store_row_slice<32>(p, split, witem, b, rows_total, row0 + r, wg * 256 + 2 * c, sL[r], out_scale,
+                            [&](int j) { return make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]); });
     }
-    if (tid < nr) {
-      const float l = sL[tid], m = sM[tid];
-      const int64_t row = int64_t(row0 + tid);
-      if (split) {
-        p.part_m[int64_t(witem) * rows_total + row] = l != 0.0f ? m : kNegInf;
-        p.part_l[int64_t(witem) * rows_total + row] = l;
-      } else {
-        p.lse[int64_t(b) * rows_total + row] = l != 0.0f ? (m + __log2f(l)) * kLn2 : kNegInf;
-      }
-    }
+    if (tid < nr) store_row_stats(p, split, witem, b, rows_total, row0 + tid, sM[tid], sL[tid]);
     __syncthreads();  // shared memory is reused by the next unit
   }
 }

@@ -1,0 +1,49 @@
+// The end of a unit, shared by both attention kernels: one row's slice of O normalised by
+// its l, and the row's statistics, as split-K partials or as the final output and lse.
+#pragma once
+
+#include <cstdint>
+
+#include "../params.h"
+#include "../utils.cuh"
+#include "config.h"
+
+namespace dcpmla::cuda_detail {
+
+// Columns col + 8 n, col + 8 n + 1 (n < N) of row `row` from pair(n) = (o, o'), scaled by
+// out_scale / l: l = 0 means no key (o = 0); a NaN l propagates.
+template <int N, typename Pair>
+__device__ __forceinline__ void store_row_slice(const AttentionParams& p, bool split, int witem, int b, int rows_total,
+                                                int64_t row, int col, float l, float out_scale, Pair pair) {
+  const float sc = l != 0.0f ? out_scale / l : 0.0f;
+  if (split) {
+    float* dst = p.part_o + (int64_t(witem) * rows_total + row) * kRank + col;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      const float2 v = pair(n);
+      *reinterpret_cast<float2*>(dst + n * 8) = make_float2(v.x * sc, v.y * sc);
+    }
+  } else {
+    bf16* dst = p.out + (int64_t(b) * rows_total + row) * kRank + col;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      const float2 v = pair(n);
+      *reinterpret_cast<uint32_t*>(dst + n * 8) = pack_bf16x2(v.x * sc, v.y * sc);
+    }
+  }
+}
+
+// m (base 2) and l of a row: (m, l) partials for split_k (m = -inf where l = 0), else the
+// natural-log lse (-inf for a row with no key).
+__device__ __forceinline__ void store_row_stats(const AttentionParams& p, bool split, int witem, int b, int rows_total,
+                                                int64_t row, float m, float l) {
+  const float kNegInf = -__int_as_float(0x7f800000);
+  if (split) {
+    p.part_m[int64_t(witem) * rows_total + row] = l != 0.0f ? m : kNegInf;
+    p.part_l[int64_t(witem) * rows_total + row] = l;
+  } else {
+    p.lse[int64_t(b) * rows_total + row] = l != 0.0f ? (m + __log2f(l)) * 0.6931471805599453f : kNegInf;
+  }
+}
+
+}  // namespace dcpmla::cuda_detail
