@@ -17,7 +17,7 @@
 #include "../params.h"
 #include "../utils.cuh"
 #include "config.h"
-#include "epilogue.cuh"
+#include "unit.cuh"
 
 namespace dcpmla::cuda_detail {
 
@@ -71,18 +71,10 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
   const uint32_t sQ_a = smem_addr(sQ), sP_a = smem_addr(sP);
 
   for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-    const int witem = unit / groups, grp = unit % groups;
-    const WorkItem item = p.plan.work[witem];
-    const int b = item.request;
-    const int row0 = grp * M, nr = min(M, rows_total - row0);
-    const int32_t* lens = p.plan.row_local_len + int64_t(b) * qlen;
-    const int32_t* subpages = p.plan.subpage_table + int64_t(b) * p.plan.table_stride;
-    int longest = 0;
-    for (int t = 0; t < qlen; ++t) longest = max(longest, lens[t]);
-    // Tokens past the longest row are never read: they may be NaN (poisoned) or unmapped.
-    const int tok_lo = item.tile_begin * page;
-    const int tok_hi = min(item.tile_end * page, longest);
-    const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + NT - 1) / NT : 0;
+    const UnitSpan u = unit_span<M, NT>(p, unit, groups, qlen, page, rows_total);
+    const int witem = u.witem, b = u.b, row0 = u.row0, nr = u.nr;
+    const int tok_lo = u.tok_lo, tok_hi = u.tok_hi, ntiles = u.ntiles;
+    const int32_t *lens = u.lens, *subpages = u.subpages;
     if (tid < M) sLen[tid] = tid < nr ? lens[(row0 + tid) / heads] : 0;
 
     // Q rows [row0, row0 + nr) of request b; padding rows of the CTA are zero.

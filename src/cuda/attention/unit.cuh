@@ -1,5 +1,6 @@
-// The end of a unit, shared by both attention kernels: one row's slice of O normalised by
-// its l, and the row's statistics, as split-K partials or as the final output and lse.
+// A CTA's unit of work, shared by both attention kernels: which rows and tokens it covers
+// (unit_span), and how it ends: one row's slice of O normalised by its l, and the row's
+// statistics, as split-K partials or as the final output and lse.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +10,35 @@
 #include "config.h"
 
 namespace dcpmla::cuda_detail {
+
+// Unit `unit` = (work item witem, row group): rows [row0, row0 + nr) of request b over the
+// item's tokens [tok_lo, tok_hi) in ntiles tiles of NT. lens: the request's per-row local
+// lengths (qlen); subpages: its row of the sub-page table.
+struct UnitSpan {
+  int witem, b, row0, nr, tok_lo, tok_hi, ntiles;
+  const int32_t* lens;
+  const int32_t* subpages;
+};
+
+template <int M, int NT>
+__device__ __forceinline__ UnitSpan unit_span(const AttentionParams& p, int unit, int groups, int qlen, int page,
+                                              int rows_total) {
+  UnitSpan u;
+  u.witem = unit / groups;
+  const WorkItem item = p.plan.work[u.witem];
+  u.b = item.request;
+  u.row0 = (unit % groups) * M;
+  u.nr = min(M, rows_total - u.row0);
+  u.lens = p.plan.row_local_len + int64_t(u.b) * qlen;
+  u.subpages = p.plan.subpage_table + int64_t(u.b) * p.plan.table_stride;
+  int longest = 0;
+  for (int q = 0; q < qlen; ++q) longest = max(longest, u.lens[q]);
+  // Tokens past the longest row are never read: they may be NaN (poisoned) or unmapped.
+  u.tok_lo = item.tile_begin * page;
+  u.tok_hi = min(item.tile_end * page, longest);
+  u.ntiles = u.tok_hi > u.tok_lo ? (u.tok_hi - u.tok_lo + NT - 1) / NT : 0;
+  return u;
+}
 
 // Columns col + 8 n, col + 8 n + 1 (n < N) of row `row` from pair(n) = (o, o'), scaled by
 // out_scale / l: l = 0 means no key (o = 0); a NaN l propagates.
