@@ -33,17 +33,12 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
-// Register fences: the compiler sees wgmma as writing its accumulators at issue; these keep
-// reads and writes of them (and of A fragments) on the right side of fence / wait.
+// Register fence: the compiler sees wgmma as writing its accumulators at issue; this keeps
+// reads and writes of them on the right side of the wait.
 template <int N>
 __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-template <int N>
-__device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
 // Orders this thread's generic-proxy shared-memory accesses (st.shared, cp.async) with
