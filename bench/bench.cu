@@ -213,6 +213,7 @@ void measure_ceilings(int runs) {
 
 std::string variant_name(const cuda::AttentionVariant& v) {
   if (v.kernel == 2) return "wg" + std::to_string(v.rows_per_cta) + "_n" + std::to_string(v.tile_tokens);
+  if (v.kernel == 3) return "f8swap" + std::to_string(v.rows_per_cta);
   return "m" + std::to_string(v.rows_per_cta) + "_n" + std::to_string(v.tile_tokens) + "_c" + std::to_string(v.ctas_per_sm);
 }
 double bf16_bits_to_double(uint16_t h) {
@@ -310,7 +311,8 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, cublasHandle_
   row.variant = variant_name(chosen);
   if (sweep) {
     // Every kernel variant at this shape (same plan, same caches): the mma.sync kernel's
-    // tile / occupancy knobs, and the wgmma kernel (16- and 32-row shapes padded to 64).
+    // tile / occupancy knobs, the wgmma kernel (16- and 32-row shapes padded to 64) and, for
+    // fp8 caches, the fp8 swap kernel (16-row groups).
     // Each is also compared with the default variant on cache 0 (rel L2 of out, full size).
     const size_t nout = rows * 512;
     std::vector<uint16_t> ref(nout), got(nout);
@@ -319,7 +321,8 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, cublasHandle_
     ck(cudaMemcpy(ref.data(), out, nout * 2, cudaMemcpyDeviceToHost), "d2h sweep ref");
     std::vector<cuda::AttentionVariant> seen;
     for (const cuda::AttentionTuning t : {cuda::AttentionTuning{32, 1, 1}, cuda::AttentionTuning{64, 1, 1},
-                                          cuda::AttentionTuning{32, 2, 1}, cuda::AttentionTuning{0, 0, 2}}) {
+                                          cuda::AttentionTuning{32, 2, 1}, cuda::AttentionTuning{0, 0, 2},
+                                          cuda::AttentionTuning{0, 0, 3}}) {
       const cuda::AttentionVariant v = cuda::attention_variant(s.qlen, s.heads, s.dtype, t);
       if (t.kernel == 1 && (v.tile_tokens != t.tile_tokens || v.ctas_per_sm != t.ctas_per_sm)) continue;  // not built
       if (std::any_of(seen.begin(), seen.end(), [&](const auto& u) { return same_variant(u, v); })) continue;

@@ -134,8 +134,15 @@ if [[ "$MODE" == all || "$MODE" == test ]]; then
     timeout 60 compute-sanitizer --tool synccheck --error-exitcode 3 \
       "$BUILD/tests/cuda/test_cuda_attention" --gtest_filter='Scenarios/*heads5_verify:Scenarios/*heads40_qlen2_two_groups' >>"$OUT/sanitizer.log" 2>&1
     scheck=$?
-    [[ $mc -ne 0 || $mc2 -ne 0 || $rcheck -ne 0 || $scheck -ne 0 ]] && status=1
-    say "compute-sanitizer: memcheck rc $mc/$mc2, racecheck rc $rcheck, synccheck rc $scheck ($(( $(date +%s) - t0 )) s): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer.log" | tr '\n' ' ')"
+    # The fp8 swap kernel: memcheck, racecheck and synccheck on two fp8 scenarios.
+    f8='Scenarios/*block1_world8_draft:Scenarios/*heads40_qlen2_two_groups'
+    f8rc=0
+    for tool in memcheck racecheck synccheck; do
+      DCPMLA_TEST_TUNING=fp8swap timeout 60 compute-sanitizer --tool $tool --error-exitcode 3 \
+        "$BUILD/tests/cuda/test_cuda_attention" --gtest_filter="$f8" >>"$OUT/sanitizer.log" 2>&1 || f8rc=$?
+    done
+    [[ $mc -ne 0 || $mc2 -ne 0 || $rcheck -ne 0 || $scheck -ne 0 || $f8rc -ne 0 ]] && status=1
+    say "compute-sanitizer: memcheck rc $mc/$mc2, racecheck rc $rcheck, synccheck rc $scheck, fp8 swap rc $f8rc ($(( $(date +%s) - t0 )) s): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer.log" | tr '\n' ' ')"
   else
     say "compute-sanitizer not found"
   fi
@@ -237,7 +244,7 @@ if [[ "$NCU" == 1 ]] && command -v ncu >/dev/null 2>&1; then
   : >"$OUT/ncu.txt"
   for shape in ${NCU_SHAPES:-decode16 decode16_e4m3 decode128 verify16_q4}; do
     echo "=== $shape" >>"$OUT/ncu.txt"
-    timeout 60 ncu --clock-control none -k regex:'attention_(wgmma_)?kernel' -c 1 \
+    timeout 60 ncu --clock-control none -k regex:'attention_(wgmma_|fp8_swap_)?kernel' -c 1 \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
       --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section LaunchStats --section Occupancy \
       "$BUILD/bench/dcpmla_bench" --only "$shape" --runs 3 --no-baseline --no-ceilings >>"$OUT/ncu.txt" 2>&1

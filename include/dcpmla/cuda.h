@@ -35,9 +35,11 @@ struct AttentionTuning {
   int tile_tokens = 0;  // 32 or 64 KV tokens per pipeline stage
   int ctas_per_sm = 0;  // 1, or 2 (applies to 16-row CTAs, i.e. qlen x heads <= 16; else 1)
   // 1: the mma.sync kernel (16/32/64-row CTAs, the reference variant); 2: the wgmma kernel
-  // (64-row CTAs on warpgroup MMA; tile_tokens and ctas_per_sm do not apply). 0 picks the
-  // wgmma kernel where it is the measured default, unless the knobs above ask for a
-  // variant only the mma.sync kernel has (32-token tiles, 2 CTAs per SM).
+  // (64-row CTAs on warpgroup MMA); 3: the fp8 swap kernel (16-row CTAs on native fp8
+  // warpgroup MMA, fp8 caches only: with a bf16 cache 3 acts as 0). tile_tokens and
+  // ctas_per_sm apply to the mma.sync kernel only. 0 picks the measured default per shape
+  // (wgmma at 64 rows, fp8 swap for fp8 at 16 rows, else mma.sync), unless the knobs above
+  // ask for a variant only the mma.sync kernel has (32-token tiles, 2 CTAs per SM).
   int kernel = 0;
 };
 
@@ -57,7 +59,7 @@ int attention_rows_per_cta(int max_qlen, int heads);
 // The variant attention() runs for these capacities, dtype and tuning (for logs and the bench).
 struct AttentionVariant {
   int rows_per_cta, tile_tokens, ctas_per_sm, smem_bytes;
-  int kernel;  // 1 mma.sync, 2 wgmma (AttentionTuning::kernel)
+  int kernel;  // 1 mma.sync, 2 wgmma, 3 fp8 swap (AttentionTuning::kernel)
 };
 AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const AttentionTuning& tuning = {});
 

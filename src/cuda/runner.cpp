@@ -44,7 +44,8 @@ void validate_tuning(const cuda::AttentionTuning& t) {
   require(t.tile_tokens == 0 || t.tile_tokens == 32 || t.tile_tokens == 64, "tuning.tile_tokens", t.tile_tokens,
           "0 (auto), 32 or 64");
   require(t.ctas_per_sm >= 0 && t.ctas_per_sm <= 2, "tuning.ctas_per_sm", t.ctas_per_sm, "0 (auto), 1 or 2");
-  require(t.kernel >= 0 && t.kernel <= 2, "tuning.kernel", t.kernel, "0 (auto), 1 (mma.sync) or 2 (wgmma)");
+  require(t.kernel >= 0 && t.kernel <= 3, "tuning.kernel", t.kernel,
+          "0 (auto), 1 (mma.sync), 2 (wgmma) or 3 (fp8 swap)");
 }
 
 // The one place a runtime configuration becomes a compiled variant. grid = 0 only opts
@@ -54,6 +55,9 @@ void launch_attention(const AttentionParams& p, int grid, cudaStream_t stream, c
   if (v.kernel == cuda_detail::kKernelWgmma)
     return fp8 ? cuda_detail::launch_attention_wgmma<true>(p, grid, stream)
                : cuda_detail::launch_attention_wgmma<false>(p, grid, stream);
+  if (v.kernel == cuda_detail::kKernelFp8Swap)
+    return p.kv_dtype == KvDtype::fp8_e5m2 ? cuda_detail::launch_attention_fp8_swap<true>(p, grid, stream)
+                                           : cuda_detail::launch_attention_fp8_swap<false>(p, grid, stream);
 #define DCPMLA_CASE(ROWS, NT, CPS, FP8)                                                         \
   if (v.rows_per_cta == ROWS && v.tile_tokens == NT && v.ctas_per_sm == CPS && fp8 == FP8)     \
     return cuda_detail::launch_attention_variant<ROWS / 16, NT, CPS, FP8>(p, grid, stream)
@@ -125,14 +129,26 @@ AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const
   AttentionVariant v{};
   v.rows_per_cta = attention_rows_per_cta(max_qlen, heads);
   const bool mma_only_knobs = tuning.tile_tokens == 32 || tuning.ctas_per_sm == 2;
-  if (tuning.kernel == cuda_detail::kKernelWgmma ||
-      (tuning.kernel == 0 && !mma_only_knobs && cuda_detail::wgmma_by_default(v.rows_per_cta, fp8))) {
+  // The fp8 swap kernel reads fp8 caches only; asked for with a bf16 cache, the default serves.
+  int kernel = tuning.kernel == cuda_detail::kKernelFp8Swap && !fp8 ? 0 : tuning.kernel;
+  if (kernel == 0) kernel = mma_only_knobs ? cuda_detail::kKernelMma : cuda_detail::default_kernel(v.rows_per_cta, fp8);
+  if (kernel == cuda_detail::kKernelFp8Swap) {
+    // 16 rows per CTA whatever qlen x heads is (more rows take more groups).
+    v.rows_per_cta = 16;
+    v.tile_tokens = 64;
+    v.ctas_per_sm = 1;
+    v.smem_bytes = dtype == KvDtype::fp8_e5m2 ? cuda_detail::attention_fp8_swap_smem_bytes<true>()
+                                              : cuda_detail::attention_fp8_swap_smem_bytes<false>();
+    v.kernel = kernel;
+    return v;
+  }
+  if (kernel == cuda_detail::kKernelWgmma) {
     // 64 rows per CTA whatever qlen x heads is (fewer rows are padded inside the kernel).
     v.rows_per_cta = 64;
     v.tile_tokens = 64;
     v.ctas_per_sm = 1;
     v.smem_bytes = fp8 ? cuda_detail::attention_wgmma_smem_bytes<true>() : cuda_detail::attention_wgmma_smem_bytes<false>();
-    v.kernel = cuda_detail::kKernelWgmma;
+    v.kernel = kernel;
     return v;
   }
   v.kernel = cuda_detail::kKernelMma;

@@ -33,6 +33,9 @@ struct Scenario {
   float kv_scale = 1.0f;
   uint64_t seed = 1;
   int max_batch = 0;  // 0: the batch size
+  // Query row r (of batch x qlen x heads) is scaled by 2^q_row_exp[r % size] (exact in
+  // bf16): rows far from unit magnitude, which the fp8 swap kernel scales per row.
+  std::vector<int> q_row_exp{};
 
   std::string describe() const {
     std::ostringstream s;
@@ -81,6 +84,9 @@ inline BatchData make_batch(const Scenario& s, const std::vector<int32_t>& lens,
     }
   d.latents = random_bf16(d.positions.size() * 576, seed * 7 + 1);
   d.q = random_bf16(size_t(batch) * qlen * s.heads * 576, seed * 7 + 2);
+  if (!s.q_row_exp.empty())
+    for (size_t i = 0; i < d.q.size(); ++i)
+      d.q[i] = float_to_bf16(std::ldexp(bf16_to_float(d.q[i]), s.q_row_exp[(i / 576) % s.q_row_exp.size()]));
   return d;
 }
 
@@ -101,15 +107,17 @@ inline PlannerConfig make_config(const Scenario& s, int64_t num_blocks, int max_
 inline float default_softmax_scale() { return 1.0f / std::sqrt(576.0f); }
 
 // Kernel variant under test: DCPMLA_TEST_TUNING = "<tile tokens>x<CTAs per SM>" (e.g. 64x1,
-// 32x2), "mma" (the mma.sync kernel at every shape) or "wgmma" (the wgmma kernel at every
-// shape, 16- and 32-row ones padded to 64); unset means the library's choice. ctest runs
-// the scenarios once per variant.
+// 32x2), "mma" (the mma.sync kernel at every shape), "wgmma" (the wgmma kernel at every
+// shape, 16- and 32-row ones padded to 64) or "fp8swap" (the fp8 swap kernel for every fp8
+// cache, in 16-row groups); unset means the library's choice. ctest runs the scenarios once
+// per variant.
 inline cuda::AttentionTuning test_tuning() {
   cuda::AttentionTuning t;
   if (const char* env = std::getenv("DCPMLA_TEST_TUNING")) {
     const std::string v = env;
     if (v == "mma") t.kernel = 1;
     else if (v == "wgmma") t.kernel = 2;
+    else if (v == "fp8swap") t.kernel = 3;
     else std::sscanf(env, "%dx%d", &t.tile_tokens, &t.ctas_per_sm);
   }
   return t;

@@ -37,6 +37,17 @@ std::vector<Scenario> scenarios() {
   add({"verify_short_rows_world8", M::verify, K::bf16, 64, 16, 8, 5, 1, R::one_stage, 4, 4, {4, 5, 6, 7, 8, 9, 12}});
   add({"capacity_qlen_gt_qlen", M::verify, K::bf16, 64, 16, 1, 0, 1, R::automatic, 1, 4, {3000, 17}});
   add({"heads20_qlen3_m64_pad", M::draft, K::bf16, 16, 20, 1, 0, 1, R::split_k, 3, 3, {2600, 40}});
+  {
+    // Query rows from 2^-9 to 2^4 times unit size in one CTA, on both fp8 formats: the fp8
+    // swap kernel scales each row by its own power of two. (Larger rows give logits in the
+    // hundreds, where the lse bound of 1e-2 is below the CPU kernel's own float error.)
+    for (const K dt : {K::fp8_e4m3, K::fp8_e5m2}) {
+      Scenario s{dt == K::fp8_e4m3 ? "q_magnitudes_e4m3" : "q_magnitudes_e5m2", M::verify, dt, 16, 16, 1, 0, 1,
+                 R::automatic, 1, 1, {3000, 700, 65}, 0.37f};
+      s.q_row_exp = {4, -9, 0, 3, -4};
+      add(s);
+    }
+  }
   add({"heads40_qlen2_two_groups", M::verify, K::fp8_e4m3, 64, 40, 2, 1, 4, R::automatic, 2, 2, {1800, 2}, 1.0f});
   {
     Scenario s{"decode_batch40_split", M::decode, K::bf16, 64, 16, 1, 0, 1, R::automatic, 1, 1, {}};

@@ -232,26 +232,33 @@ TEST(CudaValidation, RunnerRefusesBadBatchesAndAttendWithoutPlan) {
 }
 
 // Which kernel runs where (host-side dispatch, no device needed): the wgmma kernel serves
-// 64-row CTAs by default, the mma.sync kernel 16/32-row ones and every knob only it has;
-// either can be forced at any shape; an unknown kernel is refused.
+// 64-row CTAs by default, the fp8 swap kernel 16-row CTAs of fp8 caches, the mma.sync
+// kernel the other 16/32-row ones and every knob only it has; each can be forced at any
+// shape (the fp8 swap kernel for fp8 caches only); an unknown kernel is refused.
 TEST(CudaValidation, KernelVariantDispatch) {
   using cuda::AttentionTuning;
-  for (KvDtype d : {KvDtype::bf16, KvDtype::fp8_e4m3}) {
+  for (KvDtype d : {KvDtype::bf16, KvDtype::fp8_e4m3, KvDtype::fp8_e5m2}) {
+    const bool fp8 = d != KvDtype::bf16;
     const cuda::AttentionVariant v128 = cuda::attention_variant(1, 128, d);
     EXPECT_EQ(v128.kernel, 2);
     EXPECT_EQ(v128.rows_per_cta, 64);
     EXPECT_EQ(cuda::attention_variant(4, 16, d).kernel, 2);  // verify: 64 rows share each tile
-    EXPECT_EQ(cuda::attention_variant(1, 16, d).kernel, 1);
+    EXPECT_EQ(cuda::attention_variant(1, 16, d).kernel, fp8 ? 3 : 1);
     EXPECT_EQ(cuda::attention_variant(2, 16, d).kernel, 1);
     const cuda::AttentionVariant forced = cuda::attention_variant(1, 16, d, AttentionTuning{0, 0, 2});
     EXPECT_EQ(forced.kernel, 2);
     EXPECT_EQ(forced.rows_per_cta, 64);  // 16 rows padded inside the CTA
     EXPECT_GT(forced.smem_bytes, 200 * 1024);
+    const cuda::AttentionVariant swap = cuda::attention_variant(1, 128, d, AttentionTuning{0, 0, 3});
+    EXPECT_EQ(swap.kernel, fp8 ? 3 : 2);  // bf16: the default (wgmma at 128 heads)
+    EXPECT_EQ(swap.rows_per_cta, fp8 ? 16 : 64);
+    EXPECT_EQ(cuda::attention_variant(1, 16, d, AttentionTuning{0, 0, 1}).kernel, 1);
+    EXPECT_EQ(cuda::attention_variant(1, 16, d, AttentionTuning{32, 2, 0}).kernel, 1);  // 2 CTAs per SM
     EXPECT_EQ(cuda::attention_variant(1, 128, d, AttentionTuning{0, 0, 1}).kernel, 1);
     EXPECT_EQ(cuda::attention_variant(1, 128, d, AttentionTuning{32, 0, 0}).kernel, 1);  // 32-token tiles
     EXPECT_EQ(cuda::attention_variant(1, 128, d, AttentionTuning{64, 1, 0}).kernel, 2);
   }
-  EXPECT_THROW(cuda::attention_variant(1, 16, KvDtype::bf16, AttentionTuning{0, 0, 3}), Error);
+  EXPECT_THROW(cuda::attention_variant(1, 16, KvDtype::bf16, AttentionTuning{0, 0, 4}), Error);
   EXPECT_THROW(cuda::attention_variant(1, 16, KvDtype::bf16, AttentionTuning{0, 0, -1}), Error);
 }
 

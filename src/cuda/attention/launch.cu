@@ -11,10 +11,12 @@ namespace dcpmla::cuda_detail {
 
 // The wgmma kernel serves 64-row CTAs (qlen x heads > 32: verify at 16 heads, 128 heads),
 // where the mma.sync kernel is bound by ldmatrix traffic (bench/NOTES.md). Below 64 rows
-// it would pad each CTA to 64 rows; the mma.sync kernel keeps those shapes.
-bool wgmma_by_default(int rows_per_cta, bool fp8) {
-  (void)fp8;
-  return rows_per_cta == 64;
+// it would pad each CTA to 64 rows; the mma.sync kernel keeps those shapes, except fp8 at
+// 16 rows, where the fp8 swap kernel reads the cache without dequantising it.
+int default_kernel(int rows_per_cta, bool fp8) {
+  if (rows_per_cta == 64) return kKernelWgmma;
+  if (rows_per_cta == 16 && fp8) return kKernelFp8Swap;
+  return kKernelMma;
 }
 
 // One warp per (request, row, head): M = max m_s, l = sum l_s 2^(m_s - M),

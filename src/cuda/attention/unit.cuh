@@ -1,4 +1,4 @@
-// A CTA's unit of work, shared by both attention kernels: which rows and tokens it covers
+// A CTA's unit of work, shared by the attention kernels: which rows and tokens it covers
 // (unit_span), and how it ends: one row's slice of O normalised by its l, and the row's
 // statistics, as split-K partials or as the final output and lse.
 #pragma once
@@ -40,9 +40,9 @@ __device__ __forceinline__ UnitSpan unit_span(const AttentionParams& p, int unit
   return u;
 }
 
-// Columns col + 8 n, col + 8 n + 1 (n < N) of row `row` from pair(n) = (o, o'), scaled by
-// out_scale / l: l = 0 means no key (o = 0); a NaN l propagates.
-template <int N, typename Pair>
+// Columns col + STRIDE n, col + STRIDE n + 1 (n < N) of row `row` from pair(n) = (o, o'),
+// scaled by out_scale / l: l = 0 means no key (o = 0); a NaN l propagates.
+template <int N, int STRIDE = 8, typename Pair>
 __device__ __forceinline__ void store_row_slice(const AttentionParams& p, bool split, int witem, int b, int rows_total,
                                                 int64_t row, int col, float l, float out_scale, Pair pair) {
   const float sc = l != 0.0f ? out_scale / l : 0.0f;
@@ -51,14 +51,14 @@ __device__ __forceinline__ void store_row_slice(const AttentionParams& p, bool s
 #pragma unroll
     for (int n = 0; n < N; ++n) {
       const float2 v = pair(n);
-      *reinterpret_cast<float2*>(dst + n * 8) = make_float2(v.x * sc, v.y * sc);
+      *reinterpret_cast<float2*>(dst + n * STRIDE) = make_float2(v.x * sc, v.y * sc);
     }
   } else {
     bf16* dst = p.out + (int64_t(b) * rows_total + row) * kRank + col;
 #pragma unroll
     for (int n = 0; n < N; ++n) {
       const float2 v = pair(n);
-      *reinterpret_cast<uint32_t*>(dst + n * 8) = pack_bf16x2(v.x * sc, v.y * sc);
+      *reinterpret_cast<uint32_t*>(dst + n * STRIDE) = pack_bf16x2(v.x * sc, v.y * sc);
     }
   }
 }

@@ -1,6 +1,7 @@
-// Thin wrappers over the sm_90a instructions of the wgmma attention kernel: warpgroup MMA
+// Thin wrappers over the sm_90a instructions of the wgmma attention kernels: warpgroup MMA
 // (wgmma.mma_async with its fence / commit / wait), shared-memory matrix descriptors,
-// mbarriers, named barriers and the generic -> async proxy fence. No CUTLASS/CuTe.
+// mbarriers, named barriers, register reallocation and the generic -> async proxy fence.
+// No CUTLASS/CuTe.
 //
 // wgmma m64nNk16 (PTX ISA 9.7.15): a warpgroup (4 consecutive warps, the first warp index
 // a multiple of 4) computes D (64 x N) += A (64 x 16) B (16 x N). Warp w of the group owns
@@ -54,6 +55,17 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Warpgroup register reallocation (every thread of the warpgroup executes it): a producer
+// gives registers back, consumers take them.
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
 // mbarrier in shared memory (8 bytes, 8-byte aligned).
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -155,6 +167,69 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const uint3
       : DCPMLA_WGMMA_D128_OPERANDS(d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
 }
+
+// ---- wgmma.mma_async m64n{16,32}k32, fp8 operands, f32 accumulators ---------------------------
+// fp8 operands are K-major only. A is the cache's format (e4m3 or e5m2), B is e4m3. A from
+// registers holds four elements per register, lowest k in the lowest byte:
+//   a0 = A[16 w + g][4 c .. 4 c + 3], a1 = A[16 w + g + 8][4 c ..], a2 = A[16 w + g][16 + 4 c ..],
+//   a3 = A[16 w + g + 8][16 + 4 c ..]
+// D as above: d[4 j + 0, 1] = D[16 w + g][8 j + 2 c + 0, 1], d[4 j + 2, 3] = D[16 w + g + 8][same].
+#define DCPMLA_WGMMA_FP8(ATYPE) "wgmma.mma_async.sync.aligned.m64n16k32.f32." ATYPE ".e4m3 "
+#define DCPMLA_WGMMA_FP8_N32(ATYPE) "wgmma.mma_async.sync.aligned.m64n32k32.f32." ATYPE ".e4m3 "
+#define DCPMLA_WGMMA_D8_OPERANDS(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+
+#define DCPMLA_WGMMA_D16_OPERANDS(d) \
+  DCPMLA_WGMMA_D8_OPERANDS(d), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
+      "+f"(d[14]), "+f"(d[15])
+
+template <bool A_E5M2>
+__device__ __forceinline__ void wgmma_m64n32k32_fp8_ss(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  if constexpr (A_E5M2)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" DCPMLA_WGMMA_FP8_N32("e5m2")
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n"
+                 : DCPMLA_WGMMA_D16_OPERANDS(d)
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  else
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" DCPMLA_WGMMA_FP8_N32("e4m3")
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n"
+                 : DCPMLA_WGMMA_D16_OPERANDS(d)
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+template <bool A_E5M2>
+__device__ __forceinline__ void wgmma_m64n16k32_fp8_ss(float (&d)[8], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  if constexpr (A_E5M2)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n" DCPMLA_WGMMA_FP8("e5m2")
+                 "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n}\n"
+                 : DCPMLA_WGMMA_D8_OPERANDS(d)
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  else
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n" DCPMLA_WGMMA_FP8("e4m3")
+                 "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n}\n"
+                 : DCPMLA_WGMMA_D8_OPERANDS(d)
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+template <bool A_E5M2>
+__device__ __forceinline__ void wgmma_m64n16k32_fp8_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b,
+                                                       int scale_d) {
+  if constexpr (A_E5M2)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n" DCPMLA_WGMMA_FP8("e5m2")
+                 "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
+                 : DCPMLA_WGMMA_D8_OPERANDS(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+  else
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n" DCPMLA_WGMMA_FP8("e4m3")
+                 "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
+                 : DCPMLA_WGMMA_D8_OPERANDS(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+#undef DCPMLA_WGMMA_FP8
+#undef DCPMLA_WGMMA_FP8_N32
+#undef DCPMLA_WGMMA_D8_OPERANDS
+#undef DCPMLA_WGMMA_D16_OPERANDS
 
 #undef DCPMLA_WGMMA_D128_TEXT
 #undef DCPMLA_WGMMA_D128_OPERANDS

@@ -1,0 +1,507 @@
+// Attention over a plan on sm_90a for fp8 caches and 16-row CTAs, on native fp8 wgmma with
+// the operands swapped: S^T = K Q^T and O^T = V^T P^T, so that the 64 tokens of a tile are
+// the wgmma's M and the 16 query rows its N (a 16-row CTA on the 64-row kernels computes
+// four times the rows it needs). The cache is never dequantised: K and V enter the tensor
+// cores as stored, kv_scale is folded into the softmax and output scales. Same contract as
+// kernel.cuh: one CTA per (work item, 16-row group) unit, persistent over a fixed grid; rows
+// with no local key give out = 0, lse = -inf; split_k writes (o / l, m, l) partials.
+//
+// The bf16 side as fp8, exactly: wgmma takes fp8 for both operands, so Q and P are each
+// split into two e4m3 terms, x = hi + lo with hi = rn(x), lo = rn(x - hi). A bf16 value has
+// 8 significant bits and hi keeps 4, so lo is exact whenever it is not subnormal: Q (scaled
+// per row by a power of two so that its largest element lies in [128, 256)) is exact down
+// to 2^-10 of the row maximum, below that off by at most 2^-18 of it; P (scaled by 256) is
+// kept to 8 significant bits, as the bf16 kernels round it, down to P = 2^-10. The tensor
+// cores add fp8 products at reduced precision (about 14 bits), so every accumulator chain
+// is short and summed in f32: S over one 128-byte column block (4 k-steps), O over one tile.
+//
+// Three warpgroups (384 threads), one CTA per SM. The producer (warpgroup 0, 40 registers)
+// streams the tiles by cp.async through a ring of four stages (full / empty mbarriers),
+// running ahead across units; it is the only role with loads in flight, so the consumers'
+// proxy fences (a MEMBAR, which waits for the issuing thread's loads) cost nothing. The two
+// consumers (232 registers each) take alternate tiles of a unit, each with its own running
+// max, sum and O, merged at the end of the unit. Per tile a consumer:
+//   1. S^T (64 tokens, 16 rows) = K Q_hi^T + K Q_lo^T: 18 wgmma m64n32k32 (B = Q_hi and
+//      Q_lo stacked as 32 rows, so K is read from shared memory once), A = K and B = Q from
+//      shared memory, one accumulator per column block;
+//   2. masks each row at its own local length, exchanges the tile maximum across its four
+//      warps (a row's 64 scores are spread over the warpgroup), online softmax in base 2;
+//   3. writes P^T as hi and lo e4m3 (K-major, B of the next product) to shared memory;
+//   4. O^T (512 dims, 16 rows) += V^T P^T: V^T is the A operand from registers, transposed
+//      from the tile with byte permutes (fp8 wgmma has no MN-major operand), 32 wgmma
+//      m64n16k32 into a fresh accumulator, then O = O alpha + O_tile in f32.
+// Operand orders are chosen so that no data moves more than once:
+//   - M row (block b, warp w, lane row g, half h) of O^T is dim 16 (8 w + g) + 2 b + h, so a
+//     thread's V^T rows are 16 consecutive bytes of a token (one 16-byte load per token);
+//   - k index 4 c + 2 u + v of each 16-token half of a k32 step is token 8 v + 2 c + u of
+//     that half, so a thread's S values of tokens g and g + 8 land on adjacent P^T bytes, and
+//     the 16-byte loads of a quarter warp hit eight distinct bank groups.
+//
+// Shared memory (from a 1024-byte aligned base; every operand is a stack of column blocks of
+// 128-byte rows, chunk c of row r stored at chunk c ^ (r & 7), the 128-byte swizzle):
+//   sKV  4 x (64, 576) e4m3/e5m2 in 5 blocks of (64, 128 B) (the last half used): the ring
+//   sQ   (32, 576) e4m3 in 5 blocks: rows 0-15 Q_hi, 16-31 Q_lo; sP 2 x {hi, lo} (16, 64)
+//        e4m3 in rows of 128 B
+//   sO1 (64 x 128) f32: the second consumer's O for the merge; sQscale (16) f32, sLen (16)
+//   i32, sRed 2 x (4 warps, 16) f32 (tile maxima), sL 2 x (4, 16) f32, sM1 (16) f32,
+//   mbarriers full[4], empty[4]
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+#include "../params.h"
+#include "../utils.cuh"
+#include "config.h"
+#include "unit.cuh"
+#include "wgmma.cuh"
+
+namespace dcpmla::cuda_detail {
+
+struct Fp8SwapConfig {
+  static constexpr int M = 16;          // query rows per CTA: N of every wgmma
+  static constexpr int NT = 64;         // tokens per tile: M of S^T, K of O^T
+  static constexpr int THREADS = 384;   // producer + two consumer warpgroups
+  static constexpr int STAGES = 4;
+  static constexpr int BLOCKS = 5;      // 128-byte column blocks of a 576-byte row
+  static constexpr int TILE_BYTES = BLOCKS * NT * 128;  // 40 KiB
+  static constexpr int Q_BYTES = BLOCKS * 2 * M * 128;  // 20 KiB
+  static constexpr int P_BYTES = M * 128;               // 2 KiB
+  static constexpr int OFF_KV = 0;
+  static constexpr int OFF_Q = OFF_KV + STAGES * TILE_BYTES;
+  static constexpr int OFF_P = OFF_Q + Q_BYTES;  // [consumer][hi, lo]
+  static constexpr int OFF_O1 = OFF_P + 4 * P_BYTES;
+  static constexpr int OFF_QSCALE = OFF_O1 + 4 * 64 * 128;
+  static constexpr int OFF_LEN = OFF_QSCALE + 4 * M;
+  static constexpr int OFF_RED = OFF_LEN + 4 * M;
+  static constexpr int OFF_L = OFF_RED + 4 * 2 * 4 * M;
+  static constexpr int OFF_M1 = OFF_L + 4 * 2 * 4 * M;
+  static constexpr int OFF_BAR = OFF_M1 + 4 * M;  // full[s] at + 8 s, empty[s] at + 8 (STAGES + s)
+  static constexpr int SMEM_BYTES = OFF_BAR + 16 * STAGES + 1024;  // + slack to align the base to 1024
+  static_assert(SMEM_BYTES <= kSmemPerCta, "fp8 swap tiles do not fit in shared memory");
+  static_assert(TILE_BYTES % 1024 == 0 && Q_BYTES % 1024 == 0 && P_BYTES % 1024 == 0 && OFF_BAR % 8 == 0);
+};
+
+// x = hi + lo in e4m3 for two values (low byte first), as above.
+__device__ __forceinline__ void split_e4m3x2(float a, float b, uint16_t& hi, uint16_t& lo) {
+  hi = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(hi, __NV_E4M3);
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+  lo = __nv_cvt_float2_to_fp8x2(make_float2(a - f.x, b - f.y), __NV_SATFINITE, __NV_E4M3);
+}
+
+// Byte transpose of four words: out[e] = byte e of w0, w1, w2, w3 (low byte first).
+__device__ __forceinline__ void transpose_bytes(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, uint32_t* out) {
+  const uint32_t lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362);
+  const uint32_t lo23 = __byte_perm(w2, w3, 0x5140), hi23 = __byte_perm(w2, w3, 0x7362);
+  out[0] = __byte_perm(lo01, lo23, 0x5410);
+  out[1] = __byte_perm(lo01, lo23, 0x7632);
+  out[2] = __byte_perm(hi01, hi23, 0x5410);
+  out[3] = __byte_perm(hi01, hi23, 0x7632);
+}
+
+template <bool E5M2>
+__global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid_constant__ AttentionParams p) {
+  using C = Fp8SwapConfig;
+  constexpr int M = C::M, NT = C::NT, STAGES = C::STAGES;
+  constexpr float kLog2e = 1.4426950408889634f;
+  const float kNegInf = -__int_as_float(0x7f800000);
+
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  const uint32_t base = smem_addr(smem);
+  const uint32_t sKV_a = base + C::OFF_KV, sQ_a = base + C::OFF_Q;
+  const uint32_t full_a = base + C::OFF_BAR, empty_a = full_a + 8 * STAGES;  // + 8 s
+
+  const int tid = threadIdx.x, role = tid >> 7, t = tid & 127;
+  const int w = t >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full_a + 8 * s, 128);   // one cp.async arrival per producer thread
+      mbar_init(empty_a + 8 * s, 128);  // one arrival per thread of the consuming warpgroup
+    }
+  }
+  __syncthreads();
+
+  const PlanHeader hdr = *p.plan.header;
+  const bool split = hdr.route == int32_t(Route::split_k);
+  const int qlen = hdr.qlen, page = hdr.page, heads = p.heads;
+  const int page_shift = __ffs(page) - 1;  // page is a power of two
+  const int rows_total = qlen * heads;
+  const int groups = (rows_total + M - 1) / M;
+  const int units = hdr.work_count * groups;
+
+  // Tiles are numbered across the CTA's units (gt): tile gt sits in stage gt % STAGES, its
+  // n-th use (n = gt / STAGES) completes phase n of full[stage] and of empty[stage].
+  uint32_t gbase = 0;
+
+  if (role == 0) {
+    // ================= producer ==================================================================
+    setmaxnreg_dec<40>();
+    // Eight threads per token row (chunks lc + 8 m: one 128-byte row of each column block),
+    // tokens lt + 16 j; a warp's copy reads 4 tokens x 128 contiguous bytes.
+    const int lt = t >> 3, lc = t & 7;
+    for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+      const UnitSpan us = unit_span<M, NT>(p, unit, groups, qlen, page, rows_total);
+      // Sub-page ids of this thread's four tokens of tile i (0 past the end: never used).
+      auto fetch_subpages = [&](int i, int (&sp)[4]) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int jt = us.tok_lo + i * NT + lt + 16 * j;
+          sp[j] = (i < us.ntiles && jt < us.tok_hi) ? us.subpages[jt >> page_shift] : 0;
+        }
+      };
+      int sp[4];
+      fetch_subpages(0, sp);
+      for (int i = 0; i < us.ntiles; ++i) {
+        const uint32_t gt = gbase + uint32_t(i), s = gt % STAGES, n = gt / STAGES;
+        if (n > 0) mbar_wait(empty_a + 8 * s, (n - 1) & 1u);
+        const uint32_t dst = sKV_a + s * C::TILE_BYTES;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int tok = lt + 16 * j, jt = us.tok_lo + i * NT + tok;
+          const bool ok = jt < us.tok_hi;  // past it: zero-filled, never read
+          const uint8_t* src = ok ? p.kv + (int64_t(sp[j]) * page + (jt & (page - 1))) * kDim : p.kv;
+#pragma unroll
+          for (int m = 0; m < C::BLOCKS; ++m)
+            if (m < C::BLOCKS - 1 || lc < 4)
+              cp_async_16(dst + m * (NT * 128) + tok * 128 + ((lc ^ (tok & 7)) << 4), src + (lc + 8 * m) * 16,
+                          ok ? 16 : 0);
+        }
+        cp_async_mbar_arrive(full_a + 8 * s);
+        fetch_subpages(i + 1, sp);  // lands while the next stage frees up
+      }
+      gbase += uint32_t(us.ntiles);
+    }
+    cp_async_wait_all();  // the CTA does not exit with copies in flight
+    return;
+  }
+
+  // =================== consumers ==================================================================
+  setmaxnreg_inc<232>();
+  const int cw = role - 1;  // consumer index: tiles cw, cw + 2, ... of each unit
+  float* sQscale = reinterpret_cast<float*>(smem + C::OFF_QSCALE);
+  int* sLen = reinterpret_cast<int*>(smem + C::OFF_LEN);
+  float* sRed = reinterpret_cast<float*>(smem + C::OFF_RED) + cw * (4 * M);
+  float* sL = reinterpret_cast<float*>(smem + C::OFF_L);
+  float* sM1 = reinterpret_cast<float*>(smem + C::OFF_M1);
+  float* sO1 = reinterpret_cast<float*>(smem + C::OFF_O1);
+  const uint32_t sPh_a = base + C::OFF_P + cw * 2 * C::P_BYTES, sPl_a = sPh_a + C::P_BYTES;
+  uint8_t* sPh = smem + C::OFF_P + cw * 2 * C::P_BYTES;
+  uint8_t* sPl = sPh + C::P_BYTES;
+  // Named barriers (immediate ids): 1, 2 this consumer's warpgroup; 3 both consumers.
+  auto wg_sync = [&] {
+    if (cw == 0) asm volatile("bar.sync 1, 128;\n" ::: "memory");
+    else asm volatile("bar.sync 2, 128;\n" ::: "memory");
+  };
+  auto consumers_sync = [] { asm volatile("bar.sync 3, 256;\n" ::: "memory"); };
+
+  const float sl2 = p.softmax_scale * p.kv_scale * kLog2e;
+  const float out_scale = p.kv_scale * (1.0f / 256.0f);  // v = stored * kv_scale; P entered as 256 P
+  // This thread's rows of S^T and O^T (the accumulator columns): row(j, u) = 8 j + 2 c + u.
+  auto row_of = [&](int j, int u) { return 8 * j + 2 * c + u; };
+
+  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    const UnitSpan us = unit_span<M, NT>(p, unit, groups, qlen, page, rows_total);
+    const int witem = us.witem, b = us.b, row0 = us.row0, nr = us.nr;
+    const int tok_lo = us.tok_lo, tok_hi = us.tok_hi, ntiles = us.ntiles;
+
+    // Q rows [row0, row0 + nr) as hi + lo e4m3, scaled per row: 16 consumer threads per row,
+    // chunk (8 values) q16 + 16 m. Padding rows of the CTA are zero.
+    {
+      const int ct = tid - 128, r = ct >> 4, q16 = ct & 15;
+      const bf16* qrow = p.q + (int64_t(b) * rows_total + row0 + r) * kDim;
+      uint4 raw[5];
+      float amax = 0.0f;
+#pragma unroll
+      for (int m = 0; m < 5; ++m) {
+        const int ch = q16 + 16 * m;
+        raw[m] = (r < nr && ch < kDim / 8) ? __ldg(reinterpret_cast<const uint4*>(qrow + ch * 8)) : make_uint4(0, 0, 0, 0);
+        const uint32_t v[4] = {raw[m].x, raw[m].y, raw[m].z, raw[m].w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          amax = fmaxf(amax, fabsf(__uint_as_float(v[e] << 16)));
+          amax = fmaxf(amax, fabsf(__uint_as_float(v[e] & 0xffff0000u)));
+        }
+      }
+#pragma unroll
+      for (int d = 1; d <= 8; d <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+      // Largest element to [128, 256): x = q 2^a, exact (a power of two). An infinite element
+      // has no such scale; its row is poisoned with NaN (the product would be inf or NaN).
+      int ex = 0;
+      frexpf(amax, &ex);
+      const int a = amax > 0.0f ? min(8 - ex, 126) : 0;
+      const float up = __int_as_float((127 + a) << 23);
+      const bool poison = isinf(amax);
+      if (q16 == 0) {
+        sQscale[r] = __int_as_float((127 - a) << 23);
+        sLen[r] = r < nr ? us.lens[(row0 + r) / heads] : 0;
+      }
+#pragma unroll
+      for (int m = 0; m < 5; ++m) {
+        const int ch = q16 + 16 * m;
+        if (ch >= kDim / 8) continue;
+        const uint32_t v[4] = {raw[m].x, raw[m].y, raw[m].z, raw[m].w};
+        uint32_t hi[2], lo[2];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          uint16_t h, l;
+          split_e4m3x2(__uint_as_float(v[e] << 16) * up, __uint_as_float(v[e] & 0xffff0000u) * up, h, l);
+          if (poison) h = 0x7f7fu;
+          if (e & 1) {
+            hi[e >> 1] |= uint32_t(h) << 16;
+            lo[e >> 1] |= uint32_t(l) << 16;
+          } else {
+            hi[e >> 1] = h;
+            lo[e >> 1] = l;
+          }
+        }
+        const int byte = ch * 8, within = byte & 127;
+        const int off = (byte >> 7) * (2 * M * 128) + r * 128 + ((((within >> 4) ^ (r & 7))) << 4) + (within & 15);
+        *reinterpret_cast<uint2*>(smem + C::OFF_Q + off) = make_uint2(hi[0], hi[1]);
+        *reinterpret_cast<uint2*>(smem + C::OFF_Q + M * 128 + off) = make_uint2(lo[0], lo[1]);
+      }
+    }
+    fence_proxy_async();  // Q is read by wgmma (async proxy)
+    consumers_sync();
+
+    float sl2r[2][2];
+    int lim[2][2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        sl2r[j][u] = sl2 * sQscale[row_of(j, u)];
+        lim[j][u] = min(sLen[row_of(j, u)], tok_hi);
+      }
+    float o[8][8];  // O^T block b: o[b][4 j + 2 h + u] = O[row_of(j, u)][16 (8 w + g) + 2 b + h]
+#pragma unroll
+    for (int bb = 0; bb < 8; ++bb)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[bb][e] = 0.0f;
+    float m_run[2][2], l_run[2][2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        m_run[j][u] = kNegInf;
+        l_run[j][u] = 0.0f;
+      }
+
+    for (int i = cw; i < ntiles; i += 2) {
+      const uint32_t gt = gbase + uint32_t(i), st = gt % STAGES;
+      const uint32_t sK = sKV_a + st * C::TILE_BYTES;
+      // No proxy fence after the wait: cp.async bytes completed through
+      // cp.async.mbarrier.arrive go to wgmma straight after it (FlashAttention-3's paged path).
+      mbar_wait(full_a + 8 * st, (gt / STAGES) & 1u);
+
+      // 1. S^T = K Q^T, one accumulator chain per column block (4 k32 steps); columns
+      //    8 j + .. of acc are Q_hi's rows for j < 2, Q_lo's for j >= 2.
+      float acc[C::BLOCKS][16] = {};  // (overwritten: each chain's first step has scale_d = 0)
+      wgmma_fence();
+#pragma unroll
+      for (int cb = 0; cb < C::BLOCKS; ++cb)
+#pragma unroll
+        for (int ks = 0; ks < (cb < C::BLOCKS - 1 ? 4 : 2); ++ks)
+          wgmma_m64n32k32_fp8_ss<E5M2>(acc[cb], smem_desc_sw128(sK + cb * (NT * 128) + ks * 32, 16, 1024),
+                                       smem_desc_sw128(sQ_a + cb * (2 * M * 128) + ks * 32, 16, 1024), ks > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int cb = 0; cb < C::BLOCKS; ++cb) fence_regs(acc[cb]);
+
+      // 2. Scores in base 2, masked: x[j][h][u] for token 16 w + g + 8 h of the tile, row_of(j, u).
+      const int tok0 = tok_lo + i * NT + 16 * w + g;
+      float x[2][2][2], mx[2][2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int cb = 0; cb < C::BLOCKS; ++cb) sum += acc[cb][4 * j + 2 * h + u] + acc[cb][8 + 4 * j + 2 * h + u];
+            x[j][h][u] = tok0 + 8 * h < lim[j][u] ? sum * sl2r[j][u] : kNegInf;
+          }
+          float v = fmaxf(x[j][0][u], x[j][1][u]);
+#pragma unroll
+          for (int d = 4; d <= 16; d <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, d));
+          mx[j][u] = v;
+        }
+      if (g == 0) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int u = 0; u < 2; ++u) sRed[w * M + row_of(j, u)] = mx[j][u];
+      }
+      wg_sync();
+      float alpha[2][2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int r = row_of(j, u);
+          const float tmax = fmaxf(fmaxf(sRed[r], sRed[M + r]), fmaxf(sRed[2 * M + r], sRed[3 * M + r]));
+          const float mn = fmaxf(m_run[j][u], tmax);
+          // A row with no key yet keeps m = -inf; exponents then use 0 so that nothing is NaN.
+          const float mu = mn == kNegInf ? 0.0f : mn;
+          alpha[j][u] = fast_exp2(m_run[j][u] - mu);
+          const float p0 = fast_exp2(x[j][0][u] - mu), p1 = fast_exp2(x[j][1][u] - mu);
+          l_run[j][u] = l_run[j][u] * alpha[j][u] + (p0 + p1);
+          m_run[j][u] = mn;
+          // 3. P^T[r][k]: tokens g, g + 8 of this warp's 16 are the adjacent k 16 w + 4 (g >> 1) + 2 (g & 1) + h.
+          uint16_t ph, pl;
+          split_e4m3x2(p0 * 256.0f, p1 * 256.0f, ph, pl);
+          const int kk = 16 * w + 4 * (g >> 1) + 2 * (g & 1);
+          const int off = r * 128 + (((kk >> 4) ^ (r & 7)) << 4) + (kk & 15);
+          *reinterpret_cast<uint16_t*>(sPh + off) = ph;
+          *reinterpret_cast<uint16_t*>(sPl + off) = pl;
+        }
+      fence_proxy_async();
+      wg_sync();  // P^T complete; every warp is past its reads of sRed
+
+      // 4. O_tile = V^T P^T, one k32 step at a time (the second step's fragments reuse the
+      //    first's registers). V^T fragments of step s: byte j of a register (k = 4 c + j of
+      //    half hf) is token 32 s + 16 hf + 8 (j & 1) + 2 c + (j >> 1); the thread's 16 rows of
+      //    V^T are dims 16 (8 w + g) .. + 15 of the token, one 16-byte load.
+      float ot[8][8] = {};  // (overwritten: the first step has scale_d = 0)
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        uint32_t va[8][4];
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          uint4 wv[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int tok = 32 * s + 16 * hf + 8 * (j & 1) + 2 * c + (j >> 1);
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(wv[j].x), "=r"(wv[j].y), "=r"(wv[j].z), "=r"(wv[j].w)
+                         : "r"(sK + w * (NT * 128) + tok * 128 + ((g ^ (tok & 7)) << 4)));
+          }
+          uint32_t rt[16];  // rt[d]: dim 16 (8 w + g) + d, the four tokens of this half
+          transpose_bytes(wv[0].x, wv[1].x, wv[2].x, wv[3].x, rt + 0);
+          transpose_bytes(wv[0].y, wv[1].y, wv[2].y, wv[3].y, rt + 4);
+          transpose_bytes(wv[0].z, wv[1].z, wv[2].z, wv[3].z, rt + 8);
+          transpose_bytes(wv[0].w, wv[1].w, wv[2].w, wv[3].w, rt + 12);
+#pragma unroll
+          for (int bb = 0; bb < 8; ++bb) {
+            va[bb][2 * hf] = rt[2 * bb];
+            va[bb][2 * hf + 1] = rt[2 * bb + 1];
+          }
+        }
+        // The stage's last reads (S's wgmma has completed): hand it back to the producer.
+        if (s == 1) mbar_arrive(empty_a + 8 * st);
+        wgmma_fence();
+#pragma unroll
+        for (int bb = 0; bb < 8; ++bb) {
+          wgmma_m64n16k32_fp8_rs<E5M2>(ot[bb], va[bb], smem_desc_sw128(sPh_a + 32 * s, 16, 1024), s > 0);
+          wgmma_m64n16k32_fp8_rs<E5M2>(ot[bb], va[bb], smem_desc_sw128(sPl_a + 32 * s, 16, 1024), 1);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+      }
+#pragma unroll
+      for (int bb = 0; bb < 8; ++bb) {
+        fence_regs(ot[bb]);
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+              float& v = o[bb][4 * j + 2 * h + u];
+              v = fmaf(v, alpha[j][u], ot[bb][4 * j + 2 * h + u]);
+            }
+      }
+      wg_sync();  // sP and sRed are free for the next tile
+    }
+    gbase += uint32_t(ntiles);
+
+    // ---- merge the two consumers' states, normalise, write -----------------------------------
+    // l of a row over this warpgroup: lanes of one c share the rows; then the four warps.
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        float v = l_run[j][u];
+#pragma unroll
+        for (int d = 4; d <= 16; d <<= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+        if (g == 0) sL[(cw * 4 + w) * M + row_of(j, u)] = v;
+      }
+    if (cw == 1) {
+#pragma unroll
+      for (int bb = 0; bb < 8; ++bb)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sO1[(bb * 8 + e) * 128 + t] = o[bb][e];
+      if (w == 0 && g == 0)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int u = 0; u < 2; ++u) sM1[row_of(j, u)] = m_run[j][u];
+    }
+    consumers_sync();
+    if (cw == 0) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int r = row_of(j, u);
+          const float m0 = m_run[j][u], m1 = sM1[r];
+          const float mn = fmaxf(m0, m1), mu = mn == kNegInf ? 0.0f : mn;
+          const float f0 = fast_exp2(m0 - mu), f1 = fast_exp2(m1 - mu);
+          float l0 = 0.0f, l1 = 0.0f;
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            l0 += sL[q * M + r];
+            l1 += sL[(4 + q) * M + r];
+          }
+          const float l = l0 * f0 + l1 * f1;
+#pragma unroll
+          for (int bb = 0; bb < 8; ++bb)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int e = 4 * j + 2 * h + u;
+              o[bb][e] = o[bb][e] * f0 + sO1[(bb * 8 + e) * 128 + t] * f1;
+            }
+          if (r < nr) {
+            store_row_slice<8, 2>(p, split, witem, b, rows_total, row0 + r, 16 * (8 * w + g), l, out_scale,
+                                  [&](int bb) { return make_float2(o[bb][4 * j + u], o[bb][4 * j + 2 + u]); });
+            if (w == 0 && g == 0) store_row_stats(p, split, witem, b, rows_total, row0 + r, mn, l);
+          }
+        }
+    }
+    consumers_sync();  // sQ, sO1, sL, sM1 are reused by the next unit
+  }
+}
+
+template <bool E5M2>
+int attention_fp8_swap_smem_bytes() {
+  return Fp8SwapConfig::SMEM_BYTES;
+}
+
+template <bool E5M2>
+void launch_attention_fp8_swap(const AttentionParams& p, int grid, cudaStream_t stream) {
+  constexpr int smem = Fp8SwapConfig::SMEM_BYTES;
+  // The shared-memory opt-in is per function and device; set it once per device.
+  static std::atomic<uint64_t> configured{0};
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (!(configured.load() & bit)) {
+    check(cudaFuncSetAttribute(attention_fp8_swap_kernel<E5M2>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+          "cudaFuncSetAttribute(attention_fp8_swap_kernel, max dynamic shared memory)");
+    configured.fetch_or(bit);
+  }
+  if (grid > 0) {
+    attention_fp8_swap_kernel<E5M2><<<grid, Fp8SwapConfig::THREADS, smem, stream>>>(p);
+    check(cudaGetLastError(), "attention_fp8_swap_kernel launch");
+  }
+}
+
+}  // namespace dcpmla::cuda_detail
+
+#define DCPMLA_INSTANTIATE_ATTENTION_FP8_SWAP(E5M2)                                                       \
+  template void dcpmla::cuda_detail::launch_attention_fp8_swap<E5M2>(const dcpmla::AttentionParams&, int, \
+                                                                     cudaStream_t);                        \
+  template int dcpmla::cuda_detail::attention_fp8_swap_smem_bytes<E5M2>();
