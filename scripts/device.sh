@@ -253,6 +253,16 @@ if [[ "$NCU" == 1 ]] && command -v ncu >/dev/null 2>&1; then
   grep -E "^=== |Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Registers Per|Achieved Occupancy|Shared Memory|Tensor|Pipe" \
     "$OUT/ncu.txt" | head -n 100
   grep -E "stalled|stall" "$OUT/ncu.txt" | cut -c1-300 | head -n 16
+  # Stall reasons per issued instruction, all warps of the kernel (NCU_STALLS=1).
+  if [[ "${NCU_STALLS:-0}" == 1 ]]; then
+    for shape in ${NCU_SHAPES:-decode16_e4m3}; do
+      timeout 60 ncu --clock-control none -k regex:'attention_(wgmma_|fp8_swap_)?kernel' -c 1 \
+        --metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+        "$BUILD/bench/dcpmla_bench" --only "$shape" --runs 3 --no-baseline --no-ceilings >"$OUT/ncu_stalls_$shape.txt" 2>&1
+      say "stalls $shape: $(grep -E 'stalled_' "$OUT/ncu_stalls_$shape.txt" | awk '{print $1, $NF}' | sort -k2 -g -r | head -n 8 |
+        sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | tr '\n' ' ')"
+    done
+  fi
 fi
 
 # ---- bench (its table is the last thing printed) ---------------------------------------------

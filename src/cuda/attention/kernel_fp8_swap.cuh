@@ -151,8 +151,10 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
           sp[j] = (i < us.ntiles && jt < us.tok_hi) ? us.subpages[jt >> page_shift] : 0;
         }
       };
-      int sp[4];
+      // Two tiles ahead: a lookup's latency is longer than a tile's issue.
+      int sp[4], sp_next[4];
       fetch_subpages(0, sp);
+      fetch_subpages(1, sp_next);
       for (int i = 0; i < us.ntiles; ++i) {
         const uint32_t gt = gbase + uint32_t(i), s = gt % STAGES, n = gt / STAGES;
         if (n > 0) mbar_wait(empty_a + 8 * s, (n - 1) & 1u);
@@ -169,7 +171,9 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
                           ok ? 16 : 0);
         }
         cp_async_mbar_arrive(full_a + 8 * s);
-        fetch_subpages(i + 1, sp);  // lands while the next stage frees up
+#pragma unroll
+        for (int j = 0; j < 4; ++j) sp[j] = sp_next[j];
+        fetch_subpages(i + 2, sp_next);
       }
       gbase += uint32_t(us.ntiles);
     }
@@ -297,14 +301,17 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
 
       // 1. S^T = K Q^T, one accumulator chain per column block (4 k32 steps); columns
       //    8 j + .. of acc are Q_hi's rows for j < 2, Q_lo's for j >= 2.
-      float acc[C::BLOCKS][16] = {};  // (overwritten: each chain's first step has scale_d = 0)
+      float acc[C::BLOCKS][16];  // written by each chain's first step (ACC = false)
       wgmma_fence();
 #pragma unroll
       for (int cb = 0; cb < C::BLOCKS; ++cb)
 #pragma unroll
-        for (int ks = 0; ks < (cb < C::BLOCKS - 1 ? 4 : 2); ++ks)
-          wgmma_m64n32k32_fp8_ss<E5M2>(acc[cb], smem_desc_sw128(sK + cb * (NT * 128) + ks * 32, 16, 1024),
-                                       smem_desc_sw128(sQ_a + cb * (2 * M * 128) + ks * 32, 16, 1024), ks > 0);
+        for (int ks = 0; ks < (cb < C::BLOCKS - 1 ? 4 : 2); ++ks) {
+          const uint64_t da = smem_desc_sw128(sK + cb * (NT * 128) + ks * 32, 16, 1024);
+          const uint64_t db = smem_desc_sw128(sQ_a + cb * (2 * M * 128) + ks * 32, 16, 1024);
+          if (ks == 0) wgmma_m64n32k32_fp8_ss<E5M2, false>(acc[cb], da, db);
+          else wgmma_m64n32k32_fp8_ss<E5M2, true>(acc[cb], da, db);
+        }
       wgmma_commit();
       wgmma_wait<0>();
 #pragma unroll
@@ -365,7 +372,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
       //    first's registers). V^T fragments of step s: byte j of a register (k = 4 c + j of
       //    half hf) is token 32 s + 16 hf + 8 (j & 1) + 2 c + (j >> 1); the thread's 16 rows of
       //    V^T are dims 16 (8 w + g) .. + 15 of the token, one 16-byte load.
-      float ot[8][8] = {};  // (overwritten: the first step has scale_d = 0)
+      float ot[8][8];  // written by the first step (ACC = false)
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
         uint32_t va[8][4];
@@ -395,8 +402,9 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
         wgmma_fence();
 #pragma unroll
         for (int bb = 0; bb < 8; ++bb) {
-          wgmma_m64n16k32_fp8_rs<E5M2>(ot[bb], va[bb], smem_desc_sw128(sPh_a + 32 * s, 16, 1024), s > 0);
-          wgmma_m64n16k32_fp8_rs<E5M2>(ot[bb], va[bb], smem_desc_sw128(sPl_a + 32 * s, 16, 1024), 1);
+          if (s == 0) wgmma_m64n16k32_fp8_rs<E5M2, false>(ot[bb], va[bb], smem_desc_sw128(sPh_a, 16, 1024));
+          else wgmma_m64n16k32_fp8_rs<E5M2, true>(ot[bb], va[bb], smem_desc_sw128(sPh_a + 32, 16, 1024));
+          wgmma_m64n16k32_fp8_rs<E5M2, true>(ot[bb], va[bb], smem_desc_sw128(sPl_a + 32 * s, 16, 1024));
         }
         wgmma_commit();
         wgmma_wait<0>();
@@ -414,7 +422,9 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
               v = fmaf(v, alpha[j][u], ot[bb][4 * j + 2 * h + u]);
             }
       }
-      wg_sync();  // sP and sRed are free for the next tile
+      // No barrier here: the next tile rewrites sRed after every warp has passed the P^T
+      // barrier above (its reads of sRed are before it), and sP after the next S, whose
+      // warpgroup-wide wgmma every warp issues only after its wait for this P V.
     }
     gbase += uint32_t(ntiles);
 

@@ -174,62 +174,44 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const uint3
 //   a0 = A[16 w + g][4 c .. 4 c + 3], a1 = A[16 w + g + 8][4 c ..], a2 = A[16 w + g][16 + 4 c ..],
 //   a3 = A[16 w + g + 8][16 + 4 c ..]
 // D as above: d[4 j + 0, 1] = D[16 w + g][8 j + 2 c + 0, 1], d[4 j + 2, 3] = D[16 w + g + 8][same].
-#define DCPMLA_WGMMA_FP8(ATYPE) "wgmma.mma_async.sync.aligned.m64n16k32.f32." ATYPE ".e4m3 "
-#define DCPMLA_WGMMA_FP8_N32(ATYPE) "wgmma.mma_async.sync.aligned.m64n32k32.f32." ATYPE ".e4m3 "
-#define DCPMLA_WGMMA_D8_OPERANDS(d) \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+// ACC = false: D = A B, the accumulators written only (no zeroing before a chain's first
+// step); ACC = true: D += A B.
+#define DCPMLA_WGMMA_D8(C, d) C(d[0]), C(d[1]), C(d[2]), C(d[3]), C(d[4]), C(d[5]), C(d[6]), C(d[7])
+#define DCPMLA_WGMMA_D16(C, d) \
+  DCPMLA_WGMMA_D8(C, d), C(d[8]), C(d[9]), C(d[10]), C(d[11]), C(d[12]), C(d[13]), C(d[14]), C(d[15])
+#define DCPMLA_WGMMA_FP8_SS_N32(ATYPE, C)                                                                 \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                \
+               "wgmma.mma_async.sync.aligned.m64n32k32.f32." ATYPE ".e4m3 "                                 \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n" \
+               : DCPMLA_WGMMA_D16(C, d)                                                                    \
+               : "l"(desc_a), "l"(desc_b), "r"(int(ACC)))
+#define DCPMLA_WGMMA_FP8_RS_N16(ATYPE, C)                                                                 \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                                                \
+               "wgmma.mma_async.sync.aligned.m64n16k32.f32." ATYPE ".e4m3 "                                 \
+               "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"                   \
+               : DCPMLA_WGMMA_D8(C, d)                                                                     \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(ACC)))
 
-#define DCPMLA_WGMMA_D16_OPERANDS(d) \
-  DCPMLA_WGMMA_D8_OPERANDS(d), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
-      "+f"(d[14]), "+f"(d[15])
-
-template <bool A_E5M2>
-__device__ __forceinline__ void wgmma_m64n32k32_fp8_ss(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  if constexpr (A_E5M2)
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" DCPMLA_WGMMA_FP8_N32("e5m2")
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n"
-                 : DCPMLA_WGMMA_D16_OPERANDS(d)
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-  else
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" DCPMLA_WGMMA_FP8_N32("e4m3")
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n"
-                 : DCPMLA_WGMMA_D16_OPERANDS(d)
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+template <bool A_E5M2, bool ACC>
+__device__ __forceinline__ void wgmma_m64n32k32_fp8_ss(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {
+  if constexpr (A_E5M2 && ACC) DCPMLA_WGMMA_FP8_SS_N32("e5m2", "+f");
+  else if constexpr (A_E5M2) DCPMLA_WGMMA_FP8_SS_N32("e5m2", "=f");
+  else if constexpr (ACC) DCPMLA_WGMMA_FP8_SS_N32("e4m3", "+f");
+  else DCPMLA_WGMMA_FP8_SS_N32("e4m3", "=f");
 }
 
-template <bool A_E5M2>
-__device__ __forceinline__ void wgmma_m64n16k32_fp8_ss(float (&d)[8], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  if constexpr (A_E5M2)
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n" DCPMLA_WGMMA_FP8("e5m2")
-                 "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n}\n"
-                 : DCPMLA_WGMMA_D8_OPERANDS(d)
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-  else
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n" DCPMLA_WGMMA_FP8("e4m3")
-                 "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n}\n"
-                 : DCPMLA_WGMMA_D8_OPERANDS(d)
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+template <bool A_E5M2, bool ACC>
+__device__ __forceinline__ void wgmma_m64n16k32_fp8_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b) {
+  if constexpr (A_E5M2 && ACC) DCPMLA_WGMMA_FP8_RS_N16("e5m2", "+f");
+  else if constexpr (A_E5M2) DCPMLA_WGMMA_FP8_RS_N16("e5m2", "=f");
+  else if constexpr (ACC) DCPMLA_WGMMA_FP8_RS_N16("e4m3", "+f");
+  else DCPMLA_WGMMA_FP8_RS_N16("e4m3", "=f");
 }
 
-template <bool A_E5M2>
-__device__ __forceinline__ void wgmma_m64n16k32_fp8_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b,
-                                                       int scale_d) {
-  if constexpr (A_E5M2)
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n" DCPMLA_WGMMA_FP8("e5m2")
-                 "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
-                 : DCPMLA_WGMMA_D8_OPERANDS(d)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-  else
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n" DCPMLA_WGMMA_FP8("e4m3")
-                 "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
-                 : DCPMLA_WGMMA_D8_OPERANDS(d)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-}
-
-#undef DCPMLA_WGMMA_FP8
-#undef DCPMLA_WGMMA_FP8_N32
-#undef DCPMLA_WGMMA_D8_OPERANDS
-#undef DCPMLA_WGMMA_D16_OPERANDS
+#undef DCPMLA_WGMMA_D8
+#undef DCPMLA_WGMMA_D16
+#undef DCPMLA_WGMMA_FP8_SS_N32
+#undef DCPMLA_WGMMA_FP8_RS_N16
 
 #undef DCPMLA_WGMMA_D128_TEXT
 #undef DCPMLA_WGMMA_D128_OPERANDS
