@@ -89,8 +89,9 @@ TEST(CudaConformance, CudaEnginesMatchCpuEngines) {
 
 // NaN containment (docs/design.md): a NaN in one request's kv and one in another's q reach
 // exactly the cells that read them, on the GPU as on the CPU: the NaN cells of out and lse
-// are the same, and every other cell matches. Both kernels (16-row mma.sync, 64-row wgmma),
-// one_stage and split_k (several segments), one rank and three.
+// are the same, and every other cell matches. Every kernel (bf16: 16-row mma.sync and
+// 64-row wgmma; fp8_e4m3: the 16-row fp8 swap kernel and 64-row wgmma), one_stage and
+// split_k (several segments), one rank and three.
 TEST(CudaConformance, NanReachesTheSameCellsAsOnTheCpu) {
   DCPMLA_REQUIRE_GPU();
   const int D = 576;
@@ -101,41 +102,47 @@ TEST(CudaConformance, NanReachesTheSameCellsAsOnTheCpu) {
     Mode mode;
     int qlen, heads;
   };
-  for (const Shape sh : {Shape{Mode::decode, 1, 4}, Shape{Mode::verify, 4, 16}})
-    for (Route route : {Route::one_stage, Route::split_k})
-      for (int world : {1, 3}) {
-        auto q = normal(size_t(B) * sh.qlen * sh.heads * D, 5);
-        auto kv = normal(size_t(B) * size_t(max_len) * D, 6);
-        kv[(size_t(0) * max_len + 5) * D + 7] = std::numeric_limits<float>::quiet_NaN();  // request 0, position 5
-        q[((size_t(3) * sh.qlen + 0) * sh.heads + 1) * D] = std::numeric_limits<float>::quiet_NaN();  // request 3, row 0, head 1
-        AttentionOptions o;
-        o.mode = sh.mode;
-        o.world_size = world;
-        o.block_size = 16;
-        o.route = route;
-        o.min_segment_tokens = 32;
-        o.seed = 9;
-        const AttentionResult cpu = mla_attention(q, kv, lens, B, sh.qlen, sh.heads, max_len, D, o);
-        o.backend = Backend::cuda;
-        const AttentionResult gpu =
-            mla_attention(q, kv, lens, B, sh.qlen, sh.heads, max_len, D, o, cuda::rank_engine_factory());
-        const std::string what = std::string(to_string(route)) + " N" + std::to_string(world) + " H" +
-                                 std::to_string(sh.heads) + " q" + std::to_string(sh.qlen);
-        int64_t cpu_nan = 0, mismatched = 0, far = 0;
-        for (size_t i = 0; i < cpu.lse.size(); ++i) {
-          cpu_nan += std::isnan(cpu.lse[i]);
-          mismatched += std::isnan(cpu.lse[i]) != std::isnan(gpu.lse[i]);
-          if (!std::isnan(cpu.lse[i]) && std::isfinite(cpu.lse[i]) && std::fabs(cpu.lse[i] - gpu.lse[i]) > 1e-2) ++far;
+  for (const KvDtype dtype : {KvDtype::bf16, KvDtype::fp8_e4m3})
+    for (const Shape sh : {Shape{Mode::decode, 1, 4}, Shape{Mode::verify, 4, 16}})
+      for (Route route : {Route::one_stage, Route::split_k})
+        for (int world : {1, 3}) {
+          auto q = normal(size_t(B) * sh.qlen * sh.heads * D, 5);
+          auto kv = normal(size_t(B) * size_t(max_len) * D, 6);
+          kv[(size_t(0) * max_len + 5) * D + 7] = std::numeric_limits<float>::quiet_NaN();  // request 0, position 5
+          // request 3, row 0, head 1
+          q[((size_t(3) * sh.qlen + 0) * sh.heads + 1) * D] = std::numeric_limits<float>::quiet_NaN();
+          AttentionOptions o;
+          o.mode = sh.mode;
+          o.world_size = world;
+          o.block_size = 16;
+          o.route = route;
+          o.min_segment_tokens = 32;
+          o.seed = 9;
+          o.kv_dtype = dtype;
+          const AttentionResult cpu = mla_attention(q, kv, lens, B, sh.qlen, sh.heads, max_len, D, o);
+          o.backend = Backend::cuda;
+          const AttentionResult gpu =
+              mla_attention(q, kv, lens, B, sh.qlen, sh.heads, max_len, D, o, cuda::rank_engine_factory());
+          const std::string what = std::string(to_string(dtype)) + " " + std::string(to_string(route)) + " N" +
+                                   std::to_string(world) + " H" + std::to_string(sh.heads) + " q" +
+                                   std::to_string(sh.qlen);
+          int64_t cpu_nan = 0, mismatched = 0, far = 0;
+          for (size_t i = 0; i < cpu.lse.size(); ++i) {
+            cpu_nan += std::isnan(cpu.lse[i]);
+            mismatched += std::isnan(cpu.lse[i]) != std::isnan(gpu.lse[i]);
+            if (!std::isnan(cpu.lse[i]) && std::isfinite(cpu.lse[i]) && std::fabs(cpu.lse[i] - gpu.lse[i]) > 1e-2)
+              ++far;
+          }
+          for (size_t i = 0; i < cpu.out.size(); ++i) {
+            mismatched += std::isnan(cpu.out[i]) != std::isnan(gpu.out[i]);
+            if (!std::isnan(cpu.out[i]) && std::fabs(cpu.out[i] - gpu.out[i]) > 2e-2 * (1.0f + std::fabs(cpu.out[i])))
+              ++far;
+          }
+          EXPECT_GT(cpu_nan, 0) << what << ": the planted NaNs reached no cell";
+          EXPECT_LT(cpu_nan, int64_t(cpu.lse.size()) / 2) << what << ": the NaN spread";
+          EXPECT_EQ(mismatched, 0) << what << ": NaN cells differ from the CPU's";
+          EXPECT_EQ(far, 0) << what << ": clean cells differ";
         }
-        for (size_t i = 0; i < cpu.out.size(); ++i) {
-          mismatched += std::isnan(cpu.out[i]) != std::isnan(gpu.out[i]);
-          if (!std::isnan(cpu.out[i]) && std::fabs(cpu.out[i] - gpu.out[i]) > 2e-2 * (1.0f + std::fabs(cpu.out[i]))) ++far;
-        }
-        EXPECT_GT(cpu_nan, 0) << what << ": the planted NaNs reached no cell";
-        EXPECT_LT(cpu_nan, int64_t(cpu.lse.size()) / 2) << what << ": the NaN spread";
-        EXPECT_EQ(mismatched, 0) << what << ": NaN cells differ from the CPU's";
-        EXPECT_EQ(far, 0) << what << ": clean cells differ";
-      }
 }
 
 }  // namespace
