@@ -27,15 +27,17 @@
 //   2. masks each row at its own local length, exchanges the tile maximum across its four
 //      warps (a row's 64 scores are spread over the warpgroup), online softmax in base 2;
 //   3. writes P^T as hi and lo e4m3 (K-major, B of the next product) to shared memory;
-//   4. O^T (512 dims, 16 rows) += V^T P^T: V^T is the A operand from registers, transposed
-//      from the tile with byte permutes (fp8 wgmma has no MN-major operand), 32 wgmma
-//      m64n16k32 into a fresh accumulator, then O = O alpha + O_tile in f32.
+//   4. O^T (512 dims, 16 rows) += V^T P^T: V^T is the A operand from registers (fp8 wgmma
+//      has no MN-major operand), transposed from the tile by ldmatrix.trans on byte pairs
+//      and one byte permute per register, 32 wgmma m64n16k32 into a fresh accumulator,
+//      then O = O alpha + O_tile in f32.
 // Operand orders are chosen so that no data moves more than once:
-//   - M row (block b, warp w, lane row g, half h) of O^T is dim 16 (8 w + g) + 2 b + h, so a
-//     thread's V^T rows are 16 consecutive bytes of a token (one 16-byte load per token);
-//   - k index 4 c + 2 u + v of each 16-token half of a k32 step is token 8 v + 2 c + u of
-//     that half, so a thread's S values of tokens g and g + 8 land on adjacent P^T bytes, and
-//     the 16-byte loads of a quarter warp hit eight distinct bank groups.
+//   - M row (block b, warp w, lane row g, half h) of O^T is dim 128 w + 16 b + 2 g + h: one
+//     ldmatrix.x4.trans of block b's 16-byte chunk gives a thread dims 2 g, 2 g + 1 of the
+//     tokens 2 c, 2 c + 1 of four 8-token groups, and two permutes per pair of groups give
+//     its fragment registers;
+//   - k index 4 c + j of each 16-token half of a k32 step is token 2 c + (j & 1) + 8 (j >> 1)
+//     of that half (the order ldmatrix.trans delivers).
 //
 // Shared memory (from a 1024-byte aligned base; every operand is a stack of column blocks of
 // 128-byte rows, chunk c of row r stored at chunk c ^ (r & 7), the 128-byte swizzle):
@@ -88,16 +90,6 @@ __device__ __forceinline__ void split_e4m3x2(float a, float b, uint16_t& hi, uin
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(hi, __NV_E4M3);
   const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
   lo = __nv_cvt_float2_to_fp8x2(make_float2(a - f.x, b - f.y), __NV_SATFINITE, __NV_E4M3);
-}
-
-// Byte transpose of four words: out[e] = byte e of w0, w1, w2, w3 (low byte first).
-__device__ __forceinline__ void transpose_bytes(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, uint32_t* out) {
-  const uint32_t lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362);
-  const uint32_t lo23 = __byte_perm(w2, w3, 0x5140), hi23 = __byte_perm(w2, w3, 0x7362);
-  out[0] = __byte_perm(lo01, lo23, 0x5410);
-  out[1] = __byte_perm(lo01, lo23, 0x7632);
-  out[2] = __byte_perm(hi01, hi23, 0x5410);
-  out[3] = __byte_perm(hi01, hi23, 0x7632);
 }
 
 template <bool E5M2>
@@ -278,7 +270,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
         sl2r[j][u] = sl2 * sQscale[row_of(j, u)];
         lim[j][u] = min(sLen[row_of(j, u)], tok_hi);
       }
-    float o[8][8];  // O^T block b: o[b][4 j + 2 h + u] = O[row_of(j, u)][16 (8 w + g) + 2 b + h]
+    float o[8][8];  // O^T block b: o[b][4 j + 2 h + u] = O[row_of(j, u)][128 w + 16 b + 2 g + h]
 #pragma unroll
     for (int bb = 0; bb < 8; ++bb)
 #pragma unroll
@@ -357,44 +349,37 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
           const float p0 = fast_exp2(x[j][0][u] - mu), p1 = fast_exp2(x[j][1][u] - mu);
           l_run[j][u] = l_run[j][u] * alpha[j][u] + (p0 + p1);
           m_run[j][u] = mn;
-          // 3. P^T[r][k]: tokens g, g + 8 of this warp's 16 are the adjacent k 16 w + 4 (g >> 1) + 2 (g & 1) + h.
+          // 3. P^T[r][k]: token g + 8 h of this warp's 16 is k 16 w + 4 (g >> 1) + (g & 1) + 2 h.
           uint16_t ph, pl;
           split_e4m3x2(p0 * 256.0f, p1 * 256.0f, ph, pl);
-          const int kk = 16 * w + 4 * (g >> 1) + 2 * (g & 1);
+          const int kk = 16 * w + 4 * (g >> 1) + (g & 1);
           const int off = r * 128 + (((kk >> 4) ^ (r & 7)) << 4) + (kk & 15);
-          *reinterpret_cast<uint16_t*>(sPh + off) = ph;
-          *reinterpret_cast<uint16_t*>(sPl + off) = pl;
+          sPh[off] = uint8_t(ph);
+          sPh[off + 2] = uint8_t(ph >> 8);
+          sPl[off] = uint8_t(pl);
+          sPl[off + 2] = uint8_t(pl >> 8);
         }
       fence_proxy_async();
       wg_sync();  // P^T complete; every warp is past its reads of sRed
 
       // 4. O_tile = V^T P^T, one k32 step at a time (the second step's fragments reuse the
-      //    first's registers). V^T fragments of step s: byte j of a register (k = 4 c + j of
-      //    half hf) is token 32 s + 16 hf + 8 (j & 1) + 2 c + (j >> 1); the thread's 16 rows of
-      //    V^T are dims 16 (8 w + g) .. + 15 of the token, one 16-byte load.
+      //    first's registers). Lane l addresses row l & 7 of matrix l >> 3 = (half, 8-token
+      //    group) of the step; block b's chunk of those tokens sits at chunk b ^ (token & 7).
       float ot[8][8];  // written by the first step (ACC = false)
+      const int mi = lane >> 3, mr = lane & 7;
+      const uint32_t vrow = sK + w * (NT * 128) + (16 * (mi >> 1) + 8 * (mi & 1) + mr) * 128;
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
         uint32_t va[8][4];
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          uint4 wv[4];
+        for (int bb = 0; bb < 8; ++bb) {
+          // t[2 hf + t8]: tokens 32 s + 16 hf + 8 t8 + 2 c, + 1, dims 2 g, 2 g + 1 of chunk bb.
+          uint32_t t[4];
+          ldmatrix_x4_trans(vrow + s * (32 * 128) + ((bb ^ mr) << 4), t);
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int tok = 32 * s + 16 * hf + 8 * (j & 1) + 2 * c + (j >> 1);
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(wv[j].x), "=r"(wv[j].y), "=r"(wv[j].z), "=r"(wv[j].w)
-                         : "r"(sK + w * (NT * 128) + tok * 128 + ((g ^ (tok & 7)) << 4)));
-          }
-          uint32_t rt[16];  // rt[d]: dim 16 (8 w + g) + d, the four tokens of this half
-          transpose_bytes(wv[0].x, wv[1].x, wv[2].x, wv[3].x, rt + 0);
-          transpose_bytes(wv[0].y, wv[1].y, wv[2].y, wv[3].y, rt + 4);
-          transpose_bytes(wv[0].z, wv[1].z, wv[2].z, wv[3].z, rt + 8);
-          transpose_bytes(wv[0].w, wv[1].w, wv[2].w, wv[3].w, rt + 12);
-#pragma unroll
-          for (int bb = 0; bb < 8; ++bb) {
-            va[bb][2 * hf] = rt[2 * bb];
-            va[bb][2 * hf + 1] = rt[2 * bb + 1];
+          for (int hf = 0; hf < 2; ++hf) {
+            va[bb][2 * hf] = __byte_perm(t[2 * hf], t[2 * hf + 1], 0x6420);      // dim 2 g
+            va[bb][2 * hf + 1] = __byte_perm(t[2 * hf], t[2 * hf + 1], 0x7531);  // dim 2 g + 1
           }
         }
         // The stage's last reads (S's wgmma has completed): hand it back to the producer.
@@ -475,7 +460,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
               o[bb][e] = o[bb][e] * f0 + sO1[(bb * 8 + e) * 128 + t] * f1;
             }
           if (r < nr) {
-            store_row_slice<8, 2>(p, split, witem, b, rows_total, row0 + r, 16 * (8 * w + g), l, out_scale,
+            store_row_slice<8, 16>(p, split, witem, b, rows_total, row0 + r, 128 * w + 2 * g, l, out_scale,
                                   [&](int bb) { return make_float2(o[bb][4 * j + u], o[bb][4 * j + 2 + u]); });
             if (w == 0 && g == 0) store_row_stats(p, split, witem, b, rows_total, row0 + r, mn, l);
           }
