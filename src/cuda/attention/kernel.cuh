@@ -11,7 +11,6 @@
 // other routes write bf16 out and natural-log lse directly.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 
 #include "../params.h"
@@ -57,28 +56,22 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
   const int g = lane >> 2, c = lane & 3;  // mma fragment row / column group
   const int mt = warp % C::WM, wn = (warp / C::WM) % C::WN, wk = warp / (C::WM * C::WN);
 
-  const PlanHeader hdr = *p.plan.header;
-  const bool split = hdr.route == int32_t(Route::split_k);
-  const int qlen = hdr.qlen, page = hdr.page, heads = p.heads;
-  const int page_shift = __ffs(page) - 1;  // page is a power of two
-  const int rows_total = qlen * heads;
-  const int groups = (rows_total + M - 1) / M;
-  const int units = hdr.work_count * groups;
+  const PlanScalars ps = plan_scalars<M>(p);
   const float sl2 = p.softmax_scale * (FP8 ? p.kv_scale : 1.0f) * kLog2e;
   const float out_scale = FP8 ? p.kv_scale : 1.0f;  // v = stored * kv_scale
   const bool e5m2 = p.kv_dtype == KvDtype::fp8_e5m2;
 
   const uint32_t sQ_a = smem_addr(sQ), sP_a = smem_addr(sP);
 
-  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-    const UnitSpan u = unit_span<M, NT>(p, unit, groups, qlen, page, rows_total);
+  for (int unit = blockIdx.x; unit < ps.units; unit += gridDim.x) {
+    const UnitSpan u = unit_span<M, NT>(p, unit, ps);
     const int witem = u.witem, b = u.b, row0 = u.row0, nr = u.nr;
     const int tok_lo = u.tok_lo, tok_hi = u.tok_hi, ntiles = u.ntiles;
     const int32_t *lens = u.lens, *subpages = u.subpages;
-    if (tid < M) sLen[tid] = tid < nr ? lens[(row0 + tid) / heads] : 0;
+    if (tid < M) sLen[tid] = tid < nr ? lens[(row0 + tid) / p.heads] : 0;
 
     // Q rows [row0, row0 + nr) of request b; padding rows of the CTA are zero.
-    const bf16* qb = p.q + (int64_t(b) * rows_total + row0) * kDim;
+    const bf16* qb = p.q + (int64_t(b) * ps.rows_total + row0) * kDim;
     for (int idx = tid; idx < M * (kDim / 8); idx += kThreads) {
       const int r = idx / (kDim / 8), ch = idx % (kDim / 8);
       const bool ok = r < nr;
@@ -102,7 +95,7 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
 #pragma unroll
       for (int j = 0; j < kTokens; ++j) {
         const int jt = tok_lo + i * NT + tk + kPass * j;
-        sp.v[j] = (i < ntiles && jt < tok_hi) ? subpages[jt >> page_shift] : 0;
+        sp.v[j] = (i < ntiles && jt < tok_hi) ? subpages[jt >> ps.page_shift] : 0;
       }
       return sp;
     };
@@ -112,7 +105,7 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
       for (int j = 0; j < kTokens; ++j) {
         const int tok = tk + kPass * j, jt = tok_lo + i * NT + tok;
         const bool ok = jt < tok_hi;
-        const uint8_t* src = ok ? p.kv + (int64_t(sp.v[j]) * page + (jt & (page - 1))) * C::STORED_ROW_BYTES : p.kv;
+        const uint8_t* src = ok ? p.kv + (int64_t(sp.v[j]) * ps.page + (jt & (ps.page - 1))) * C::STORED_ROW_BYTES : p.kv;
         if constexpr (!FP8) {
           const uint32_t dst = smem_addr(st);
 #pragma unroll
@@ -391,10 +384,10 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
       for (int h = 0; h < 2; ++h) {
         const int r = a * 16 + g + 8 * h;
         if (r < nr)
-          store_row_slice<8>(p, split, witem, b, rows_total, row0 + r, warp * 64 + 2 * c, row_l(r), out_scale,
+          store_row_slice<8>(p, ps.split, witem, b, ps.rows_total, row0 + r, warp * 64 + 2 * c, row_l(r), out_scale,
                              [&](int n) { return make_float2(o[a][n][2 * h], o[a][n][2 * h + 1]); });
       }
-    if (tid < nr) store_row_stats(p, split, witem, b, rows_total, row0 + tid, sM[tid], row_l(tid));
+    if (tid < nr) store_row_stats(p, ps.split, witem, b, ps.rows_total, row0 + tid, sM[tid], row_l(tid));
     __syncthreads();  // shared memory is reused by the next unit
   }
 }
@@ -406,22 +399,8 @@ int attention_smem_bytes() {
 
 template <int MT, int NT, int CPS, bool FP8>
 void launch_attention_variant(const AttentionParams& p, int grid, cudaStream_t stream) {
-  constexpr int smem = AttnConfig<MT, NT, CPS, FP8>::SMEM_BYTES;
-  // The shared-memory opt-in is per function and device; set it once per device (it is a
-  // host-side call, also legal while a stream is being captured).
-  static std::atomic<uint64_t> configured{0};
-  int device = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
-  const uint64_t bit = uint64_t(1) << (device & 63);
-  if (!(configured.load() & bit)) {
-    check(cudaFuncSetAttribute(attention_kernel<MT, NT, CPS, FP8>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-          "cudaFuncSetAttribute(attention_kernel, max dynamic shared memory)");
-    configured.fetch_or(bit);
-  }
-  if (grid > 0) {
-    attention_kernel<MT, NT, CPS, FP8><<<grid, kThreads, smem, stream>>>(p);
-    check(cudaGetLastError(), "attention_kernel launch");
-  }
+  launch_attention_kernel<attention_kernel<MT, NT, CPS, FP8>>(p, grid, kThreads, AttnConfig<MT, NT, CPS, FP8>::SMEM_BYTES,
+                                                              stream, "attention_kernel");
 }
 
 }  // namespace dcpmla::cuda_detail

@@ -49,7 +49,6 @@
 //   mbarriers full[4], empty[4]
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 
 #include "../params.h"
@@ -115,13 +114,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
   }
   __syncthreads();
 
-  const PlanHeader hdr = *p.plan.header;
-  const bool split = hdr.route == int32_t(Route::split_k);
-  const int qlen = hdr.qlen, page = hdr.page, heads = p.heads;
-  const int page_shift = __ffs(page) - 1;  // page is a power of two
-  const int rows_total = qlen * heads;
-  const int groups = (rows_total + M - 1) / M;
-  const int units = hdr.work_count * groups;
+  const PlanScalars ps = plan_scalars<M>(p);
 
   // Tiles are numbered across the CTA's units (gt): tile gt sits in stage gt % STAGES, its
   // n-th use (n = gt / STAGES) completes phase n of full[stage] and of empty[stage].
@@ -133,14 +126,14 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
     // Eight threads per token row (chunks lc + 8 m: one 128-byte row of each column block),
     // tokens lt + 16 j; a warp's copy reads 4 tokens x 128 contiguous bytes.
     const int lt = t >> 3, lc = t & 7;
-    for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-      const UnitSpan us = unit_span<M, NT>(p, unit, groups, qlen, page, rows_total);
+    for (int unit = blockIdx.x; unit < ps.units; unit += gridDim.x) {
+      const UnitSpan us = unit_span<M, NT>(p, unit, ps);
       // Sub-page ids of this thread's four tokens of tile i (0 past the end: never used).
       auto fetch_subpages = [&](int i, int (&sp)[4]) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int jt = us.tok_lo + i * NT + lt + 16 * j;
-          sp[j] = (i < us.ntiles && jt < us.tok_hi) ? us.subpages[jt >> page_shift] : 0;
+          sp[j] = (i < us.ntiles && jt < us.tok_hi) ? us.subpages[jt >> ps.page_shift] : 0;
         }
       };
       // Two tiles ahead: a lookup's latency is longer than a tile's issue.
@@ -155,7 +148,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
         for (int j = 0; j < 4; ++j) {
           const int tok = lt + 16 * j, jt = us.tok_lo + i * NT + tok;
           const bool ok = jt < us.tok_hi;  // past it: zero-filled, never read
-          const uint8_t* src = ok ? p.kv + (int64_t(sp[j]) * page + (jt & (page - 1))) * kDim : p.kv;
+          const uint8_t* src = ok ? p.kv + (int64_t(sp[j]) * ps.page + (jt & (ps.page - 1))) * kDim : p.kv;
 #pragma unroll
           for (int m = 0; m < C::BLOCKS; ++m)
             if (m < C::BLOCKS - 1 || lc < 4)
@@ -197,8 +190,8 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
   // This thread's rows of S^T and O^T (the accumulator columns): row(j, u) = 8 j + 2 c + u.
   auto row_of = [&](int j, int u) { return 8 * j + 2 * c + u; };
 
-  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-    const UnitSpan us = unit_span<M, NT>(p, unit, groups, qlen, page, rows_total);
+  for (int unit = blockIdx.x; unit < ps.units; unit += gridDim.x) {
+    const UnitSpan us = unit_span<M, NT>(p, unit, ps);
     const int witem = us.witem, b = us.b, row0 = us.row0, nr = us.nr;
     const int tok_lo = us.tok_lo, tok_hi = us.tok_hi, ntiles = us.ntiles;
 
@@ -206,7 +199,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
     // chunk (8 values) q16 + 16 m. Padding rows of the CTA are zero.
     {
       const int ct = tid - 128, r = ct >> 4, q16 = ct & 15;
-      const bf16* qrow = p.q + (int64_t(b) * rows_total + row0 + r) * kDim;
+      const bf16* qrow = p.q + (int64_t(b) * ps.rows_total + row0 + r) * kDim;
       uint4 raw[5];
       float amax = 0.0f;
 #pragma unroll
@@ -231,7 +224,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
       const bool poison = isinf(amax);
       if (q16 == 0) {
         sQscale[r] = __int_as_float((127 - a) << 23);
-        sLen[r] = r < nr ? us.lens[(row0 + r) / heads] : 0;
+        sLen[r] = r < nr ? us.lens[(row0 + r) / p.heads] : 0;
       }
 #pragma unroll
       for (int m = 0; m < 5; ++m) {
@@ -460,9 +453,9 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
               o[bb][e] = o[bb][e] * f0 + sO1[(bb * 8 + e) * 128 + t] * f1;
             }
           if (r < nr) {
-            store_row_slice<8, 16>(p, split, witem, b, rows_total, row0 + r, 128 * w + 2 * g, l, out_scale,
+            store_row_slice<8, 16>(p, ps.split, witem, b, ps.rows_total, row0 + r, 128 * w + 2 * g, l, out_scale,
                                   [&](int bb) { return make_float2(o[bb][4 * j + u], o[bb][4 * j + 2 + u]); });
-            if (w == 0 && g == 0) store_row_stats(p, split, witem, b, rows_total, row0 + r, mn, l);
+            if (w == 0 && g == 0) store_row_stats(p, ps.split, witem, b, ps.rows_total, row0 + r, mn, l);
           }
         }
     }
@@ -477,21 +470,8 @@ int attention_fp8_swap_smem_bytes() {
 
 template <bool E5M2>
 void launch_attention_fp8_swap(const AttentionParams& p, int grid, cudaStream_t stream) {
-  constexpr int smem = Fp8SwapConfig::SMEM_BYTES;
-  // The shared-memory opt-in is per function and device; set it once per device.
-  static std::atomic<uint64_t> configured{0};
-  int device = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
-  const uint64_t bit = uint64_t(1) << (device & 63);
-  if (!(configured.load() & bit)) {
-    check(cudaFuncSetAttribute(attention_fp8_swap_kernel<E5M2>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-          "cudaFuncSetAttribute(attention_fp8_swap_kernel, max dynamic shared memory)");
-    configured.fetch_or(bit);
-  }
-  if (grid > 0) {
-    attention_fp8_swap_kernel<E5M2><<<grid, Fp8SwapConfig::THREADS, smem, stream>>>(p);
-    check(cudaGetLastError(), "attention_fp8_swap_kernel launch");
-  }
+  launch_attention_kernel<attention_fp8_swap_kernel<E5M2>>(p, grid, Fp8SwapConfig::THREADS, Fp8SwapConfig::SMEM_BYTES,
+                                                           stream, "attention_fp8_swap_kernel");
 }
 
 }  // namespace dcpmla::cuda_detail

@@ -31,7 +31,6 @@
 //   tile"; P free)
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 
 #include "../params.h"
@@ -111,13 +110,7 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
   }
   __syncthreads();
 
-  const PlanHeader hdr = *p.plan.header;
-  const bool split = hdr.route == int32_t(Route::split_k);
-  const int qlen = hdr.qlen, page = hdr.page, heads = p.heads;
-  const int page_shift = __ffs(page) - 1;  // page is a power of two
-  const int rows_total = qlen * heads;
-  const int groups = (rows_total + M - 1) / M;
-  const int units = hdr.work_count * groups;
+  const PlanScalars ps = plan_scalars<M>(p);
   const float sl2 = p.softmax_scale * (FP8 ? p.kv_scale : 1.0f) * kLog2e;
   const float out_scale = FP8 ? p.kv_scale : 1.0f;  // v = stored * kv_scale
   const bool e5m2 = p.kv_dtype == KvDtype::fp8_e5m2;
@@ -145,22 +138,22 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
   };
   uint4 raw[FP8 ? 18 : 1];  // fp8: the loader's share of the next tile, (64, 576) bytes / 128
 
-  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-    const UnitSpan u = unit_span<M, NT>(p, unit, groups, qlen, page, rows_total);
+  for (int unit = blockIdx.x; unit < ps.units; unit += gridDim.x) {
+    const UnitSpan u = unit_span<M, NT>(p, unit, ps);
     const int witem = u.witem, b = u.b, row0 = u.row0, nr = u.nr;
     const int tok_lo = u.tok_lo, tok_hi = u.tok_hi, ntiles = u.ntiles;
     const int32_t *lens = u.lens, *subpages = u.subpages;
-    if (tid < M) sLen[tid] = tid < nr ? lens[(row0 + tid) / heads] : 0;
+    if (tid < M) sLen[tid] = tid < nr ? lens[(row0 + tid) / p.heads] : 0;
 
     // ---- loader helpers (WG1) -------------------------------------------------------------
     // Sub-page id of token `tok` of tile i (0 past the end: never dereferenced).
     auto fetch_subpage = [&](int i, int tok) {
       const int j = tok_lo + i * NT + tok;
-      return (i < ntiles && j < tok_hi) ? subpages[j >> page_shift] : 0;
+      return (i < ntiles && j < tok_hi) ? subpages[j >> ps.page_shift] : 0;
     };
     auto token_src = [&](int i, int tok, int subpage) {
       const int j = tok_lo + i * NT + tok;
-      return p.kv + (int64_t(subpage) * page + (j & (page - 1))) * kRowBytes;
+      return p.kv + (int64_t(subpage) * ps.page + (j & (ps.page - 1))) * kRowBytes;
     };
     // bf16: the sub-pages of this thread's four tokens of tile i.
     auto fetch_subpages_bf16 = [&](int i, int (&sp)[4]) {
@@ -237,7 +230,7 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
     }
 
     // Q rows [row0, row0 + nr) of request b; padding rows of the CTA are zero.
-    const bf16* qb = p.q + (int64_t(b) * rows_total + row0) * kDim;
+    const bf16* qb = p.q + (int64_t(b) * ps.rows_total + row0) * kDim;
     for (int idx = tid; idx < M * (kDim / 8); idx += C::THREADS) {
       const int r = idx / (kDim / 8), ch = idx % (kDim / 8);
       const bool ok = r < nr;
@@ -405,10 +398,10 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
     for (int h = 0; h < 2; ++h) {
       const int r = h ? r1 : r0;
       if (r < nr)
-        store_row_slice<32>(p, split, witem, b, rows_total, row0 + r, wg * 256 + 2 * c, sL[r], out_scale,
+        store_row_slice<32>(p, ps.split, witem, b, ps.rows_total, row0 + r, wg * 256 + 2 * c, sL[r], out_scale,
                             [&](int j) { return make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]); });
     }
-    if (tid < nr) store_row_stats(p, split, witem, b, rows_total, row0 + tid, sM[tid], sL[tid]);
+    if (tid < nr) store_row_stats(p, ps.split, witem, b, ps.rows_total, row0 + tid, sM[tid], sL[tid]);
     __syncthreads();  // shared memory is reused by the next unit
   }
 }
@@ -420,21 +413,8 @@ int attention_wgmma_smem_bytes() {
 
 template <bool FP8>
 void launch_attention_wgmma(const AttentionParams& p, int grid, cudaStream_t stream) {
-  constexpr int smem = WgConfig<FP8>::SMEM_BYTES;
-  // The shared-memory opt-in is per function and device; set it once per device.
-  static std::atomic<uint64_t> configured{0};
-  int device = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
-  const uint64_t bit = uint64_t(1) << (device & 63);
-  if (!(configured.load() & bit)) {
-    check(cudaFuncSetAttribute(attention_wgmma_kernel<FP8>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-          "cudaFuncSetAttribute(attention_wgmma_kernel, max dynamic shared memory)");
-    configured.fetch_or(bit);
-  }
-  if (grid > 0) {
-    attention_wgmma_kernel<FP8><<<grid, WgConfig<FP8>::THREADS, smem, stream>>>(p);
-    check(cudaGetLastError(), "attention_wgmma_kernel launch");
-  }
+  launch_attention_kernel<attention_wgmma_kernel<FP8>>(p, grid, WgConfig<FP8>::THREADS, WgConfig<FP8>::SMEM_BYTES, stream,
+                                                       "attention_wgmma_kernel");
 }
 
 }  // namespace dcpmla::cuda_detail

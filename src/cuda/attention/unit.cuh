@@ -1,15 +1,39 @@
-// A CTA's unit of work, shared by the attention kernels: which rows and tokens it covers
-// (unit_span), and how it ends: one row's slice of O normalised by its l, and the row's
-// statistics, as split-K partials or as the final output and lse.
+// A CTA's unit of work, shared by the attention kernels: the plan's scalars (plan_scalars),
+// which rows and tokens a unit covers (unit_span), and how it ends: one row's slice of O
+// normalised by its l, and the row's statistics, as split-K partials or as the final
+// output and lse. Also how each kernel is launched (launch_attention_kernel).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <string>
 
 #include "../params.h"
 #include "../utils.cuh"
 #include "config.h"
 
 namespace dcpmla::cuda_detail {
+
+// The device plan's scalars for CTAs of M rows, read from plan memory (never from launch
+// arguments, so a replayed graph sees the current batch).
+struct PlanScalars {
+  bool split;  // route split_k: (o / l, m, l) partials instead of out and lse
+  int qlen, page, page_shift, rows_total, groups, units;  // page is a power of two
+};
+
+template <int M>
+__device__ __forceinline__ PlanScalars plan_scalars(const AttentionParams& p) {
+  const PlanHeader hdr = *p.plan.header;
+  PlanScalars s;
+  s.split = hdr.route == int32_t(Route::split_k);
+  s.qlen = hdr.qlen;
+  s.page = hdr.page;
+  s.page_shift = __ffs(hdr.page) - 1;
+  s.rows_total = hdr.qlen * p.heads;
+  s.groups = (s.rows_total + M - 1) / M;
+  s.units = hdr.work_count * s.groups;
+  return s;
+}
 
 // Unit `unit` = (work item witem, row group): rows [row0, row0 + nr) of request b over the
 // item's tokens [tok_lo, tok_hi) in ntiles tiles of NT. lens: the request's per-row local
@@ -21,21 +45,20 @@ struct UnitSpan {
 };
 
 template <int M, int NT>
-__device__ __forceinline__ UnitSpan unit_span(const AttentionParams& p, int unit, int groups, int qlen, int page,
-                                              int rows_total) {
+__device__ __forceinline__ UnitSpan unit_span(const AttentionParams& p, int unit, const PlanScalars& ps) {
   UnitSpan u;
-  u.witem = unit / groups;
+  u.witem = unit / ps.groups;
   const WorkItem item = p.plan.work[u.witem];
   u.b = item.request;
-  u.row0 = (unit % groups) * M;
-  u.nr = min(M, rows_total - u.row0);
-  u.lens = p.plan.row_local_len + int64_t(u.b) * qlen;
+  u.row0 = (unit % ps.groups) * M;
+  u.nr = min(M, ps.rows_total - u.row0);
+  u.lens = p.plan.row_local_len + int64_t(u.b) * ps.qlen;
   u.subpages = p.plan.subpage_table + int64_t(u.b) * p.plan.table_stride;
   int longest = 0;
-  for (int q = 0; q < qlen; ++q) longest = max(longest, u.lens[q]);
+  for (int q = 0; q < ps.qlen; ++q) longest = max(longest, u.lens[q]);
   // Tokens past the longest row are never read: they may be NaN (poisoned) or unmapped.
-  u.tok_lo = item.tile_begin * page;
-  u.tok_hi = min(item.tile_end * page, longest);
+  u.tok_lo = item.tile_begin * ps.page;
+  u.tok_hi = min(item.tile_end * ps.page, longest);
   u.ntiles = u.tok_hi > u.tok_lo ? (u.tok_hi - u.tok_lo + NT - 1) / NT : 0;
   return u;
 }
@@ -73,6 +96,29 @@ __device__ __forceinline__ void store_row_stats(const AttentionParams& p, bool s
     p.part_l[int64_t(witem) * rows_total + row] = l;
   } else {
     p.lse[int64_t(b) * rows_total + row] = l != 0.0f ? (m + __log2f(l)) * 0.6931471805599453f : kNegInf;
+  }
+}
+
+// Launches attention kernel K (`name` in errors) on `grid` CTAs of `threads` with `smem`
+// bytes of dynamic shared memory; grid = 0 only opts K into its shared memory. The opt-in is
+// per function and device, set once per device (a host-side call, also legal while a stream
+// is being captured).
+template <auto K>
+void launch_attention_kernel(const AttentionParams& p, int grid, int threads, int smem, cudaStream_t stream,
+                             const char* name) {
+  static std::atomic<uint64_t> configured{0};
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (!(configured.load() & bit)) {
+    const cudaError_t e = cudaFuncSetAttribute(K, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) check(e, (std::string("cudaFuncSetAttribute(") + name + ", max dynamic shared memory)").c_str());
+    configured.fetch_or(bit);
+  }
+  if (grid > 0) {
+    K<<<grid, threads, smem, stream>>>(p);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) check(e, (std::string(name) + " launch").c_str());
   }
 }
 
