@@ -114,18 +114,7 @@ class DeviceGroupComm final : public DeviceCommunicator {
   int device() const override { return s_->device; }
 
   void all_gather(const void* send, void* recv, size_t count, DataType t) override {
-    const size_t bytes = count * size_of(t);
-    const auto peers = publish(send);
-    cuda_detail::GatherParams g{};
-    for (int p = 0; p < s_->world; ++p) {
-      g.src[p] = peers[size_t(p)];
-      g.dst[p] = static_cast<char*>(recv) + size_t(p) * bytes;
-    }
-    g.bytes = int64_t(bytes);
-    g.n = s_->world;
-    device_barrier();
-    cuda_detail::launch_gather(g, stream_);
-    device_barrier();
+    gather_from_peers(send, recv, count * size_of(t), false);
   }
 
   void reduce_scatter_sum(const void* send, void* recv, size_t count, DataType t) override {
@@ -143,18 +132,7 @@ class DeviceGroupComm final : public DeviceCommunicator {
   }
 
   void all_to_all(const void* send, void* recv, size_t count, DataType t) override {
-    const size_t bytes = count * size_of(t);
-    const auto peers = publish(send);
-    cuda_detail::GatherParams g{};
-    for (int p = 0; p < s_->world; ++p) {
-      g.src[p] = static_cast<const char*>(peers[size_t(p)]) + size_t(rank_) * bytes;
-      g.dst[p] = static_cast<char*>(recv) + size_t(p) * bytes;
-    }
-    g.bytes = int64_t(bytes);
-    g.n = s_->world;
-    device_barrier();
-    cuda_detail::launch_gather(g, stream_);
-    device_barrier();
+    gather_from_peers(send, recv, count * size_of(t), true);
   }
 
   void barrier() override {
@@ -187,6 +165,23 @@ class DeviceGroupComm final : public DeviceCommunicator {
     std::vector<const void*> peers = s_->sends;
     s_->host_barrier(rank_);
     return peers;
+  }
+
+  // recv block p = `bytes` from peer p's send buffer: its start (all_gather) or its block
+  // for this rank (all_to_all), between device barriers (every peer's data is ready, and
+  // no peer reuses its buffer before every rank has read it).
+  void gather_from_peers(const void* send, void* recv, size_t bytes, bool own_block) {
+    const auto peers = publish(send);
+    cuda_detail::GatherParams g{};
+    for (int p = 0; p < s_->world; ++p) {
+      g.src[p] = static_cast<const char*>(peers[size_t(p)]) + (own_block ? size_t(rank_) * bytes : 0);
+      g.dst[p] = static_cast<char*>(recv) + size_t(p) * bytes;
+    }
+    g.bytes = int64_t(bytes);
+    g.n = s_->world;
+    device_barrier();
+    cuda_detail::launch_gather(g, stream_);
+    device_barrier();
   }
 
   void device_barrier() {

@@ -132,22 +132,17 @@ AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const
   // The fp8 swap kernel reads fp8 caches only; asked for with a bf16 cache, the default serves.
   int kernel = tuning.kernel == cuda_detail::kKernelFp8Swap && !fp8 ? 0 : tuning.kernel;
   if (kernel == 0) kernel = mma_only_knobs ? cuda_detail::kKernelMma : cuda_detail::default_kernel(v.rows_per_cta, fp8);
-  if (kernel == cuda_detail::kKernelFp8Swap) {
-    // 16 rows per CTA whatever qlen x heads is (more rows take more groups).
-    v.rows_per_cta = 16;
+  if (kernel != cuda_detail::kKernelMma) {
+    // Fixed row counts whatever qlen x heads is: the wgmma kernel pads fewer rows to 64
+    // inside the CTA, the fp8 swap kernel takes more rows in more groups of 16.
+    const bool swap = kernel == cuda_detail::kKernelFp8Swap;
+    v.rows_per_cta = swap ? 16 : 64;
     v.tile_tokens = 64;
     v.ctas_per_sm = 1;
-    v.smem_bytes = dtype == KvDtype::fp8_e5m2 ? cuda_detail::attention_fp8_swap_smem_bytes<true>()
-                                              : cuda_detail::attention_fp8_swap_smem_bytes<false>();
-    v.kernel = kernel;
-    return v;
-  }
-  if (kernel == cuda_detail::kKernelWgmma) {
-    // 64 rows per CTA whatever qlen x heads is (fewer rows are padded inside the kernel).
-    v.rows_per_cta = 64;
-    v.tile_tokens = 64;
-    v.ctas_per_sm = 1;
-    v.smem_bytes = fp8 ? cuda_detail::attention_wgmma_smem_bytes<true>() : cuda_detail::attention_wgmma_smem_bytes<false>();
+    v.smem_bytes = swap ? (dtype == KvDtype::fp8_e5m2 ? cuda_detail::attention_fp8_swap_smem_bytes<true>()
+                                                      : cuda_detail::attention_fp8_swap_smem_bytes<false>())
+                        : (fp8 ? cuda_detail::attention_wgmma_smem_bytes<true>()
+                               : cuda_detail::attention_wgmma_smem_bytes<false>());
     v.kernel = kernel;
     return v;
   }

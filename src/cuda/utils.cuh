@@ -74,4 +74,19 @@ __device__ __forceinline__ uint32_t fp8x2_to_bf16x2(uint16_t v) {
   return pack_bf16x2(f.x, f.y);
 }
 
+// One stored 16-byte chunk (16 fp8 values, lowest first) -> 8 bf16 pairs, exactly.
+__device__ __forceinline__ void fp8x16_to_bf16x16(uint4 v, bool e5m2, uint32_t (&out)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    if (e5m2) {
+      out[2 * q] = fp8x2_to_bf16x2<true>(uint16_t(w[q] & 0xffffu));
+      out[2 * q + 1] = fp8x2_to_bf16x2<true>(uint16_t(w[q] >> 16));
+    } else {
+      out[2 * q] = fp8x2_to_bf16x2<false>(uint16_t(w[q] & 0xffffu));
+      out[2 * q + 1] = fp8x2_to_bf16x2<false>(uint16_t(w[q] >> 16));
+    }
+  }
+}
+
 }  // namespace dcpmla::cuda_detail

@@ -172,19 +172,8 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
 #pragma unroll
         for (int idx = tid; idx < NT * (kDim / 16); idx += kThreads) {
           const int tk = idx / (kDim / 16), ch = idx % (kDim / 16);
-          const uint4 v = *reinterpret_cast<const uint4*>(sK + tk * kDim + ch * 16);
-          const uint32_t w[4] = {v.x, v.y, v.z, v.w};
           uint32_t out[8];
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            if (e5m2) {
-              out[2 * q] = fp8x2_to_bf16x2<true>(uint16_t(w[q] & 0xffffu));
-              out[2 * q + 1] = fp8x2_to_bf16x2<true>(uint16_t(w[q] >> 16));
-            } else {
-              out[2 * q] = fp8x2_to_bf16x2<false>(uint16_t(w[q] & 0xffffu));
-              out[2 * q + 1] = fp8x2_to_bf16x2<false>(uint16_t(w[q] >> 16));
-            }
-          }
+          fp8x16_to_bf16x16(*reinterpret_cast<const uint4*>(sK + tk * kDim + ch * 16), e5m2, out);
           *reinterpret_cast<uint4*>(sConv + swz(tk, 2 * ch)) = make_uint4(out[0], out[1], out[2], out[3]);
           *reinterpret_cast<uint4*>(sConv + swz(tk, 2 * ch + 1)) = make_uint4(out[4], out[5], out[6], out[7]);
         }

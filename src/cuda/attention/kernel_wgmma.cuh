@@ -192,18 +192,8 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
 #pragma unroll
       for (int k = 0; k < (FP8 ? 18 : 1); ++k) {
         const int ch = 2 * k + half;  // fp8 chunk: dims [16 ch, 16 ch + 16) = bf16 chunks 2 ch, 2 ch + 1
-        const uint32_t w[4] = {raw[k].x, raw[k].y, raw[k].z, raw[k].w};
         uint32_t v[8];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          if (e5m2) {
-            v[2 * q] = fp8x2_to_bf16x2<true>(uint16_t(w[q] & 0xffffu));
-            v[2 * q + 1] = fp8x2_to_bf16x2<true>(uint16_t(w[q] >> 16));
-          } else {
-            v[2 * q] = fp8x2_to_bf16x2<false>(uint16_t(w[q] & 0xffffu));
-            v[2 * q + 1] = fp8x2_to_bf16x2<false>(uint16_t(w[q] >> 16));
-          }
-        }
+        fp8x16_to_bf16x16(raw[k], e5m2, v);
         *reinterpret_cast<uint4*>(st + swz128<NT>(tk, 2 * ch)) = make_uint4(v[0], v[1], v[2], v[3]);
         *reinterpret_cast<uint4*>(st + swz128<NT>(tk, 2 * ch + 1)) = make_uint4(v[4], v[5], v[6], v[7]);
       }
