@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 
@@ -15,19 +16,69 @@ int subpage_size(int block_size) {
   return pow2 < 128 ? pow2 : 128;
 }
 
-void CacheConfig::validate() const {
+namespace {
+
+void validate_shape(int64_t num_blocks, int block_size, int dim, KvDtype dtype) {
   require(num_blocks >= 1, "num_blocks", num_blocks, ">= 1");
   require(block_size >= 1 && block_size <= kMaxBlockSize, "block_size", block_size,
           fmt::format("in [1, {}]", kMaxBlockSize));
   require(dim >= 1, "dim", dim, ">= 1");
-  // bytes() = num_blocks x block_size x dim x bytes per value must not overflow int64.
+  require(dtype == KvDtype::bf16 || dtype == KvDtype::fp8_e4m3 || dtype == KvDtype::fp8_e5m2, "kv_dtype",
+          int(dtype), "bf16, fp8_e4m3 or fp8_e5m2");
+  // bytes = num_blocks x block_size x dim x bytes per value must not overflow int64.
   const int64_t row_bytes = int64_t(block_size) * dim * bytes_per_value(dtype);
   require(num_blocks <= std::numeric_limits<int64_t>::max() / row_bytes, "num_blocks", num_blocks,
           fmt::format("<= {} (the cache's byte count must fit int64)", std::numeric_limits<int64_t>::max() / row_bytes));
-  if (dtype == KvDtype::bf16)
-    require(scale == 1.0f, "kv_scale", scale, "1.0 for a bf16 cache (the scale is for fp8)");
-  else
-    require(scale > 0.0f && std::isfinite(scale), "kv_scale", scale, "a finite value > 0");
+}
+
+bool positive_normal(double v) {
+  return std::isfinite(v) && v >= double(std::numeric_limits<float>::min()) &&
+         v <= double(std::numeric_limits<float>::max());
+}
+
+}  // namespace
+
+void CacheConfig::validate() const {
+  validate_shape(num_blocks, block_size, dim, dtype);
+  (void)checked_kv_scale(scale, dtype);
+}
+
+void KvCache::validate() const {
+  validate_shape(num_blocks, block_size, dim, dtype);
+  if (data == nullptr) fail("kv_cache", "null", "a pointer to the cache's memory");
+  if (reinterpret_cast<uintptr_t>(data) % 16 != 0)
+    fail("kv_cache", fmt::format("address {}", data), "16-byte aligned memory");
+}
+
+float checked_kv_scale(double value, KvDtype dtype) {
+  if (dtype == KvDtype::bf16) {
+    if (value != 1.0) fail("kv_scale", value, "1.0 for a bf16 cache (the scale is for fp8)");
+  } else if (!positive_normal(value)) {
+    fail("kv_scale", value, "a positive normal float32 (finite, in [1.18e-38, 3.4e38])");
+  }
+  return float(value);
+}
+
+void KvScale::validate(KvDtype dtype) const {
+  (void)checked_kv_scale(value, dtype);
+  if (device != nullptr && dtype == KvDtype::bf16)
+    fail("kv_scale", "a device tensor", "a plain 1.0 for a bf16 cache (the scale is for fp8)");
+}
+
+void write_kv(const KvCache& cache, const bf16* latents, const int64_t* slots, int64_t n, float scale) {
+  cache.validate();
+  (void)checked_kv_scale(scale, cache.dtype);
+  if (n < 0) fail("n", n, ">= 0");
+  if (n == 0) return;
+  if (latents == nullptr || slots == nullptr) fail("latents/slot_mapping", "null", "host pointers");
+  const int64_t num_slots = cache.num_slots();
+  for (int64_t k = 0; k < n; ++k)
+    if (slots[k] != kPadSlot && (slots[k] < 0 || slots[k] >= num_slots))
+      fail(fmt::format("slot_mapping[{}]", k), slots[k], fmt::format("-1 (PAD) or a slot in [0, {})", num_slots));
+  auto* base = static_cast<uint8_t*>(cache.data);
+  for (int64_t k = 0; k < n; ++k)
+    if (slots[k] != kPadSlot)
+      encode_latent(latents + k * cache.dim, cache.dim, cache.dtype, scale, base + slots[k] * cache.row_bytes());
 }
 
 PagedCache::PagedCache(const CacheConfig& config) : config_(config) {
@@ -44,19 +95,9 @@ void encode_latent(const bf16* src, int dim, KvDtype dtype, float scale, uint8_t
 }
 
 void PagedCache::write(std::span<const bf16> latents, std::span<const int64_t> slots) {
-  const int dim = config_.dim;
-  require(latents.size() == slots.size() * size_t(dim), "latents", latents.size(),
-          fmt::format("slots ({}) x dim ({}) values", slots.size(), dim));
-  for (size_t n = 0; n < slots.size(); ++n)
-    require(slots[n] == kPadSlot || (slots[n] >= 0 && slots[n] < config_.num_slots()),
-            fmt::format("slot_mapping[{}]", n), slots[n],
-            fmt::format("-1 (PAD) or a slot in [0, {})", config_.num_slots()));
-  const int64_t row_bytes = int64_t(dim) * bytes_per_value(config_.dtype);
-  for (size_t n = 0; n < slots.size(); ++n) {
-    if (slots[n] == kPadSlot) continue;
-    encode_latent(latents.data() + n * size_t(dim), dim, config_.dtype, config_.scale,
-                  bytes_.data() + slots[n] * row_bytes);
-  }
+  require(latents.size() == slots.size() * size_t(config_.dim), "latents", latents.size(),
+          fmt::format("slots ({}) x dim ({}) values", slots.size(), config_.dim));
+  write_kv(view(), latents.data(), slots.data(), int64_t(slots.size()), config_.scale);
 }
 
 void PagedCache::poison() {

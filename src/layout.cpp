@@ -25,11 +25,11 @@ int64_t row_window(Mode mode, int64_t seq_len, int qlen, int t) {
 }
 
 void validate_seq_len(Mode mode, int64_t seq_len, int qlen, int request) {
-  const auto field = fmt::format("seq_lens[{}]", request);
-  require(seq_len >= 0, field, seq_len, ">= 0 (0 marks a padding request)");
-  if (mode != Mode::draft && seq_len != 0)
-    require(seq_len >= qlen, field, seq_len,
-            fmt::format(">= qlen ({}) in {} mode, or 0 for padding", qlen, to_string(mode)));
+  // The planner calls this for every request of every step: format only on failure.
+  if (seq_len < 0) fail(fmt::format("seq_lens[{}]", request), seq_len, ">= 0 (0 marks a padding request)");
+  if (mode != Mode::draft && seq_len != 0 && seq_len < qlen)
+    fail(fmt::format("seq_lens[{}]", request), seq_len,
+         fmt::format(">= qlen ({}) in {} mode, or 0 for padding", qlen, to_string(mode)));
 }
 
 std::vector<int64_t> row_local_lengths(Mode mode, int64_t seq_len, int qlen, const Layout& layout) {

@@ -68,21 +68,35 @@ void merge_across_ranks(Communicator& comm, MergeForm form, const bf16* o, const
   for (size_t i = 0; i < mine.size(); ++i) out[i] = float_to_bf16(mine[i]);
 }
 
-RankRunner::RankRunner(const PlannerConfig& config, float kv_scale, float softmax_scale)
-    : planner_(config),
-      cache_(CacheConfig{config.num_blocks, config.block_size, config.dims.dim(), config.kv_dtype, kv_scale}),
-      plan_(planner_.make_plan()),
-      kv_scale_(kv_scale),
-      softmax_scale_(softmax_scale) {
-  require(config.backend == Backend::cpu, "backend", to_string(config.backend),
-          "cpu for RankRunner (the CUDA backend has its own engine)");
-  require(std::isfinite(softmax_scale) && softmax_scale > 0.0f, "softmax_scale", softmax_scale,
-          "a finite value > 0");
-}
+namespace {
 
-void RankRunner::write(std::span<const bf16> latents, std::span<const int64_t> positions,
-                       std::span<const int32_t> requests, const BatchDesc& batch) {
-  const auto& c = planner_.config();
+class CpuRank final : public RankEngine {
+ public:
+  CpuRank(const AttentionConfig& config, const CacheConfig& cache)
+      : config_(config), cache_(cache), attention_(config) {}
+
+  void poison() override { cache_.poison(); }
+  void write(std::span<const bf16> latents, std::span<const int64_t> positions, std::span<const int32_t> requests,
+             const BatchDesc& batch) override {
+    cache_.write(latents, slots_of(positions, requests, batch, config_.block_size, cache_.config().num_blocks,
+                                   config_.layout));
+  }
+  void plan(const BatchDesc& batch) override { attention_.plan(batch); }
+  const Plan& current_plan() const override { return attention_.current_plan(); }
+  void attend(const bf16* q, bf16* out, float* lse) override {
+    attention_.run(q, cache_.view(), KvScale{cache_.config().scale}, out, lse);
+  }
+
+ private:
+  AttentionConfig config_;
+  PagedCache cache_;
+  Attention attention_;
+};
+
+}  // namespace
+
+std::vector<int64_t> slots_of(std::span<const int64_t> positions, std::span<const int32_t> requests,
+                              const BatchDesc& batch, int block_size, int64_t num_blocks, const Layout& layout) {
   require(requests.size() == positions.size(), "requests", requests.size(),
           fmt::format("one request index per position ({})", positions.size()));
   std::vector<int64_t> slots(positions.size());
@@ -91,24 +105,13 @@ void RankRunner::write(std::span<const bf16> latents, std::span<const int64_t> p
     require(b >= 0 && size_t(b) < batch.seq_lens.size(), fmt::format("requests[{}]", n), b,
             fmt::format("a request in [0, {})", batch.seq_lens.size()));
     const auto table = batch.block_tables.subspan(size_t(b) * size_t(batch.table_width), size_t(batch.table_width));
-    slots[n] = slot_of(positions[n], table, c.block_size, c.num_blocks, c.layout);
+    slots[n] = slot_of(positions[n], table, block_size, num_blocks, layout);
   }
-  cache_.write(latents, slots);
+  return slots;
 }
 
-AttentionParams RankRunner::params(const bf16* q, bf16* out, float* lse) {
-  return attention_params(planner_.config(), q, cache_.data(), kv_scale_, softmax_scale_, plan_.view(),
-                          workspace_.data(), out, lse);
-}
-
-void RankRunner::attend(const bf16* q, bf16* out, float* lse) {
-  // Host memory may grow here (no graph to keep stable): the split-K workspace is taken
-  // only once a plan splits.
-  if (plan_.route() == Route::split_k && workspace_.empty()) {
-    const auto& c = planner_.config();
-    workspace_.resize(size_t(split_workspace_floats(planner_.work_capacity(), c.limits.max_qlen, c.heads, c.dims.kv_lora_rank)));
-  }
-  attention_cpu(params(q, out, lse));
+std::unique_ptr<RankEngine> make_cpu_rank(const AttentionConfig& config, const CacheConfig& cache) {
+  return std::make_unique<CpuRank>(config, cache);
 }
 
 void check_ranks_agree(Communicator& comm, std::span<const int32_t> signature, std::string_view what) {
@@ -136,7 +139,8 @@ struct Inputs {
   std::vector<bf16> q16, kv16, latents;
   std::vector<int32_t> tables, requests;
   std::vector<int64_t> positions;
-  BatchDesc desc() const { return BatchDesc{seq_lens, qlen, tables, int(width)}; }
+  Mode mode;
+  BatchDesc desc() const { return BatchDesc{seq_lens, qlen, tables, int(width), mode}; }
 };
 
 Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<const int32_t> seq_lens, int batch,
@@ -168,9 +172,10 @@ Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<co
             fmt::format("a multiple of world_size ({}) for merge = scatter_heads", o.world_size));
 
   Inputs in;
-  in.batch = batch, in.qlen = qlen, in.heads = heads, in.dim = dim, in.max_len = max_len;
+  in.batch = batch, in.qlen = qlen, in.heads = heads, in.dim = dim, in.max_len = max_len, in.mode = o.mode;
   in.seq_lens = seq_lens;
-  in.softmax_scale = o.softmax_scale == 0.0f ? 1.0f / std::sqrt(float(dim)) : o.softmax_scale;
+  in.softmax_scale = o.softmax_scale ? checked_softmax_scale(*o.softmax_scale) : 1.0f / std::sqrt(float(dim));
+  (void)checked_kv_scale(o.kv_scale, o.kv_dtype);
   // The model's numbers are bf16: round once on entry.
   in.q16.resize(q.size());
   in.kv16.resize(kv.size());
@@ -211,34 +216,30 @@ Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<co
   return in;
 }
 
-std::unique_ptr<RankEngine> make_engine(const RankEngineFactory& engines, const PlannerConfig& config,
-                                        float kv_scale, float softmax_scale) {
-  if (engines) return engines(config, kv_scale, softmax_scale);
-  return std::make_unique<RankRunner>(config, kv_scale, softmax_scale);
-}
-
-PlannerConfig rank_config(const Inputs& in, const AttentionOptions& o, int rank) {
-  PlannerConfig config;
-  config.backend = o.backend;
-  config.mode = o.mode;
-  config.kv_dtype = o.kv_dtype;
+// The one place the conformance options become a rank's engine configuration.
+AttentionConfig rank_config(const Inputs& in, const AttentionOptions& o, int rank) {
+  AttentionConfig config;
   config.heads = in.heads;
-  config.dims = LatentDims{o.kv_lora_rank, in.dim - o.kv_lora_rank};
-  config.layout = Layout{o.world_size, rank, o.interleave};
+  config.kv_dtype = o.kv_dtype;
   config.block_size = o.block_size;
-  config.num_blocks = in.num_blocks;
-  config.route = o.route;
+  config.layout = Layout{o.world_size, rank, o.interleave};
   config.limits = PlanLimits{in.batch, in.qlen, in.longest};
+  config.softmax_scale = in.softmax_scale;
+  config.dims = LatentDims{o.kv_lora_rank, in.dim - o.kv_lora_rank};
+  config.route = o.route;
   config.min_segment_tokens = o.min_segment_tokens;
   return config;
+}
+
+CacheConfig cache_config(const Inputs& in, const AttentionOptions& o) {
+  return CacheConfig{in.num_blocks, o.block_size, in.dim, o.kv_dtype, o.kv_scale};
 }
 
 AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, Communicator& comm,
                          const RankEngineFactory& engines) {
   const int rank = comm.rank(), N = o.world_size, R = o.kv_lora_rank, heads = in.heads, qlen = in.qlen;
   const int64_t rows = int64_t(in.batch) * qlen;
-  const PlannerConfig config = rank_config(in, o, rank);
-  const auto engine = make_engine(engines, config, o.kv_scale, in.softmax_scale);
+  const auto engine = (engines ? engines : RankEngineFactory(make_cpu_rank))(rank_config(in, o, rank), cache_config(in, o));
   if (o.poison) engine->poison();
   const BatchDesc desc = in.desc();
   engine->write(in.latents, in.positions, in.requests, desc);
@@ -322,17 +323,22 @@ AttentionResult mla_attention(std::span<const float> q, std::span<const float> k
                               int64_t max_len, int dim, const AttentionOptions& options,
                               const RankEngineFactory& engines) {
   const Inputs in = prepare(q, kv, seq_lens, batch, qlen, heads, max_len, dim, options, engines);
-  // With the CPU engines, all ranks' caches and split-K workspaces (RankRunner's sizes) live
-  // in this process. (A device engine keeps its caches in device memory.) The planner also
-  // checks the configuration here, once, before any rank starts.
-  const PlannerConfig config = rank_config(in, options, 0);
-  const Planner sizing(config);
-  const double per_rank =
-      double(CacheConfig{config.num_blocks, config.block_size, dim, config.kv_dtype, options.kv_scale}.bytes()) +
-      4.0 * double(split_workspace_floats(sizing.work_capacity(), qlen, heads, options.kv_lora_rank));
-  require(bool(engines) || per_rank * options.world_size <= double(kMaxInProcessBytes),
-          "world_size x (cache + workspace per rank)",
-          fmt::format("{:.3g} GiB", per_rank * options.world_size / double(1 << 30)),
+  // Everything the ranks will hold in this process, counted before any rank starts (the
+  // planner also checks the configuration here, once). Each rank gathers every rank's partial
+  // to merge (N x its own), so the merge term grows as N^2. The CUDA engines keep caches and
+  // workspaces in device memory; their host copies of q and the partials are counted.
+  const int N = options.world_size;
+  const AttentionConfig config = rank_config(in, options, 0);
+  const PlannerConfig sizing_config = planner_config(config, options.backend, 132);
+  const Planner sizing(sizing_config);
+  const double cells = double(batch) * qlen * heads, R = options.kv_lora_rank;
+  const double merge = (N + 3) * cells * (R * 2 + 4) + cells * R * 4;
+  double per_rank = merge;
+  if (!engines)
+    per_rank += double(cache_config(in, options).bytes()) +
+                4.0 * double(split_workspace_floats(sizing.work_capacity(), qlen, heads, options.kv_lora_rank));
+  require(per_rank * N <= double(kMaxInProcessBytes), "world_size x (cache + workspace + merge buffers per rank)",
+          fmt::format("{:.3g} GiB", per_rank * N / double(1 << 30)),
           fmt::format("<= {} GiB in one process (lower world_size, block_size, heads or the batch)",
                       kMaxInProcessBytes >> 30));
   AttentionResult result;

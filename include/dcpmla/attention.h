@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "dcpmla/cache.h"
 #include "dcpmla/numeric.h"
 #include "dcpmla/plan.h"
 #include "dcpmla/types.h"
@@ -16,6 +17,7 @@ struct AttentionParams {
   const uint8_t* kv;   // [num_subpages, page, D] in kv_dtype (the paged cache)
   KvDtype kv_dtype;
   float kv_scale;      // read = stored * kv_scale
+  const float* kv_scale_dev;  // CUDA: when set, the scale is read from here at run time
   float softmax_scale; // scores = softmax_scale * <q, k>
   int heads;
   int dim;             // D
@@ -41,7 +43,7 @@ int64_t split_workspace_floats(int64_t work_capacity, int max_qlen, int heads, i
 // The parameters of a plan's attention (host or device pointers alike), with the split-K
 // workspace (split_workspace_floats floats) laid out as part_o, then part_m, then part_l.
 AttentionParams attention_params(const PlannerConfig& config, const bf16* q, const uint8_t* kv,
-                                 float kv_scale, float softmax_scale, const PlanView& plan,
+                                 const KvScale& kv_scale, float softmax_scale, const PlanView& plan,
                                  float* workspace, bf16* out, float* lse);
 
 // two_stage stage B: dense causal attention of each request's query block over its own

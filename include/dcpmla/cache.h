@@ -25,12 +25,48 @@ struct CacheConfig {
   int64_t bytes() const { return num_slots() * dim * bytes_per_value(dtype); }
 };
 
-// Host storage [num_blocks, block_size, D] in the cache dtype.
+// One layer's paged latent cache as an engine owns it (SPEC §6): [num_blocks, block_size, D]
+// values of `dtype` (bf16, or one byte per value for fp8) at `data`: host memory for the CPU
+// backend, device memory for CUDA. The library reads and writes it and never owns it.
+struct KvCache {
+  void* data = nullptr;
+  int64_t num_blocks = 0;
+  int block_size = 0;
+  int dim = 576;
+  KvDtype dtype = KvDtype::bf16;
+
+  // Shape (as CacheConfig::validate), dtype and a non-null, 16-byte aligned data pointer.
+  void validate() const;
+  int64_t num_slots() const { return num_blocks * block_size; }
+  int64_t row_bytes() const { return int64_t(dim) * bytes_per_value(dtype); }
+};
+
+// The fp8 cache scale (read = stored * scale): a host value, or (CUDA) a device float read
+// when the kernels run, so a replayed graph sees the current scale. bf16 caches take 1.
+struct KvScale {
+  float value = 1.0f;
+  const float* device = nullptr;
+
+  // value: a positive normal float (1 for bf16); device: fp8 caches on CUDA only.
+  void validate(KvDtype dtype) const;
+};
+
+// Checks a cache scale given as a double (Python, CLI): a positive normal float32 (so it
+// survives the narrowing), exactly 1 for bf16. The message shows the value as given.
+float checked_kv_scale(double value, KvDtype dtype);
+
+// CPU write path (SPEC §3): latents bf16 [n, D] to cache slots[n], kPadSlot skipped, every
+// slot checked against the cache before anything is written; fp8 stores rne(sat(x / scale)).
+void write_kv(const KvCache& cache, const bf16* latents, const int64_t* slots, int64_t n, float scale);
+
+// Host storage [num_blocks, block_size, D] in the cache dtype (tests and the conformance path
+// own their caches with it, as an engine would).
 class PagedCache {
  public:
   explicit PagedCache(const CacheConfig& config);
 
   const CacheConfig& config() const { return config_; }
+  KvCache view() { return KvCache{bytes_.data(), config_.num_blocks, config_.block_size, config_.dim, config_.dtype}; }
   const uint8_t* data() const { return bytes_.data(); }
   uint8_t* data() { return bytes_.data(); }
 

@@ -20,16 +20,15 @@ struct PlanLimits {
   int64_t max_local_kv_len = 1 << 17;  // longest rank-local KV of any row
 };
 
-// Fixed for the planner's life (one per model and rank); checked at construction.
+// Fixed for the planner's life (one per model and rank); checked at construction. The
+// caches are the engine's: their size is checked against each plan when a run takes one.
 struct PlannerConfig {
   Backend backend = Backend::cpu;
-  Mode mode = Mode::verify;
   KvDtype kv_dtype = KvDtype::bf16;
   int heads = 16;
   LatentDims dims;
   Layout layout;
   int block_size = 64;
-  int64_t num_blocks = 0;  // blocks in this rank's cache (table entries must be below it)
   Route route = Route::automatic;  // a forced route, or automatic (the documented policy)
   PlanLimits limits;
   int num_workers = 132;  // parallel units a plan spreads work over (SMs, threads)
@@ -44,6 +43,7 @@ struct BatchDesc {
   int qlen = 1;                           // rows per request
   std::span<const int32_t> block_tables;  // [B, table_width] shared by all ranks
   int table_width = 0;
+  Mode mode = Mode::verify;               // the step's windows (SPEC §1)
 };
 
 // A contiguous run of tiles (of `page` local tokens) of one request.
@@ -57,22 +57,24 @@ struct WorkItem {
 // Scalars of a plan; kernels read them from plan memory, never from launch
 // arguments, so a replayed graph sees the current batch.
 struct PlanHeader {
-  int32_t route;       // Route (never automatic)
-  int32_t batch;       // requests in this step (padding included)
+  int32_t route;         // Route (never automatic)
+  int32_t batch;         // requests in this step (padding included)
   int32_t qlen;
-  int32_t work_count;  // items in `work`
-  int32_t page;        // sub-page tokens
-  int32_t reserved[3];
+  int32_t work_count;    // items in `work`
+  int32_t page;          // sub-page tokens
+  int32_t table_stride;  // sub-pages per request row of subpage_table in this plan
+  int32_t mode;          // Mode
+  int32_t reserved;
 };
 
 // Plain view of a plan's buffers (host or device copy): what crosses into kernels.
 struct PlanView {
   const PlanHeader* header;
   const int32_t* row_local_len;  // [batch, qlen] tokens each row attends on this rank
-  const int32_t* subpage_table;  // [batch, table_stride] sub-page ids into the cache
+  const int32_t* subpage_table;  // [batch, header->table_stride] sub-page ids into the cache
   const WorkItem* work;          // [work_count] grouped by request, in request order
   const int32_t* request_work;   // [batch + 1] offsets into work
-  int32_t table_stride;          // capacity: sub-pages per request
+  int32_t table_capacity;        // capacity: sub-pages per request
   int32_t max_batch;             // capacity
   int32_t max_qlen;              // capacity
   int32_t work_capacity;         // capacity
@@ -85,20 +87,30 @@ struct PlanStats {
   int64_t max_local_len = 0;
   int64_t total_local_len = 0;
   int max_segments = 0;  // largest number of work items of one request
+  int64_t max_block = -1;  // largest block id the tables name (-1: none); the cache must hold it
 };
 
 class Plan {
  public:
-  Plan(const PlanLimits& limits, int64_t table_stride, int work_capacity);
+  // storage: null for an owned arena, else `ints` int32s the caller keeps alive at a stable
+  // address (pinned staging memory, say), so the planner writes straight into it.
+  Plan(const PlanLimits& limits, int64_t table_capacity, int work_capacity, int32_t* storage = nullptr);
+  static size_t ints(const PlanLimits& limits, int64_t table_capacity, int work_capacity);
+  Plan(const Plan&) = delete;  // the view points into the arena
+  Plan& operator=(const Plan&) = delete;
+  Plan(Plan&&) = default;      // a vector's move keeps its buffer, so base_ stays valid
+  Plan& operator=(Plan&&) = default;
 
-  const PlanHeader& header() const { return *reinterpret_cast<const PlanHeader*>(arena_.data()); }
+  const PlanHeader& header() const { return *reinterpret_cast<const PlanHeader*>(base_); }
   Route route() const { return Route(header().route); }
   const PlanStats& stats() const { return stats_; }
 
-  // The whole plan is one int32 arena at a stable address; a device backend copies it
-  // verbatim and rebuilds the view over its copy.
-  std::span<const int32_t> arena() const { return arena_; }
-  PlanView view() const { return view_at(arena_.data()); }
+  // The whole plan is one int32 arena at a stable address; a device backend copies its
+  // used prefix (used_ints()) verbatim and rebuilds the view over its copy.
+  std::span<const int32_t> arena() const { return {base_, size_}; }
+  // Ints of the arena this plan uses: everything up to its own sub-page rows (the last part).
+  size_t used_ints() const;
+  PlanView view() const { return view_at(base_); }
   PlanView view_at(const int32_t* base) const;
 
   int32_t row_local_len(int b, int t) const { return view().row_local_len[b * header().qlen + t]; }
@@ -106,14 +118,16 @@ class Plan {
 
  private:
   friend class Planner;
-  PlanHeader& mutable_header() { return *reinterpret_cast<PlanHeader*>(arena_.data()); }
-  int32_t* at(size_t offset) { return arena_.data() + offset; }
+  PlanHeader& mutable_header() { return *reinterpret_cast<PlanHeader*>(base_); }
+  int32_t* at(size_t offset) { return base_ + offset; }
 
   PlanLimits limits_;
-  int64_t table_stride_;
+  int64_t table_capacity_;
   int work_capacity_;
   size_t off_rows_, off_subpages_, off_work_, off_request_work_;
-  std::vector<int32_t> arena_;
+  std::vector<int32_t> owned_;  // empty when the caller provides the storage
+  int32_t* base_;
+  size_t size_;
   PlanStats stats_;
 };
 
@@ -136,23 +150,27 @@ class Planner {
 
   const PlannerConfig& config() const { return config_; }
   int page() const { return page_; }
-  int64_t table_stride() const { return table_stride_; }
+  int64_t table_capacity() const { return table_capacity_; }
   int work_capacity() const { return work_capacity_; }
 
-  // A plan with buffers for the capture limits (allocate once, re-plan into it).
-  Plan make_plan() const;
-  // Validates the batch (before touching `plan`) and writes the plan.
+  // A plan with buffers for the capture limits (allocate once, re-plan into it); with
+  // storage, in the caller's plan_ints() int32s.
+  Plan make_plan(int32_t* storage = nullptr) const;
+  size_t plan_ints() const { return Plan::ints(config_.limits, table_capacity_, work_capacity_); }
+  // Validates the batch (before touching `plan`) and writes the plan. Host work in
+  // O(batch + table entries); no allocation, and no formatting unless it throws.
   void plan(const BatchDesc& batch, Plan& plan) const;
 
   // The auto policy, exposed so that docs, tests and the bench can show its choice.
   Route choose_route(const PlanStats& stats, int qlen) const;
 
  private:
-  void validate(const BatchDesc& batch) const;
+  // Checks the batch; returns the largest block id its tables name (-1: none).
+  int64_t validate(const BatchDesc& batch) const;
 
   PlannerConfig config_;
   int page_;
-  int64_t table_stride_;
+  int64_t table_capacity_;
   int work_capacity_;
 };
 

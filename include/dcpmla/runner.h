@@ -5,12 +5,14 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
 #include "dcpmla/attention.h"
 #include "dcpmla/cache.h"
 #include "dcpmla/comm.h"
+#include "dcpmla/engine.h"
 #include "dcpmla/plan.h"
 
 namespace dcpmla {
@@ -29,8 +31,9 @@ std::string_view to_string(MergeForm f);
 void merge_across_ranks(Communicator& comm, MergeForm form, const bf16* o, const float* lse,
                         int64_t rows, int heads, int width, bf16* out, float* out_lse);
 
-// One rank as the conformance path drives it, whatever the backend: host buffers in and
-// out, so the same driver serves the CPU kernels and the CUDA ones.
+// One rank of the conformance path, whatever the backend: it owns this rank's cache (as an
+// engine would) and drives the engine API over it, with host buffers in and out, so the
+// same driver serves the CPU backend and the CUDA one.
 class RankEngine {
  public:
   virtual ~RankEngine() = default;
@@ -47,34 +50,16 @@ class RankEngine {
   virtual void attend(const bf16* q, bf16* out, float* lse) = 0;
 };
 
-using RankEngineFactory =
-    std::function<std::unique_ptr<RankEngine>(const PlannerConfig&, float kv_scale, float softmax_scale)>;
+// Makes one rank's engine: the Attention's configuration and the cache it owns.
+using RankEngineFactory = std::function<std::unique_ptr<RankEngine>(const AttentionConfig&, const CacheConfig&)>;
 
-// One rank on the CPU: its cache shard, its planner and a plan at a stable address.
-class RankRunner final : public RankEngine {
- public:
-  RankRunner(const PlannerConfig& config, float kv_scale, float softmax_scale);
+// Rank-local slots of the driver's tokens (positions[n] of requests[n], SPEC §3); kPadSlot where
+// this rank does not own a position. The host slot mapping, kept for the driver and the tests.
+std::vector<int64_t> slots_of(std::span<const int64_t> positions, std::span<const int32_t> requests,
+                              const BatchDesc& batch, int block_size, int64_t num_blocks, const Layout& layout);
 
-  PagedCache& cache() { return cache_; }
-  const Planner& planner() const { return planner_; }
-  const Plan& current_plan() const override { return plan_; }
-
-  void poison() override { cache_.poison(); }
-  void write(std::span<const bf16> latents, std::span<const int64_t> positions,
-             std::span<const int32_t> requests, const BatchDesc& batch) override;
-  void plan(const BatchDesc& batch) override { planner_.plan(batch, plan_); }
-  void attend(const bf16* q, bf16* out, float* lse) override;
-
-  AttentionParams params(const bf16* q, bf16* out, float* lse);
-
- private:
-  Planner planner_;
-  PagedCache cache_;
-  Plan plan_;
-  float kv_scale_;
-  float softmax_scale_;
-  std::vector<float> workspace_;
-};
+// The CPU rank: a PagedCache and an Attention.
+std::unique_ptr<RankEngine> make_cpu_rank(const AttentionConfig& config, const CacheConfig& cache);
 
 struct AttentionOptions {
   Mode mode = Mode::verify;
@@ -83,7 +68,7 @@ struct AttentionOptions {
   int block_size = 64;
   KvDtype kv_dtype = KvDtype::bf16;
   float kv_scale = 1.0f;
-  float softmax_scale = 0.0f;  // 0 -> D^-0.5
+  std::optional<float> softmax_scale;  // none: D^-0.5
   int kv_lora_rank = 512;
   Route route = Route::automatic;
   MergeForm merge = MergeForm::all_heads;
@@ -104,7 +89,7 @@ struct AttentionResult {
 // its shard and merges with the others. Every rank returns the whole merged result
 // (with scatter_heads the kept heads are all-gathered at the end). comm.world_size()
 // must equal options.world_size.
-// `engines` makes each rank's engine; empty = the CPU RankRunner (options.backend must
+// `engines` makes each rank's engine; empty = make_cpu_rank (options.backend must
 // then be cpu). The CUDA backend passes its own (dcpmla::cuda::rank_engine_factory).
 AttentionResult mla_attention_on_rank(std::span<const float> q, std::span<const float> kv,
                                       std::span<const int32_t> seq_lens, int batch, int qlen,
@@ -116,14 +101,15 @@ AttentionResult mla_attention_on_rank(std::span<const float> q, std::span<const 
 // planned with; a mismatch raises dcpmla::Error on every rank (never a hang or a wrong merge).
 void check_ranks_agree(Communicator& comm, std::span<const int32_t> signature, std::string_view what);
 
-// Most memory the in-process entry point may ask for with the CPU engines: every rank's cache
-// shard and kernel workspace live in this one process. A problem needing more is refused before anything is
+// Most host memory the in-process entry point may ask for: every rank's merge buffers (which
+// grow as world_size^2: each rank gathers every rank's partial) and, with the CPU engines,
+// every rank's cache shard and kernel workspace live in this one process. A problem needing more is refused before anything is
 // allocated (block_size 65536 with 64 short requests on 8 ranks would be 39 GB of blocks).
 inline constexpr int64_t kMaxInProcessBytes = int64_t(8) << 30;
 
 // The conformance entry point (SPEC §5): options.world_size ranks as threads of this
 // process, each driving its engine (CPU by default). Refuses more than kMaxInProcessRanks
-// ranks or kMaxInProcessBytes of caches and workspaces.
+// ranks or kMaxInProcessBytes of host memory, before anything is allocated.
 AttentionResult mla_attention(std::span<const float> q, std::span<const float> kv,
                               std::span<const int32_t> seq_lens, int batch, int qlen, int heads,
                               int64_t max_len, int dim, const AttentionOptions& options,

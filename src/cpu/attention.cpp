@@ -65,7 +65,7 @@ void attend_range(const AttentionParams& p, const Dequantizer& deq, int b, int h
   const int D = p.dim, R = p.rank_dim, nh = h1 - h0;
   const int64_t row_bytes = int64_t(D) * bytes_per_value(p.kv_dtype);
   const int32_t* lens = plan.row_local_len + int64_t(b) * qlen;
-  const int32_t* subpages = plan.subpage_table + int64_t(b) * plan.table_stride;
+  const int32_t* subpages = plan.subpage_table + int64_t(b) * plan.header->table_stride;
 
   std::vector<float> qf(size_t(qlen) * nh * D);
   for (int t = 0; t < qlen; ++t)
@@ -124,12 +124,12 @@ int64_t split_workspace_floats(int64_t work_capacity, int max_qlen, int heads, i
   return work_capacity * max_qlen * heads * (rank_dim + 2);
 }
 
-AttentionParams attention_params(const PlannerConfig& c, const bf16* q, const uint8_t* kv, float kv_scale,
+AttentionParams attention_params(const PlannerConfig& c, const bf16* q, const uint8_t* kv, const KvScale& kv_scale,
                                  float softmax_scale, const PlanView& plan, float* workspace, bf16* out,
                                  float* lse) {
   const int R = c.dims.kv_lora_rank;
   const int64_t parts = int64_t(plan.work_capacity) * plan.max_qlen * c.heads;
-  return AttentionParams{q,   kv,  c.kv_dtype, kv_scale,  softmax_scale,         c.heads,
+  return AttentionParams{q,   kv,   c.kv_dtype, kv_scale.value, kv_scale.device, softmax_scale, c.heads,
                          c.dims.dim(), R, plan, out, lse, workspace, workspace + parts * R,
                          workspace + parts * (R + 1)};
 }

@@ -47,23 +47,23 @@ TEST(Attention, RoutesAgreeWithReferenceAcrossTileBoundaries) {
 
 TEST(Attention, EmptyRowsGiveZeroAndMinusInf) {
   // Rank 3 of 4 holds nothing of a request of length 2.
-  PlannerConfig c;
-  c.mode = Mode::decode;
+  AttentionConfig c;
   c.heads = 2;
   c.layout = Layout{4, 3, 1};
   c.block_size = 16;
-  c.num_blocks = 2;
   c.limits = PlanLimits{2, 1, 64};
-  RankRunner runner(c, 1.0f, 0.05f);
-  runner.cache().poison();
+  c.softmax_scale = 0.05f;
+  Attention attention(c);
+  PagedCache cache(CacheConfig{2, 16, 576, KvDtype::bf16, 1.0f});
+  cache.poison();
   const std::vector<int32_t> lens{2, 0}, tables{0, 1};
-  runner.plan(BatchDesc{lens, 1, tables, 1});
+  attention.plan(BatchDesc{lens, 1, tables, 1, Mode::decode});
   const auto qf = testing::random_normal(2 * 2 * 576, 5);
   std::vector<bf16> q;
   for (float x : qf) q.push_back(float_to_bf16(x));
   std::vector<bf16> out(2 * 2 * 512, float_to_bf16(7.0f));
   std::vector<float> lse(4, 7.0f);
-  runner.attend(q.data(), out.data(), lse.data());
+  attention.run(q.data(), cache.view(), KvScale{}, out.data(), lse.data());
   for (float l : lse) EXPECT_EQ(l, -INFINITY);
   for (bf16 o : out) EXPECT_EQ(bf16_to_float(o), 0.0f);
 }

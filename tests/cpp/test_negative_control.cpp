@@ -23,37 +23,37 @@ ErrorReport run_with_rule(Rule rule, uint64_t seed) {
   for (float x : qf) q.push_back(float_to_bf16(x));
   for (float x : kvf) kv.push_back(float_to_bf16(x));
   const std::vector<int32_t> lens{L}, tables{1, 0};
-  const BatchDesc batch{lens, qlen, tables, 2};
+  const BatchDesc batch{lens, qlen, tables, 2, Mode::verify};
   const float scale = 1.0f / std::sqrt(float(D));
 
   std::vector<bf16> parts(size_t(N) * qlen * H * R);
   std::vector<float> part_lse(size_t(N) * qlen * H);
   for (int r = 0; r < N; ++r) {
-    PlannerConfig c;
-    c.mode = Mode::verify;
+    AttentionConfig c;
     c.heads = H;
     c.layout = Layout{N, r, 1};
     c.block_size = 4;
-    c.num_blocks = 2;
     c.route = Route::one_stage;
     c.limits = PlanLimits{1, qlen, 8};
-    RankRunner runner(c, 1.0f, scale);
-    runner.cache().poison();
+    c.softmax_scale = scale;
+    Attention attention(c);
+    PagedCache cache(CacheConfig{2, 4, D, KvDtype::bf16, 1.0f});
+    cache.poison();
     std::vector<int64_t> positions;
     std::vector<int32_t> requests(L, 0);
     for (int p = 0; p < L; ++p) positions.push_back(p);
-    runner.write(kv, positions, requests, batch);
-    runner.plan(batch);
+    cache.write(kv, slots_of(positions, requests, batch, 4, 2, c.layout));
+    attention.plan(batch);
 
     // The same plan with its row lengths rewritten by the rule under test.
-    const Plan& plan = runner.current_plan();
+    const Plan& plan = attention.current_plan();
     std::vector<int32_t> arena(plan.arena().begin(), plan.arena().end());
     const PlanView original = plan.view();
     int32_t* rows = arena.data() + (original.row_local_len - plan.arena().data());
     for (int t = 0; t < qlen; ++t)
       if (rule == Rule::subtracting) rows[t] = int32_t(Layout{N, r, 1}.local_length(L) - (qlen - 1 - t));
-    AttentionParams p = runner.params(q.data(), parts.data() + size_t(r) * qlen * H * R,
-                                      part_lse.data() + size_t(r) * qlen * H);
+    AttentionParams p = attention.params(q.data(), cache.view(), KvScale{}, parts.data() + size_t(r) * qlen * H * R,
+                                         part_lse.data() + size_t(r) * qlen * H);
     p.plan = plan.view_at(arena.data());
     attention_cpu(p);
   }

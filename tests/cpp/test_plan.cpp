@@ -9,13 +9,11 @@
 namespace dcpmla {
 namespace {
 
-PlannerConfig config(Mode mode = Mode::verify, Route route = Route::automatic) {
+PlannerConfig config(Route route = Route::automatic) {
   PlannerConfig c;
-  c.mode = mode;
   c.route = route;
   c.heads = 16;
   c.block_size = 64;
-  c.num_blocks = 4096;
   c.limits = PlanLimits{8, 4, 1 << 16};
   return c;
 }
@@ -25,11 +23,12 @@ struct Batch {
   std::vector<int32_t> tables;
   int width;
   int qlen;
-  BatchDesc desc() const { return BatchDesc{lens, qlen, tables, width}; }
+  Mode mode;
+  BatchDesc desc() const { return BatchDesc{lens, qlen, tables, width, mode}; }
 };
 
-Batch batch_of(std::vector<int32_t> lens, int qlen, int block_size = 64, int width = 1100) {
-  Batch b{std::move(lens), {}, width, qlen};
+Batch batch_of(std::vector<int32_t> lens, int qlen, int block_size = 64, int width = 1100, Mode mode = Mode::verify) {
+  Batch b{std::move(lens), {}, width, qlen, mode};
   b.tables.resize(b.lens.size() * size_t(width));
   for (size_t i = 0; i < b.tables.size(); ++i) b.tables[i] = int32_t((i * 7919) % 4096);
   (void)block_size;
@@ -65,11 +64,11 @@ TEST(Plan, RowLengthsAndRoute) {
 }
 
 TEST(Plan, SubpagesExpandBlocks) {
-  auto c = config(Mode::draft);
+  auto c = config();
   c.block_size = 256;  // page 128: two sub-pages per block
   Planner planner(c);
   Plan plan = planner.make_plan();
-  const auto b = batch_of({600}, 1);
+  const auto b = batch_of({600}, 1, 64, 1100, Mode::draft);
   planner.plan(b.desc(), plan);
   const PlanView v = plan.view();
   EXPECT_EQ(v.header->page, 128);
@@ -77,7 +76,7 @@ TEST(Plan, SubpagesExpandBlocks) {
 }
 
 TEST(Plan, AutoSplitsLongWindowsOfSmallBatches) {
-  Planner planner(config(Mode::decode));
+  Planner planner(config());
   Plan plan = planner.make_plan();
   planner.plan(batch_of({40000, 1000}, 1).desc(), plan);
   EXPECT_EQ(plan.route(), Route::split_k);
@@ -94,7 +93,7 @@ TEST(Plan, AutoSplitsLongWindowsOfSmallBatches) {
   EXPECT_EQ(covered[1], (1000 + 63) / 64);
   EXPECT_GT(plan.stats().max_segments, 8) << "the long request gets most segments";
   // A full batch of long requests fills the workers without splitting.
-  auto c = config(Mode::decode);
+  auto c = config();
   c.limits.max_batch = 256;
   Planner big(c);
   Plan p2 = big.make_plan();
@@ -105,7 +104,7 @@ TEST(Plan, AutoSplitsLongWindowsOfSmallBatches) {
 }
 
 TEST(Plan, AutoSplitsOnlyWhenItLowersTheLongestLoad) {
-  auto c = config(Mode::verify);
+  auto c = config();
   c.limits = PlanLimits{132, 4, 1 << 17};
   Planner planner(c);
   Plan plan = planner.make_plan();
@@ -122,7 +121,7 @@ TEST(Plan, AutoSplitsOnlyWhenItLowersTheLongestLoad) {
 }
 
 TEST(Plan, PaddingNeverShrinksParallelism) {
-  Planner planner(config(Mode::decode));
+  Planner planner(config());
   Plan a = planner.make_plan(), b = planner.make_plan();
   planner.plan(batch_of({30000, 20000}, 1).desc(), a);
   planner.plan(batch_of({30000, 20000, 0, 0, 0, 0, 0, 0}, 1).desc(), b);
@@ -152,19 +151,20 @@ TEST(Plan, ArenaStaysPutAcrossReplans) {
 }
 
 TEST(Plan, ForcedRoutesAndCapabilities) {
-  Planner two(config(Mode::verify, Route::two_stage));
+  Planner two(config(Route::two_stage));
   Plan plan = two.make_plan();
   two.plan(batch_of({10, 3}, 3).desc(), plan);
   EXPECT_EQ(plan.route(), Route::two_stage);
   EXPECT_EQ(plan.row_local_len(0, 0), 7) << "stage A sees the prefix L - qlen on every row";
   EXPECT_EQ(plan.row_local_len(0, 2), 7);
   EXPECT_EQ(plan.row_local_len(1, 0), 0);
-  expect_error([] { Planner p(config(Mode::draft, Route::two_stage)); }, "'route' = two_stage");
-  expect_error([] { Planner p(config(Mode::decode, Route::two_stage)); }, "route");
+  // two_stage is verify-only: the step's mode is checked against the forced route.
+  expect_error([&] { two.plan(batch_of({10}, 1, 64, 1100, Mode::draft).desc(), plan); }, "'route' = two_stage");
+  expect_error([&] { two.plan(batch_of({10}, 1, 64, 1100, Mode::decode).desc(), plan); }, "mode decode");
   auto c = config();
   c.backend = Backend::cuda;
   c.heads = 129;
-  expect_error([&] { Planner p(c); }, "heads 129");
+  expect_error([&] { Planner p(c); }, "'heads' = 129");
   EXPECT_TRUE(is_supported(Backend::cpu, Route::split_k, Mode::draft, KvDtype::fp8_e5m2, 1));
   EXPECT_FALSE(is_supported(Backend::cpu, Route::two_stage, Mode::draft, KvDtype::bf16, 1));
 }
@@ -179,9 +179,6 @@ TEST(Plan, RefusesBadConfigurations) {
   c = config();
   c.layout = Layout{2, 0, 3};
   expect_error([&] { Planner p(c); }, "'interleave' = 3");
-  c = config();
-  c.num_blocks = 0;
-  expect_error([&] { Planner p(c); }, "num_blocks");
   c = config();
   c.heads = 0;
   expect_error([&] { Planner p(c); }, "heads");
@@ -209,25 +206,29 @@ TEST(Plan, RefusesConfigurationsWhoseArithmeticWouldOverflow) {
   c.dims = LatentDims{512, INT32_MAX - 3};  // D = R + P
   expect_error([&] { Planner p(c); }, "'rope_dim' = 2147483644");
   c = config();
-  c.block_size = 3;  // page 1: three sub-pages per block
-  c.num_blocks = INT32_MAX / 3 + 1;
-  expect_error([&] { Planner p(c); }, "'num_blocks' = 715827883");
+  c.block_size = 3;  // page 1: three sub-pages per block: block ids past INT32_MAX / 3 would overflow
+  c.limits = PlanLimits{1, 1, 16};
+  Planner small(c);
+  Plan plan = small.make_plan();
+  const std::vector<int32_t> lens{2}, table{INT32_MAX / 3 + 1};
+  expect_error([&] { small.plan(BatchDesc{lens, 1, table, 1, Mode::draft}, plan); }, "'block_tables[0][0]' = 715827883");
   c = config();
   c.block_size = kMaxBlockSize * 2;
   expect_error([&] { Planner p(c); }, "'block_size' = 131072");
 }
 
 TEST(Plan, SubpageIdsAtTheInt32Edge) {
-  auto c = config(Mode::draft);
+  auto c = config();
   c.block_size = 3;
-  c.num_blocks = INT32_MAX / 3;  // the largest cache whose sub-page ids fit int32
+  const int64_t num_blocks = INT32_MAX / 3;  // the largest cache whose sub-page ids fit int32
   c.limits = PlanLimits{1, 1, 16};
   Planner planner(c);
   Plan plan = planner.make_plan();
-  const std::vector<int32_t> lens{6}, table{int32_t(c.num_blocks - 1), 7};
-  planner.plan(BatchDesc{lens, 1, table, 2}, plan);
+  const std::vector<int32_t> lens{6}, table{int32_t(num_blocks - 1), 7};
+  planner.plan(BatchDesc{lens, 1, table, 2, Mode::draft}, plan);
+  EXPECT_EQ(plan.stats().max_block, num_blocks - 1);
   const PlanView v = plan.view();
-  const int64_t last = (c.num_blocks - 1) * 3;
+  const int64_t last = (num_blocks - 1) * 3;
   for (int k = 0; k < 3; ++k) EXPECT_EQ(v.subpage_table[k], last + k);
   EXPECT_EQ(v.subpage_table[3], 21);
   EXPECT_EQ(v.subpage_table[2], INT32_MAX - 2);  // the largest id: num_blocks x 3 - 1
@@ -245,8 +246,6 @@ TEST(Plan, RefusesBadBatches) {
   auto b = batch_of({200}, 1, 64, 3);  // needs 4 entries
   expect_error([&] { planner.plan(b.desc(), plan); }, "'table_width' = 3");
   b = batch_of({200}, 1, 64, 4);
-  b.tables[2] = 4096;
-  expect_error([&] { planner.plan(b.desc(), plan); }, "'block_tables[0][2]' = 4096");
   b.tables[2] = -5;
   expect_error([&] { planner.plan(b.desc(), plan); }, "'block_tables[0][2]' = -5");
   b = batch_of({200}, 1, 64, 4);

@@ -57,8 +57,9 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
   const int mt = warp % C::WM, wn = (warp / C::WM) % C::WN, wk = warp / (C::WM * C::WN);
 
   const PlanScalars ps = plan_scalars<M>(p);
-  const float sl2 = p.softmax_scale * (FP8 ? p.kv_scale : 1.0f) * kLog2e;
-  const float out_scale = FP8 ? p.kv_scale : 1.0f;  // v = stored * kv_scale
+  const float kv_scale = FP8 ? kv_scale_of(p) : 1.0f;
+  const float sl2 = p.softmax_scale * kv_scale * kLog2e;
+  const float out_scale = kv_scale;  // v = stored * kv_scale
   const bool e5m2 = p.kv_dtype == KvDtype::fp8_e5m2;
 
   const uint32_t sQ_a = smem_addr(sQ), sP_a = smem_addr(sP);

@@ -185,8 +185,9 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
   };
   auto consumers_sync = [] { asm volatile("bar.sync 3, 256;\n" ::: "memory"); };
 
-  const float sl2 = p.softmax_scale * p.kv_scale * kLog2e;
-  const float out_scale = p.kv_scale * (1.0f / 256.0f);  // v = stored * kv_scale; P entered as 256 P
+  const float kv_scale = kv_scale_of(p);
+  const float sl2 = p.softmax_scale * kv_scale * kLog2e;
+  const float out_scale = kv_scale * (1.0f / 256.0f);  // v = stored * kv_scale; P entered as 256 P
   // This thread's rows of S^T and O^T (the accumulator columns): row(j, u) = 8 j + 2 c + u.
   auto row_of = [&](int j, int u) { return 8 * j + 2 * c + u; };
 

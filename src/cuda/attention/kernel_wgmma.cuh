@@ -111,8 +111,9 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
   __syncthreads();
 
   const PlanScalars ps = plan_scalars<M>(p);
-  const float sl2 = p.softmax_scale * (FP8 ? p.kv_scale : 1.0f) * kLog2e;
-  const float out_scale = FP8 ? p.kv_scale : 1.0f;  // v = stored * kv_scale
+  const float kv_scale = FP8 ? kv_scale_of(p) : 1.0f;
+  const float sl2 = p.softmax_scale * kv_scale * kLog2e;
+  const float out_scale = kv_scale;  // v = stored * kv_scale
   const bool e5m2 = p.kv_dtype == KvDtype::fp8_e5m2;
   constexpr int kRowBytes = FP8 ? kDim : kDim * 2;  // a stored token
 

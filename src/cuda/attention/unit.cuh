@@ -21,6 +21,12 @@ struct PlanScalars {
   int qlen, page, page_shift, rows_total, groups, units;  // page is a power of two
 };
 
+// The fp8 cache scale: the device value when the caller passed one (read at run time, so a
+// replayed graph sees the current scale), else the launch's.
+__device__ __forceinline__ float kv_scale_of(const AttentionParams& p) {
+  return p.kv_scale_dev != nullptr ? *p.kv_scale_dev : p.kv_scale;
+}
+
 template <int M>
 __device__ __forceinline__ PlanScalars plan_scalars(const AttentionParams& p) {
   const PlanHeader hdr = *p.plan.header;
@@ -53,7 +59,7 @@ __device__ __forceinline__ UnitSpan unit_span(const AttentionParams& p, int unit
   u.row0 = (unit % ps.groups) * M;
   u.nr = min(M, ps.rows_total - u.row0);
   u.lens = p.plan.row_local_len + int64_t(u.b) * ps.qlen;
-  u.subpages = p.plan.subpage_table + int64_t(u.b) * p.plan.table_stride;
+  u.subpages = p.plan.subpage_table + int64_t(u.b) * p.plan.header->table_stride;
   int longest = 0;
   for (int q = 0; q < ps.qlen; ++q) longest = max(longest, u.lens[q]);
   // Tokens past the longest row are never read: they may be NaN (poisoned) or unmapped.

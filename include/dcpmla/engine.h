@@ -1,0 +1,77 @@
+// The engine API (SPEC §6): what a serving engine calls every step. The engine owns its KV
+// caches (one per layer, from its own allocator) and hands this layer's to each run; the
+// library owns one plan per step and a workspace. Per step: plan(batch) once; per layer:
+// write_kv (cache.h) and run. The result of run is this rank's partial (o, lse); the
+// cross-rank merge is merge.h's combine_partials (or the engine's own DCP collectives).
+// This is the CPU backend on host memory; dcpmla::cuda::Attention (cuda.h) is the same on
+// device memory and streams.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "dcpmla/attention.h"
+#include "dcpmla/cache.h"
+#include "dcpmla/layout.h"
+#include "dcpmla/plan.h"
+
+namespace dcpmla {
+
+// Fixed for an Attention's life (one per model and rank); checked at construction.
+struct AttentionConfig {
+  int heads = 16;                      // query heads this rank computes (all the group's under DCP)
+  KvDtype kv_dtype = KvDtype::bf16;
+  int block_size = 64;
+  Layout layout;                       // world_size, rank, interleave
+  PlanLimits limits;                   // capture limits: every plan's batch must fit them
+  std::optional<float> softmax_scale;  // none: D^-0.5; else a positive normal float
+  LatentDims dims;
+  Route route = Route::automatic;      // forced for testing; automatic = the planner's policy
+  int num_workers = 0;                 // parallel units a plan spreads over; 0: the backend's
+  int min_segment_tokens = 256;        // split_k granularity (PlannerConfig)
+};
+
+// The one place an AttentionConfig becomes a planner configuration; workers = the backend's
+// parallel units where config.num_workers is 0.
+PlannerConfig planner_config(const AttentionConfig& config, Backend backend, int workers);
+
+// The softmax scale a configuration asks for: D^-0.5 by default; throws unless positive normal.
+float softmax_scale_of(const AttentionConfig& config);
+// Checks a softmax scale given as a double (Python, CLI): a positive normal float32.
+float checked_softmax_scale(double value);
+
+// Checks a run's cache and scale against the planner and the current plan, before anything
+// runs: dtype, block size, D, and a cache that holds every block the plan's tables name.
+void validate_run(const PlannerConfig& config, const Plan& plan, const KvCache& cache, const KvScale& scale);
+
+class Attention {
+ public:
+  explicit Attention(const AttentionConfig& config);
+
+  const Planner& planner() const { return planner_; }
+  const Plan& current_plan() const { return plan_; }
+  float softmax_scale() const { return softmax_scale_; }
+
+  // Validates and plans the step's batch; no formatting unless it throws. The CPU backend's
+  // split-K workspace (split_workspace_floats of the capacities) is taken here the first time
+  // a plan splits, so that a CPU engine that never splits does not hold it.
+  void plan(const BatchDesc& batch);
+
+  // This rank's partial over `cache` (this layer's) with the current plan:
+  // q [B, qlen, H, D] bf16 -> out [B, qlen, H, R] bf16, lse [B, qlen, H] natural log (-inf where
+  // the rank holds no key of the row's window). Allocates nothing.
+  void run(const bf16* q, const KvCache& cache, const KvScale& scale, bf16* out, float* lse);
+
+  // The parameters run() computes with (tests).
+  AttentionParams params(const bf16* q, const KvCache& cache, const KvScale& scale, bf16* out, float* lse);
+
+ private:
+  Planner planner_;
+  Plan plan_;
+  float softmax_scale_;
+  bool planned_ = false;
+  std::vector<float> workspace_;
+};
+
+}  // namespace dcpmla

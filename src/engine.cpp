@@ -1,0 +1,79 @@
+#include "dcpmla/engine.h"
+
+#include <cmath>
+#include <limits>
+
+#include "dcpmla/error.h"
+
+namespace dcpmla {
+
+PlannerConfig planner_config(const AttentionConfig& c, Backend backend, int workers) {
+  PlannerConfig p;
+  p.backend = backend;
+  p.kv_dtype = c.kv_dtype;
+  p.heads = c.heads;
+  p.dims = c.dims;
+  p.layout = c.layout;
+  p.block_size = c.block_size;
+  p.route = c.route;
+  p.limits = c.limits;
+  p.num_workers = c.num_workers > 0 ? c.num_workers : workers;
+  p.min_segment_tokens = c.min_segment_tokens;
+  return p;
+}
+
+float checked_softmax_scale(double value) {
+  if (!(std::isfinite(value) && value >= double(std::numeric_limits<float>::min()) &&
+        value <= double(std::numeric_limits<float>::max())))
+    fail("softmax_scale", value, "a positive normal float32 (finite, in [1.18e-38, 3.4e38])");
+  return float(value);
+}
+
+float softmax_scale_of(const AttentionConfig& c) {
+  if (c.softmax_scale) return checked_softmax_scale(*c.softmax_scale);
+  return 1.0f / std::sqrt(float(c.dims.dim()));
+}
+
+void validate_run(const PlannerConfig& c, const Plan& plan, const KvCache& cache, const KvScale& scale) {
+  cache.validate();
+  if (cache.dtype != c.kv_dtype)
+    fail("kv_cache dtype", to_string(cache.dtype), fmt::format("{} (the Attention's kv_dtype)", to_string(c.kv_dtype)));
+  if (cache.block_size != c.block_size)
+    fail("kv_cache block_size", cache.block_size, fmt::format("{} (the Attention's block_size)", c.block_size));
+  if (cache.dim != c.dims.dim()) fail("kv_cache dim", cache.dim, fmt::format("D = {}", c.dims.dim()));
+  if (plan.stats().max_block >= cache.num_blocks)
+    fail("kv_cache num_blocks", cache.num_blocks,
+         fmt::format("> {} (the largest block id of the planned tables)", plan.stats().max_block));
+  scale.validate(cache.dtype);
+  if (scale.device != nullptr && c.backend != Backend::cuda)
+    fail("kv_scale", "a device pointer", "a host float on the cpu backend");
+}
+
+Attention::Attention(const AttentionConfig& config)
+    : planner_(planner_config(config, Backend::cpu, 132)),
+      plan_(planner_.make_plan()),
+      softmax_scale_(softmax_scale_of(config)) {}
+
+void Attention::plan(const BatchDesc& batch) {
+  planner_.plan(batch, plan_);
+  planned_ = true;
+  if (plan_.route() == Route::split_k && workspace_.empty()) {
+    const auto& c = planner_.config();
+    workspace_.resize(
+        size_t(split_workspace_floats(planner_.work_capacity(), c.limits.max_qlen, c.heads, c.dims.kv_lora_rank)));
+  }
+}
+
+AttentionParams Attention::params(const bf16* q, const KvCache& cache, const KvScale& scale, bf16* out, float* lse) {
+  return attention_params(planner_.config(), q, static_cast<const uint8_t*>(cache.data), scale, softmax_scale_,
+                          plan_.view(), workspace_.data(), out, lse);
+}
+
+void Attention::run(const bf16* q, const KvCache& cache, const KvScale& scale, bf16* out, float* lse) {
+  if (!planned_) fail("plan", "none", "a plan: call plan(batch) before run()");
+  validate_run(planner_.config(), plan_, cache, scale);
+  if (q == nullptr || out == nullptr || lse == nullptr) fail("q/out/lse", "null", "host pointers");
+  attention_cpu(params(q, cache, scale, out, lse));
+}
+
+}  // namespace dcpmla
