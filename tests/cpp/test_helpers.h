@@ -1,8 +1,12 @@
-// Shared test inputs: fresh random latents and queries (never zeros).
+// Shared test inputs: fresh random latents and queries (never zeros); error messages.
 #pragma once
 
+#include <functional>
 #include <random>
+#include <string>
 #include <vector>
+
+#include "dcpmla/error.h"
 
 namespace dcpmla::testing {
 
@@ -12,6 +16,16 @@ inline std::vector<float> random_normal(size_t n, uint64_t seed, float stddev = 
   std::vector<float> v(n);
   for (auto& x : v) x = dist(rng);
   return v;
+}
+
+// The message of the dcpmla::Error that fn throws; empty when it throws none.
+inline std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return {};
 }
 
 }  // namespace dcpmla::testing

@@ -1,0 +1,439 @@
+// The engine path (SPEC §6) on the CPU backend, as a serving engine drives it: per rank one
+// Attention and an engine-owned cache per layer; per step one plan, then per layer write_kv of
+// the step's new tokens and run, the partials merged across ranks with combine_partials.
+// Every layer of every step must give its own float64 reference and mla_attention's answer;
+// bad input must be refused before anything runs.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+
+#include <fmt/format.h>
+
+#include "dcpmla/engine.h"
+#include "dcpmla/error.h"
+#include "dcpmla/merge.h"
+#include "dcpmla/reference.h"
+#include "dcpmla/runner.h"
+#include "test_helpers.h"
+
+namespace dcpmla {
+namespace {
+
+constexpr int kHeads = 8, kDim = 576, kRankDim = 512, kLayers = 3;
+constexpr int kMinSegment = 16;  // several split_k segments even on short rows
+const double kSoftmaxScale = 1.0 / std::sqrt(double(kDim));
+
+struct Case {
+  Mode mode;
+  int world, interleave, block_size;
+  KvDtype dtype;
+  Route route;
+  int index;
+  float kv_scale() const { return dtype == KvDtype::bf16 ? 1.0f : 0.05f; }
+};
+
+std::string name(const Case& c) {
+  return fmt::format("{}_{}_N{}_I{}_bs{}_{}_{}", c.index, to_string(c.mode), c.world, c.interleave, c.block_size,
+                     to_string(c.dtype), to_string(c.route));
+}
+
+void PrintTo(const Case& c, std::ostream* os) { *os << name(c); }
+
+// Every value of every axis meets every mode: axis j of case k cycles at its own rate.
+std::vector<Case> covering_cases() {
+  const Mode modes[] = {Mode::decode, Mode::verify, Mode::draft};
+  const int worlds[] = {1, 2, 3, 4, 8}, block_sizes[] = {1, 16, 64, 256};
+  const KvDtype dtypes[] = {KvDtype::bf16, KvDtype::fp8_e4m3, KvDtype::fp8_e5m2};
+  const Route verify_routes[] = {Route::automatic, Route::one_stage, Route::two_stage, Route::split_k};
+  const Route other_routes[] = {Route::automatic, Route::one_stage, Route::split_k};
+  std::vector<Case> cases;
+  for (int m = 0; m < 3; ++m)
+    for (int j = 0; j < 8; ++j) {
+      Case c{};
+      c.mode = modes[m];
+      c.world = worlds[(j + m) % 5];
+      c.interleave = 1 + (j + m) % 2;
+      c.block_size = block_sizes[(j / 2 + m) % 4];
+      if (c.block_size % c.interleave) c.block_size = 16;
+      c.dtype = dtypes[(j + m) % 3];
+      c.route = c.mode == Mode::verify ? verify_routes[j % 4] : other_routes[j % 3];
+      // A forced split must cut some row into several tiles: keep the pages short.
+      if (c.route == Route::split_k && c.block_size > 16) c.block_size = 16;
+      c.index = int(cases.size());
+      cases.push_back(c);
+    }
+  return cases;
+}
+
+// The requests of two consecutive steps, sharing one set of block tables (a random
+// permutation of the blocks; unused entries name a spare block that stays NaN).
+struct Sequence {
+  int batch = 0, qlen[2] = {1, 1};
+  std::vector<int32_t> lens[2];       // per step: L_b incl. the query block, 0 = padding
+  std::vector<int32_t> first_new[2];  // per step: the first position request b writes
+  std::vector<int32_t> tables;
+  int width = 0;
+  int64_t num_blocks = 0, max_len = 0, longest_local = 1;
+};
+
+// Step 1: a padding request, one shorter than the world's span (ranks holding nothing),
+// one of exactly qlen and a long one. Step 2 (other qlen): the padding request arrives with
+// exactly qlen tokens, the short and long ones grow by qlen, the qlen one finishes (padding).
+Sequence make_sequence(const Case& c, std::mt19937_64& rng) {
+  Sequence s;
+  s.qlen[0] = c.mode == Mode::decode ? 1 : 1 + int(rng() % 4);
+  s.qlen[1] = c.mode == Mode::decode ? 1 : s.qlen[0] % 4 + 1;
+  const int q0 = s.qlen[0], q1 = s.qlen[1], span = c.world * c.interleave;
+  const int shorter = std::max(q0, int(rng() % std::max(span, 2)));
+  const int longer = q0 + 24 * c.world + int(rng() % 64);
+  s.lens[0] = {0, shorter, q0, longer};
+  s.first_new[0] = {0, 0, 0, 0};
+  s.lens[1] = {q1, shorter + q1, 0, longer + q1};
+  s.first_new[1] = {0, shorter, 0, longer};
+  s.batch = 4;
+
+  const Layout group{c.world, 0, c.interleave};
+  std::vector<int64_t> needed(size_t(s.batch));
+  for (int b = 0; b < s.batch; ++b) {
+    const int64_t len = std::max(s.lens[0][size_t(b)], s.lens[1][size_t(b)]);
+    const int64_t largest = group.local_length_of(len, 0);  // rank 0 holds the largest share
+    needed[size_t(b)] = (largest + c.block_size - 1) / c.block_size;
+    s.width = std::max(s.width, int(needed[size_t(b)]));
+    s.max_len = std::max(s.max_len, len);
+    s.longest_local = std::max(s.longest_local, largest);
+  }
+  const int64_t total = std::accumulate(needed.begin(), needed.end(), int64_t(0));
+  s.num_blocks = total + 1;
+  std::vector<int32_t> ids(static_cast<size_t>(total));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  s.tables.assign(size_t(s.batch * s.width), int32_t(s.num_blocks - 1));
+  for (int b = 0, next = 0; b < s.batch; ++b)
+    for (int64_t j = 0; j < needed[size_t(b)]; ++j) s.tables[size_t(b * s.width + j)] = ids[size_t(next++)];
+  return s;
+}
+
+std::vector<bf16> to_bf16(const std::vector<float>& x) {
+  std::vector<bf16> y(x.size());
+  std::transform(x.begin(), x.end(), y.begin(), float_to_bf16);
+  return y;
+}
+
+std::vector<float> to_float(const std::vector<bf16>& x) {
+  std::vector<float> y(x.size());
+  std::transform(x.begin(), x.end(), y.begin(), bf16_to_float);
+  return y;
+}
+
+// One rank of the engine: its Attention and its caches, one per layer (the engine's memory).
+struct Rank {
+  Attention attention;
+  std::vector<PagedCache> caches;
+};
+
+AttentionConfig rank_config(const Case& c, const Sequence& s, int rank) {
+  AttentionConfig a;
+  a.heads = kHeads;
+  a.kv_dtype = c.dtype;
+  a.block_size = c.block_size;
+  a.layout = Layout{c.world, rank, c.interleave};
+  a.limits = PlanLimits{s.batch, std::max(s.qlen[0], s.qlen[1]), s.longest_local};
+  a.route = c.route;
+  a.min_segment_tokens = kMinSegment;
+  return a;
+}
+
+class Engine : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Engine, EveryLayerMatchesItsReferenceAndMlaAttention) {
+  const Case c = GetParam();
+  std::mt19937_64 rng(2000 + uint64_t(c.index));
+  const Sequence s = make_sequence(c, rng);
+  const int B = s.batch, N = c.world;
+  const float scale = c.kv_scale();
+
+  // Each layer's global latents [B, max_len, D], drawn afresh per layer.
+  std::vector<std::vector<float>> kv(kLayers);
+  for (auto& x : kv) x = testing::random_normal(size_t(B) * size_t(s.max_len) * kDim, rng());
+
+  std::vector<Rank> ranks;
+  for (int r = 0; r < N; ++r) {
+    Rank rank{Attention(rank_config(c, s, r)), {}};
+    for (int l = 0; l < kLayers; ++l) {
+      rank.caches.emplace_back(CacheConfig{s.num_blocks, c.block_size, kDim, c.dtype, scale});
+      rank.caches.back().poison();
+    }
+    ranks.push_back(std::move(rank));
+  }
+
+  for (int step = 0; step < 2; ++step) {
+    const int qlen = s.qlen[step];
+    const auto& lens = s.lens[step];
+    const int64_t rows = int64_t(B) * qlen, cells = rows * kHeads;
+    const BatchDesc batch{lens, qlen, s.tables, s.width, c.mode};
+    for (auto& r : ranks) r.attention.plan(batch);  // once per step, for every layer
+    const Route route = ranks[0].attention.current_plan().route();
+    if (c.route != Route::automatic) ASSERT_EQ(route, c.route);
+    if (c.route == Route::split_k && step == 0) {
+      int segments = 0;
+      for (auto& r : ranks) segments = std::max(segments, r.attention.current_plan().stats().max_segments);
+      ASSERT_GT(segments, 1) << "split_k did not split";
+    }
+
+    // The step's new tokens and each rank's slots for them (the same for every layer).
+    std::vector<int64_t> positions;
+    std::vector<int32_t> requests;
+    for (int b = 0; b < B; ++b)
+      for (int64_t p = s.first_new[step][size_t(b)]; p < lens[size_t(b)]; ++p) {
+        positions.push_back(p);
+        requests.push_back(b);
+      }
+    std::vector<std::vector<int64_t>> slots;
+    for (int r = 0; r < N; ++r)
+      slots.push_back(slots_of(positions, requests, batch, c.block_size, s.num_blocks, Layout{N, r, c.interleave}));
+
+    for (int l = 0; l < kLayers; ++l) {
+      SCOPED_TRACE(fmt::format("step {} layer {} route {}", step, l, to_string(route)));
+      const auto q = testing::random_normal(size_t(cells) * kDim, rng());
+      const auto q16 = to_bf16(q);
+      std::vector<bf16> latents;
+      for (size_t n = 0; n < positions.size(); ++n) {
+        const float* row = kv[size_t(l)].data() + (size_t(requests[n]) * size_t(s.max_len) + size_t(positions[n])) * kDim;
+        for (int d = 0; d < kDim; ++d) latents.push_back(float_to_bf16(row[d]));
+      }
+
+      std::vector<bf16> parts(size_t(N * cells * kRankDim));
+      std::vector<float> part_lse(size_t(N * cells));
+      for (int r = 0; r < N; ++r) {
+        auto& rank = ranks[size_t(r)];
+        const KvCache cache = rank.caches[size_t(l)].view();
+        write_kv(cache, latents.data(), slots[size_t(r)].data(), int64_t(positions.size()), scale);
+        rank.attention.run(q16.data(), cache, KvScale{scale}, parts.data() + r * cells * kRankDim,
+                           part_lse.data() + r * cells);
+      }
+      std::vector<bf16> out(size_t(cells * kRankDim));
+      std::vector<float> lse(static_cast<size_t>(cells));
+      combine_partials(parts.data(), part_lse.data(), N, out.data(), lse.data(), cells, kRankDim);
+
+      if (route == Route::two_stage) {
+        // run() gave stage A: the committed prefix [0, L - qlen) on every row.
+        std::vector<int32_t> prefix(lens);
+        for (auto& len : prefix) len = len == 0 ? 0 : len - qlen;
+        const auto ref_a = reference_attention(q, kv[size_t(l)], prefix, B, qlen, kHeads, s.max_len, kDim, Mode::draft,
+                                               c.dtype, scale, kSoftmaxScale, kRankDim);
+        const auto err_a = compare(to_float(out), lse, ref_a.out, ref_a.lse, B, qlen, kHeads, kRankDim);
+        EXPECT_TRUE(err_a.within(1e-2)) << "stage A: rel " << err_a.max_rel_l2 << " lse " << err_a.max_lse_err
+                                        << " nan " << err_a.nan_count;
+        // Stage B on every rank (all heads kept): the verify block's latents, then the local merge.
+        std::vector<bf16> block(size_t(rows * kDim));
+        for (int b = 0; b < B; ++b)
+          for (int t = 0; t < qlen && lens[size_t(b)] > 0; ++t) {
+            const float* src = kv[size_t(l)].data() + (size_t(b) * size_t(s.max_len) + size_t(lens[size_t(b)] - qlen + t)) * kDim;
+            std::transform(src, src + kDim, block.begin() + (int64_t(b) * qlen + t) * kDim, float_to_bf16);
+          }
+        std::vector<bf16> out_b(out.size());
+        std::vector<float> lse_b(lse.size());
+        block_attention_cpu(BlockAttentionParams{q16.data(), block.data(), lens.data(), c.dtype, scale,
+                                                 float(kSoftmaxScale), B, qlen, kHeads, 0, kHeads, kDim, kRankDim,
+                                                 out_b.data(), lse_b.data()});
+        merge_state(out.data(), lse.data(), out_b.data(), lse_b.data(), out.data(), lse.data(), cells, kRankDim);
+      }
+
+      const auto got = to_float(out);
+      const auto ref = reference_attention(q, kv[size_t(l)], lens, B, qlen, kHeads, s.max_len, kDim, c.mode, c.dtype,
+                                           scale, kSoftmaxScale, kRankDim);
+      const auto err = compare(got, lse, ref.out, ref.lse, B, qlen, kHeads, kRankDim);
+      EXPECT_TRUE(err.within(1e-2)) << name(c) << ": rel " << err.max_rel_l2 << " lse " << err.max_lse_err << " nan "
+                                    << err.nan_count;
+      for (int b = 0; b < B; ++b)
+        if (lens[size_t(b)] == 0)
+          for (int64_t i = int64_t(b) * qlen * kHeads; i < int64_t(b + 1) * qlen * kHeads; ++i)
+            ASSERT_EQ(lse[size_t(i)], -INFINITY) << "padding request " << b;
+
+      // The conformance entry point on the same arrays: the same plan and kernels, the same
+      // bits. Once per step (it runs every rank again), on the layer written last.
+      if (l != kLayers - 1) continue;
+      AttentionOptions o;
+      o.mode = c.mode;
+      o.world_size = N;
+      o.interleave = c.interleave;
+      o.block_size = c.block_size;
+      o.kv_dtype = c.dtype;
+      o.kv_scale = scale;
+      o.route = c.route;
+      o.min_segment_tokens = kMinSegment;
+      o.seed = rng();
+      const auto conf = mla_attention(q, kv[size_t(l)], lens, B, qlen, kHeads, s.max_len, kDim, o);
+      EXPECT_EQ(conf.routes[0], route);
+      EXPECT_TRUE(std::equal(got.begin(), got.end(), conf.out.begin())) << "out differs from mla_attention's";
+      EXPECT_TRUE(std::equal(lse.begin(), lse.end(), conf.lse.begin())) << "lse differs from mla_attention's";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, Engine, ::testing::ValuesIn(covering_cases()),
+                         [](const auto& info) { return name(info.param); });
+
+// "field 'name' = value" as every refusal starts (dcpmla/error.h).
+std::string field(std::string_view name, std::string_view value) { return fmt::format("'{}' = {}", name, value); }
+
+#define EXPECT_REFUSED(call, needle)                                 \
+  do {                                                               \
+    const std::string message = testing::error_of([&] { call; });   \
+    EXPECT_NE(message.find(needle), std::string::npos)               \
+        << #call << ": expected an error naming " << (needle)        \
+        << (message.empty() ? ", got none" : ", got: " + message);   \
+  } while (0)
+
+// A valid rank-0-of-2 engine (fp8_e4m3, block 16) and a batch that plans on it; each refusal
+// spoils one input. Request 0 (40 tokens, 20 on rank 0) uses blocks 5 and 2, request 1 (3
+// tokens, 2 on rank 0) block 7: the cache must hold blocks 0..7.
+struct Refusals : ::testing::Test {
+  AttentionConfig config = [] {
+    AttentionConfig a;
+    a.heads = 4;
+    a.kv_dtype = KvDtype::fp8_e4m3;
+    a.block_size = 16;
+    a.layout = Layout{2, 0, 1};
+    a.limits = PlanLimits{2, 4, 32};
+    return a;
+  }();
+  std::vector<int32_t> lens{40, 3}, tables{5, 2, 7, 0};
+  BatchDesc batch{lens, 2, tables, 2, Mode::verify};
+  PagedCache cache{CacheConfig{8, 16, kDim, KvDtype::fp8_e4m3, 0.05f}};
+  std::vector<bf16> q = to_bf16(testing::random_normal(2 * 2 * 4 * kDim, 5));
+  std::vector<bf16> out = std::vector<bf16>(2 * 2 * 4 * kRankDim, float_to_bf16(7.0f));
+  std::vector<float> lse = std::vector<float>(2 * 2 * 4, 7.0f);
+
+  void run(Attention& att, const KvCache& kv, const KvScale& scale) {
+    att.run(q.data(), kv, scale, out.data(), lse.data());
+  }
+  // A refused run wrote nothing.
+  bool untouched() const {
+    return std::all_of(lse.begin(), lse.end(), [](float v) { return v == 7.0f; }) &&
+           std::all_of(out.begin(), out.end(), [](bf16 v) { return bf16_to_float(v) == 7.0f; });
+  }
+};
+
+TEST_F(Refusals, BadCacheBeforeAnythingRuns) {
+  Attention att(config);
+  EXPECT_REFUSED(run(att, cache.view(), KvScale{0.05f}), field("plan", "none"));
+  att.plan(batch);
+  KvCache kv = cache.view();
+  kv.data = nullptr;
+  EXPECT_REFUSED(run(att, kv, KvScale{0.05f}), field("kv_cache", "null"));
+  kv.data = cache.data() + 1;
+  EXPECT_REFUSED(run(att, kv, KvScale{0.05f}), fmt::format("'kv_cache' = address {}", kv.data));
+  kv = cache.view();
+  kv.dtype = KvDtype::fp8_e5m2;
+  EXPECT_REFUSED(run(att, kv, KvScale{0.05f}), field("kv_cache dtype", "fp8_e5m2"));
+  kv = cache.view();
+  kv.block_size = 32;
+  kv.num_blocks = 4;
+  EXPECT_REFUSED(run(att, kv, KvScale{0.05f}), field("kv_cache block_size", "32"));
+  kv = cache.view();
+  kv.num_blocks = 7;  // block 7 is named by request 1's table
+  EXPECT_REFUSED(run(att, kv, KvScale{0.05f}), field("kv_cache num_blocks", "7"));
+  EXPECT_TRUE(untouched());
+  cache.poison();
+  run(att, cache.view(), KvScale{0.05f});  // 8 blocks hold block 7: runs (NaN: nothing written)
+  EXPECT_FALSE(untouched());
+}
+
+TEST_F(Refusals, BadScales) {
+  Attention att(config);
+  att.plan(batch);
+  const float denormal = 1e-40f;
+  for (float bad : {0.0f, -1.0f, NAN, INFINITY, denormal})
+    EXPECT_REFUSED(run(att, cache.view(), KvScale{bad}), field("kv_scale", fmt::format("{}", double(bad))));
+  const float device_scale = 0.05f;
+  EXPECT_REFUSED(run(att, cache.view(), KvScale{0.05f, &device_scale}), field("kv_scale", "a device pointer"));
+  EXPECT_TRUE(untouched());
+  for (float bad : {0.0f, -1.0f, NAN, INFINITY, denormal}) {
+    AttentionConfig c = config;
+    c.softmax_scale = bad;
+    EXPECT_REFUSED(Attention{c}, field("softmax_scale", fmt::format("{}", double(bad))));
+  }
+}
+
+TEST_F(Refusals, BatchBeyondTheCaptureLimitsLeavesThePlan) {
+  Attention att(config);
+  att.plan(batch);
+  const std::vector<int32_t> three{40, 3, 3}, three_tables(6, 0), long_len{70, 3};
+  EXPECT_REFUSED(att.plan(BatchDesc{three, 2, three_tables, 2, Mode::verify}), field("batch", "3"));
+  EXPECT_REFUSED(att.plan(BatchDesc{lens, 5, tables, 2, Mode::verify}), field("qlen", "5"));
+  // 70 tokens put 35 on rank 0, beyond max_local_kv_len 32.
+  EXPECT_REFUSED(att.plan(BatchDesc{long_len, 2, tables, 2, Mode::verify}), field("seq_lens[0]", "70"));
+  EXPECT_EQ(att.current_plan().header().batch, 2);
+  EXPECT_EQ(att.current_plan().header().qlen, 2);
+  run(att, cache.view(), KvScale{0.05f});  // the step's plan still runs
+  EXPECT_FALSE(untouched());
+}
+
+TEST_F(Refusals, TwoStageIsVerifyOnly) {
+  config.route = Route::two_stage;
+  Attention att(config);
+  const std::vector<int32_t> decode_lens{40, 3};
+  EXPECT_REFUSED(att.plan(BatchDesc{decode_lens, 1, tables, 2, Mode::decode}), field("route", "two_stage"));
+  EXPECT_REFUSED(run(att, cache.view(), KvScale{0.05f}), field("plan", "none"));
+  att.plan(batch);  // verify is served
+  EXPECT_EQ(att.current_plan().route(), Route::two_stage);
+}
+
+// write_kv into engine-owned memory (a plain byte vector): PAD slots are skipped, the stored
+// bytes are encode_latent's, and they read back as the contract's rounding (SPEC §3).
+class WriteKv : public ::testing::TestWithParam<KvDtype> {};
+
+TEST_P(WriteKv, StoresEncodedLatentsAndSkipsPad) {
+  const KvDtype d = GetParam();
+  const float scale = d == KvDtype::bf16 ? 1.0f : 0.05f;
+  const int dim = 64;
+  std::vector<uint8_t> memory(size_t(3 * 4 * dim * bytes_per_value(d)));
+  std::mt19937_64 rng(9);
+  for (auto& byte : memory) byte = uint8_t(rng());
+  const KvCache cache{memory.data(), 3, 4, dim, d};
+  const auto x = testing::random_normal(3 * size_t(dim), 11);
+  const auto latents = to_bf16(x);
+  const std::vector<int64_t> slots{7, kPadSlot, 2};
+  std::vector<uint8_t> expected = memory;
+  encode_latent(latents.data(), dim, d, scale, expected.data() + 7 * cache.row_bytes());
+  encode_latent(latents.data() + 2 * dim, dim, d, scale, expected.data() + 2 * cache.row_bytes());
+  write_kv(cache, latents.data(), slots.data(), 3, scale);
+  EXPECT_EQ(memory, expected);
+  for (int j = 0; j < dim; ++j) {
+    const uint8_t* stored = memory.data() + 7 * cache.row_bytes() + j * bytes_per_value(d);
+    bf16 h;
+    std::memcpy(&h, stored, sizeof h);
+    const float read = d == KvDtype::bf16 ? bf16_to_float(h) : fp8_to_float(*stored, d) * scale;
+    EXPECT_EQ(read, quantize_roundtrip(x[size_t(j)], d, scale)) << "value " << j;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, WriteKv, ::testing::Values(KvDtype::bf16, KvDtype::fp8_e4m3, KvDtype::fp8_e5m2),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
+
+TEST(WriteKvRefusals, BadSlotOrScaleWritesNothing) {
+  std::vector<uint8_t> memory(size_t(3 * 4 * 64));
+  std::iota(memory.begin(), memory.end(), uint8_t(1));
+  const std::vector<uint8_t> before = memory;
+  const KvCache cache{memory.data(), 3, 4, 64, KvDtype::fp8_e5m2};
+  const auto latents = to_bf16(testing::random_normal(2 * 64, 3));
+  const std::vector<int64_t> past_end{0, 12}, below_pad{0, -2}, good{0, 1};
+  EXPECT_REFUSED(write_kv(cache, latents.data(), past_end.data(), 2, 0.05f), field("slot_mapping[1]", "12"));
+  EXPECT_REFUSED(write_kv(cache, latents.data(), below_pad.data(), 2, 0.05f), field("slot_mapping[1]", "-2"));
+  EXPECT_REFUSED(write_kv(cache, latents.data(), good.data(), 2, 0.0f), field("kv_scale", "0"));
+  KvCache null_cache = cache;
+  null_cache.data = nullptr;
+  EXPECT_REFUSED(write_kv(null_cache, latents.data(), good.data(), 2, 0.05f), field("kv_cache", "null"));
+  EXPECT_EQ(memory, before) << "a refused write changed the cache";
+  write_kv(cache, latents.data(), good.data(), 2, 0.05f);
+  EXPECT_NE(memory, before);
+}
+
+}  // namespace
+}  // namespace dcpmla
