@@ -15,7 +15,7 @@ INSTALL_PREFIX := $(abspath $(BUILD_DIR))/_install
 # build runs cmake with -j itself; the steps of `test` must run one after another.
 .NOTPARALLEL:
 
-.PHONY: all setup configure build test ctest pytest demo bench install-check sanitize fuzz fresh-check clean distclean
+.PHONY: all setup configure build test ctest pytest demo bench bench-plan install-check sanitize fuzz fresh-check clean distclean
 
 all: build
 
@@ -52,6 +52,13 @@ BENCH_JSON ?= bench/results/latest.json
 bench: build
 	@test -x $(BUILD_DIR)/bench/dcpmla_bench || { echo "make bench: the CUDA backend is not built (nvcc not found?)"; exit 1; }
 	./$(BUILD_DIR)/bench/dcpmla_bench --json $(BENCH_JSON)
+
+# Planner::plan per step on one core (CPU only; Google Benchmark): median of 10 repetitions
+# per shape, targets in docs/perf.md. BENCH_PLAN_JSON=path also writes the run as JSON.
+BENCH_PLAN_JSON ?=
+bench-plan: configure
+	cmake --build $(BUILD_DIR) --target dcpmla_plan_bench -j$(JOBS)
+	./$(BUILD_DIR)/bench/dcpmla_plan_bench $(if $(BENCH_PLAN_JSON),--benchmark_out=$(BENCH_PLAN_JSON) --benchmark_out_format=json)
 
 # Install into a scratch prefix and build a separate project against it with
 # find_package(dcpmla): proves the exported targets and dependencies are complete.
