@@ -239,22 +239,16 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, cublasHandle_
     max_local = std::max(max_local, largest);
     total_blocks += (largest + block - 1) / block;
   }
-  PlannerConfig c;
-  c.backend = Backend::cuda;
-  c.mode = mode;
+  AttentionConfig c;
   c.kv_dtype = s.dtype;
   c.heads = s.heads;
   c.layout = layout;
   c.block_size = block;
-  c.num_blocks = total_blocks;
   c.limits = PlanLimits{s.batch, s.qlen, max_local};
-  int dev = 0, sms = 0;
-  ck(cudaGetDevice(&dev), "dev");
-  ck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "sms");
-  c.num_workers = sms;
   const float kv_scale = s.dtype == KvDtype::bf16 ? 1.0f : 0.5f;
   const float sm_scale = 1.0f / std::sqrt(576.0f);
-  CudaRankRunner runner(c, kv_scale, sm_scale);
+  cuda::Attention runner(c);
+  const int sms = runner.num_sms();
 
   // Random (not identity) block tables.
   int width = 0;
@@ -269,15 +263,15 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, cublasHandle_
   std::vector<int32_t> tables(size_t(s.batch) * width, 0);
   for (int b = 0, next = 0; b < s.batch; ++b)
     for (int j = 0; j < needed[size_t(b)]; ++j) tables[size_t(b) * width + j] = ids[size_t(next++)];
-  runner.plan(BatchDesc{s.lens, s.qlen, tables, width}, nullptr);
+  runner.plan(BatchDesc{s.lens, s.qlen, tables, width, mode}, nullptr);
   row.route = std::string(to_string(runner.current_plan().route()));
   row.work_items = runner.current_plan().header().work_count;
 
   // KV caches rotated: at least 2 copies and 1 GiB in all (the L2 is 60 MB).
-  const size_t cache_bytes = size_t(runner.cache_config().bytes());
+  const size_t cache_bytes = size_t(total_blocks) * block * 576 * bytes_per_value(s.dtype);
   const int copies = int(std::clamp<size_t>((size_t(1) << 30) / std::max<size_t>(cache_bytes, 1) + 1, 2, 6));
-  std::vector<uint8_t*> caches{runner.cache()};
-  for (int k = 1; k < copies; ++k) {
+  std::vector<uint8_t*> caches;
+  for (int k = 0; k < copies; ++k) {
     uint8_t* p;
     ck(cudaMalloc(&p, cache_bytes), "malloc cache copy");
     caches.push_back(p);
@@ -295,7 +289,8 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, cublasHandle_
   ck(cudaMalloc(&lse_base, rows * 4), "malloc lse");
   fill_bf16<<<1024, 256>>>(q, rows * 576, 7);
 
-  AttentionParams p = runner.params(reinterpret_cast<const bf16*>(q), out, lse);
+  const KvCache view{caches[0], total_blocks, block, 576, s.dtype};
+  AttentionParams p = runner.params(reinterpret_cast<const bf16*>(q), view, KvScale{kv_scale}, out, lse);
   for (int i = 0; i < 3; ++i) {
     p.kv = caches[size_t(i % copies)];
     cuda::attention(p, nullptr, sms);
@@ -394,7 +389,7 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, cublasHandle_
     const float one = 1.0f, zero = 0.0f;
     auto base = [&](int i) {
       const uint8_t* kv = caches[size_t(i % copies)];
-      gather_kernel<<<dim3(1024, s.batch), 192>>>(kv, s.dtype, kv_scale, p.plan.subpage_table, p.plan.table_stride,
+      gather_kernel<<<dim3(1024, s.batch), 192>>>(kv, s.dtype, kv_scale, p.plan.subpage_table, plan.header().table_stride,
                                                  block, d_longest, Lpad, dense);
       // S^T (Lpad x qh, col-major) = K (op T of 576 x Lpad) * Q^T (576 x qh)
       ckb(cublasGemmStridedBatchedEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, Lpad, qh, 576, &one, dense, CUDA_R_16BF, 576,
@@ -439,7 +434,7 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, cublasHandle_
     cudaFree(d_longest);
     cudaFree(d_rowlen);
   }
-  for (int k = 1; k < copies; ++k) cudaFree(caches[size_t(k)]);
+  for (int k = 0; k < copies; ++k) cudaFree(caches[size_t(k)]);
   cudaFree(q);
   cudaFree(out);
   cudaFree(out_base);

@@ -55,7 +55,9 @@ add_library(dcpmla_cuda STATIC
   src/cuda/attention/launch.cu
   ${_dcpmla_attention_variants}
   src/cuda/merge/merge.cu
-  src/cuda/write/write_kv.cu)
+  src/cuda/merge/merge.cpp
+  src/cuda/write/write_kv.cu
+  src/cuda/write/write.cpp)
 add_library(dcpmla::dcpmla_cuda ALIAS dcpmla_cuda)
 set_target_properties(dcpmla_cuda PROPERTIES
   CUDA_ARCHITECTURES OFF

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <stdexcept>
 
@@ -13,6 +14,7 @@
 
 #include "dcpmla/attention.h"
 #include "dcpmla/cache.h"
+#include "dcpmla/engine.h"
 #include "dcpmla/plan.h"
 #include "dcpmla/runner.h"
 
@@ -63,11 +65,22 @@ struct AttentionVariant {
 };
 AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const AttentionTuning& tuning = {});
 
-// KV write (SPEC §3): latents bf16 [n, dim] -> cache slots[n]; kPadSlot (-1) is skipped,
-// and so is any slot outside [0, cache.num_slots()) (never an out-of-bounds write; the
-// runner validates slots on the host first). fp8: stored = rne(sat(x / scale)).
-void write_kv(const bf16* latents, const int64_t* slots, int64_t n, const CacheConfig& cache,
-              uint8_t* cache_data, cudaStream_t stream);
+// KV write (SPEC §3) on the device, capturable: latents bf16 [n, D] -> cache slots[n] (device
+// int64, rank-local); kPadSlot (-1) is skipped. A slot outside [0, cache.num_slots()) is never
+// written: it is skipped and, where `errors` is given, counted there (a device int, added to
+// atomically), since a device mapping cannot be checked on the host without a sync.
+// fp8: stored = rne(sat(x / scale)), with the scale read on the device when scale.device is set.
+void write_kv(const KvCache& cache, const bf16* latents, const int64_t* slots, int64_t n, const KvScale& scale,
+              cudaStream_t stream, int* errors = nullptr);
+
+// The DCP slot mapping on the device (SPEC §3), capturable: slots[k] for global position
+// positions[k] of request requests[k], from the shared block tables [batch, table_width]
+// (device int32): the rank-local slot where `layout` owns the position, else kPadSlot. A
+// position past the table or a block id outside [0, num_blocks) gives kPadSlot and, where
+// `errors` is given, counts there. (layout.h's slot_of is the host version.)
+void slot_mapping(const int64_t* positions, const int32_t* requests, int64_t n, const int32_t* block_tables,
+                  int batch, int table_width, int block_size, int64_t num_blocks, const Layout& layout,
+                  int64_t* slots, cudaStream_t stream, int* errors = nullptr);
 
 // merge_state / combine_partials of merge.h on device pointers (natural-log lse).
 void merge_state(const bf16* o_a, const float* lse_a, const bf16* o_b, const float* lse_b, bf16* o,
@@ -75,77 +88,60 @@ void merge_state(const bf16* o_a, const float* lse_a, const bf16* o_b, const flo
 void combine_partials(const bf16* o_parts, const float* lse_parts, int n, bf16* o, float* lse,
                       int64_t rows, int width, cudaStream_t stream);
 
-// Engines for the conformance path: mla_attention(..., cuda::rank_engine_factory()) runs
-// every rank's write, plan and attention on this device (host buffers in and out; each
-// call synchronises its own stream). The cross-rank merge and two_stage's stage B stay
-// on the host, as the driver does them for every backend.
+// The engine API on the GPU (SPEC §6; engine.h is the CPU form): plan once per step, run once
+// per layer with that layer's engine-owned cache. The library owns the plan (two pinned host
+// copies and one device copy) and the split-K workspace, or takes the workspace from the
+// caller (workspace_bytes, for engines that account every byte of GPU memory).
+//  - plan(): host work; the planner writes into the pinned copy not in flight and an
+//    asynchronous copy of the bytes the step uses goes to the device plan on `stream`, so
+//    planning step k+1 overlaps step k's GPU work. It waits on the host only for the copy
+//    two plans back. The run stream must be `stream` or ordered after it.
+//  - run(): validation on host scalars, then launches; no allocation, no synchronisation, no
+//    host read of device memory: capturable in a CUDA graph, and a replay after a new plan()
+//    computes the new batch.
+class Attention {
+ public:
+  // device < 0: the current device. Allocates the workspace.
+  explicit Attention(const AttentionConfig& config, int device = -1);
+  // The caller's workspace: `bytes` >= workspace_bytes(config) of device memory, 256-byte aligned,
+  // kept alive as long as this object.
+  Attention(const AttentionConfig& config, void* workspace, size_t bytes, int device = -1);
+  ~Attention();
+  Attention(const Attention&) = delete;
+  Attention& operator=(const Attention&) = delete;
+
+  static size_t workspace_bytes(const AttentionConfig& config, int device = -1);
+
+  const Planner& planner() const;
+  const Plan& current_plan() const;  // the host copy of the last plan
+  float softmax_scale() const;
+  int device() const;
+  int num_sms() const;
+
+  void plan(const BatchDesc& batch, cudaStream_t stream);
+  // q [B, qlen, H, D] -> out [B, qlen, H, R], lse [B, qlen, H] natural log (device pointers):
+  // this rank's partial; rows whose rank-local window is empty give out 0, lse -inf.
+  void run(const bf16* q, const KvCache& cache, const KvScale& scale, bf16* out, float* lse, cudaStream_t stream);
+
+  // The parameters run() launches with (tests and the bench).
+  AttentionParams params(const bf16* q, const KvCache& cache, const KvScale& scale, bf16* out, float* lse) const;
+  // Kernel variant for later run() calls (validated; opts the variant into its shared memory
+  // at once, so a graph may be captured right after).
+  void set_tuning(const AttentionTuning& tuning);
+  const AttentionTuning& tuning() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Ranks for the conformance path: mla_attention(..., cuda::rank_engine_factory()) runs every
+// rank's write (device slot mapping + write_kv), plan and attention on this device with a
+// device cache per rank (host buffers in and out; each call synchronises its own stream). The
+// cross-rank merge and two_stage's stage B stay on the host, as the driver does them for
+// every backend.
 RankEngineFactory rank_engine_factory(int device = 0);
 
 }  // namespace cuda
-
-// One rank on the GPU, mirroring RankRunner: a device cache, the plan's arena copied to a
-// device buffer at a stable address, and a preallocated split-K workspace.
-class CudaRankRunner {
- public:
-  // config.backend must be cuda (the planner then checks what the CUDA kernels serve).
-  CudaRankRunner(const PlannerConfig& config, float kv_scale, float softmax_scale, int device = 0);
-  ~CudaRankRunner();
-  CudaRankRunner(const CudaRankRunner&) = delete;
-  CudaRankRunner& operator=(const CudaRankRunner&) = delete;
-
-  const Planner& planner() const { return planner_; }
-  const Plan& current_plan() const { return plan_; }  // the host copy of the last plan
-  const CacheConfig& cache_config() const { return cache_config_; }
-  uint8_t* cache() const { return cache_; }           // device [num_blocks, block_size, D]
-  const int32_t* device_plan() const { return plan_dev_; }
-
-  // Copies a host image of the cache (e.g. a PagedCache's bytes) to the device.
-  void upload_cache(std::span<const uint8_t> bytes, cudaStream_t stream);
-  // Write path: latents (device, bf16 [n, D]) of global positions[n] of requests[n] (host);
-  // slots are computed and checked on the host like RankRunner::write, then written by
-  // the KV write kernel. Tokens this rank does not own get the PAD slot.
-  void write(const bf16* latents, std::span<const int64_t> positions, std::span<const int32_t> requests,
-             const BatchDesc& batch, cudaStream_t stream);
-
-  // Planner::plan (validates the batch), then an asynchronous copy of the plan to its
-  // device buffer from pinned memory, ordered before later work on `stream`.
-  void plan(const BatchDesc& batch, cudaStream_t stream);
-
-  // Attention with the current device plan: q [B, qlen, H, D], out [B, qlen, H, R],
-  // lse [B, qlen, H] natural log (device pointers). No allocation, no host sync.
-  void attend(const bf16* q, bf16* out, float* lse, cudaStream_t stream);
-
-  // The parameters attend() launches with (device pointers); tests and the bench swap kv.
-  AttentionParams params(const bf16* q, bf16* out, float* lse) const;
-  int num_sms() const { return num_sms_; }
-
-  // Kernel variant for later attend() calls (validated; opts the variant into its shared
-  // memory at once, so a graph may be captured right after).
-  void set_tuning(const cuda::AttentionTuning& tuning);
-  const cuda::AttentionTuning& tuning() const { return tuning_; }
-
- private:
-  Planner planner_;
-  CacheConfig cache_config_;
-  Plan plan_;
-  float kv_scale_;
-  float softmax_scale_;
-  int device_;
-  int num_sms_ = 0;
-  bool planned_ = false;
-  cuda::AttentionTuning tuning_;
-  uint8_t* cache_ = nullptr;
-  int32_t* plan_dev_ = nullptr;
-  float* workspace_ = nullptr;
-  int64_t workspace_floats_ = 0;
-  // Two pinned staging copies of the arena: a re-plan waits only for the upload two plans back.
-  int32_t* staging_[2] = {nullptr, nullptr};
-  cudaEvent_t staged_[2] = {nullptr, nullptr};
-  int next_staging_ = 0;
-  // Slot staging for write(), grown on demand.
-  int64_t* slots_host_ = nullptr;
-  int64_t* slots_dev_ = nullptr;
-  int64_t slots_capacity_ = 0;
-};
 
 }  // namespace dcpmla

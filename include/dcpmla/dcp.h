@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -39,20 +40,21 @@ std::string_view to_string(DcpMerge m);
 
 struct DcpConfig {
   int world_size = 0;  // 0: the communicator's; otherwise it must equal it
-  Mode mode = Mode::verify;
   KvDtype kv_dtype = KvDtype::bf16;
-  float kv_scale = 1.0f;
-  float softmax_scale = 0.0f;  // 0 -> D^-0.5
+  std::optional<float> softmax_scale;  // none: D^-0.5
   int heads_local = 16;        // H_local, 1..128
   int interleave = 1;
   int block_size = 64;
-  int64_t num_blocks = 0;      // this rank's cache blocks
   Route route = Route::automatic;
   PlanLimits limits;           // capture limits: rows = max_batch x max_qlen
   int min_segment_tokens = 256;
   DcpMerge merge = DcpMerge::reduce_scatter;
   DataType reduce_dtype = DataType::bf16;  // reduce_scatter's wire type: bf16 or f32
   cuda::AttentionTuning tuning;
+  // Debug: plan() checks that every rank was handed the same batch (a synchronised exchange
+  // over the communicator). Off on the serving path, where the engine's scheduler is the one
+  // source of the batch; on in the tests.
+  bool check_agreement = false;
 };
 
 // Bytes one rank sends per step in each collective, counting what must leave the rank
@@ -81,7 +83,7 @@ class DcpStep {
   DcpStep(const DcpStep&) = delete;
   DcpStep& operator=(const DcpStep&) = delete;
 
-  CudaRankRunner& runner() { return *runner_; }
+  cuda::Attention& attention() { return *attention_; }
   const DcpConfig& config() const { return config_; }
   int world_size() const { return world_; }
   int rank() const { return rank_; }
@@ -90,13 +92,15 @@ class DcpStep {
   int groups() const { return groups_; }
   int64_t row_capacity() const { return rows_; }  // max_batch x max_qlen
 
-  // Host, once per step and never inside a capture: all ranks agree on the batch
-  // (check_ranks_agree: the same shape, lengths and tables everywhere, else dcpmla::Error
-  // on every rank), the planner plans, and the plan, the new tokens' slots and the lengths
-  // are uploaded (stream-ordered) to buffers at stable addresses.
+  // Host, once per step (for every layer) and never inside a capture: the planner plans, and
+  // the plan, the new tokens' slots and the lengths are uploaded (stream-ordered, from
+  // double-buffered pinned staging) to buffers at stable addresses. With check_agreement,
+  // all ranks first agree on the batch (the same shape, lengths and tables everywhere, else
+  // dcpmla::Error on every rank).
   void plan(const BatchDesc& batch);
 
-  // Enqueues the step on the communicator's stream. Device pointers, rows laid out as
+  // Enqueues one layer of the step on the communicator's stream, over that layer's
+  // engine-owned cache (this rank's shard) and scale. Device pointers, rows laid out as
   // [B, qlen] of the current batch in the first B x qlen of row_capacity() rows:
   //   q_local     [rows, H_local, D]  this rank's query heads
   //   new_latents [rows, D]           latents of positions L_b - qlen + t (the new tokens;
@@ -106,25 +110,27 @@ class DcpStep {
   //   out         [rows, H_local, R]  merged output of this rank's heads
   //   lse         [rows, H_local]     natural log
   // Rows past the batch hold unspecified values.
-  void run(const bf16* q_local, const bf16* new_latents, bf16* out, float* lse);
+  void run(const bf16* q_local, const bf16* new_latents, const KvCache& cache, const KvScale& scale, bf16* out,
+           float* lse);
 
  private:
   void enqueue_merge(bf16* out, float* lse);
-  void allocate(int64_t total, const int64_t* sizes);
+  void carve(int64_t total, const int64_t* sizes);
+  void warm_up();
   void agree_on_config();
-  void release();
 
   DcpConfig config_;
   DeviceCommunicator& comm_;
   int world_, rank_, hl_, hg_, rg_, groups_;
   int64_t rows_;
   float softmax_scale_;
-  std::unique_ptr<CudaRankRunner> runner_;
+  std::unique_ptr<cuda::Attention> attention_;
   std::unique_ptr<HostStagedCommunicator> host_;  // agreement checks (persistent scratch)
   bool planned_ = false;
   Route route_ = Route::automatic;
-  // Device buffers (one allocation, carved).
-  void* arena_ = nullptr;
+  // Device buffers (one allocation, carved) and pinned staging, owned by RAII types.
+  struct Buffers;
+  std::unique_ptr<Buffers> buffers_;
   bf16* q_gathered_ = nullptr;  // [N][rows][Hl][D]
   bf16* q_grp_ = nullptr;       // [G][rows][Hg][D] (aliases q_gathered_ when rg == 1)
   bf16* o_grp_ = nullptr;       // [G][rows][Hg][R]
@@ -139,10 +145,7 @@ class DcpStep {
   float* lb_ = nullptr;
   int64_t* slots_dev_ = nullptr;    // [rows]
   int32_t* lens_dev_ = nullptr;     // [max_batch]
-  // Pinned staging for slots and lengths; the upload's event guards its reuse.
-  int64_t* slots_host_ = nullptr;
-  int32_t* lens_host_ = nullptr;
-  cudaEvent_t staged_ = nullptr;
+  int next_staging_ = 0;
 };
 
 namespace cuda {

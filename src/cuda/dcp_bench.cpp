@@ -78,25 +78,21 @@ std::vector<DcpBenchRow> run_dcp_bench(const DcpBenchOptions& o) {
         row.local_tokens = local;
         const int block = 64;
         const int64_t per_req = (local + block - 1) / block, num_blocks = per_req * o.batch;
-        PlannerConfig pc;
-        pc.backend = Backend::cuda;
-        pc.mode = qlen == 1 ? Mode::decode : Mode::verify;
-        pc.heads = hg;
-        pc.layout = layout;
-        pc.block_size = block;
-        pc.num_blocks = num_blocks;
-        pc.limits = PlanLimits{o.batch, qlen, local};
-        CudaRankRunner runner(pc, 1.0f, 1.0f / std::sqrt(float(kDim)), o.device);
-        // Its setup runs on the legacy stream, which this non-blocking stream does not wait for.
-        check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(bench setup)");
-        cuda_detail::launch_fill_random(reinterpret_cast<bf16*>(runner.cache()),
-                                        runner.cache_config().bytes() / 2, 11 + uint64_t(N), 1.0f, stream);
+        AttentionConfig ac;
+        ac.heads = hg;
+        ac.layout = layout;
+        ac.block_size = block;
+        ac.limits = PlanLimits{o.batch, qlen, local};
+        Attention runner(ac, o.device);
+        Buffer cache(size_t(num_blocks) * block * kDim * 2);
+        const KvCache cache_view{cache.p, num_blocks, block, kDim, KvDtype::bf16};
+        cuda_detail::launch_fill_random(cache.as<bf16>(), num_blocks * block * kDim, 11 + uint64_t(N), 1.0f, stream);
         std::vector<int32_t> ids(static_cast<size_t>(num_blocks));
         std::iota(ids.begin(), ids.end(), 0);
         std::mt19937_64 rng(5);
         std::shuffle(ids.begin(), ids.end(), rng);
         const std::vector<int32_t> lens(size_t(o.batch), int32_t(o.context));
-        const BatchDesc desc{lens, qlen, ids, int(per_req)};
+        const BatchDesc desc{lens, qlen, ids, int(per_req), qlen == 1 ? Mode::decode : Mode::verify};
         runner.plan(desc, stream);
         row.route = std::string(to_string(runner.current_plan().route()));
 
@@ -105,8 +101,9 @@ std::vector<DcpBenchRow> run_dcp_bench(const DcpBenchOptions& o) {
         cuda_detail::launch_fill_random(q.as<bf16>(), cells_all * kDim, 7, 1.0f, stream);
         row.attention_us = time_us(stream, o.warmup, o.runs, [&] {
           for (int g = 0; g < G; ++g)
-            runner.attend(q.as<bf16>() + int64_t(g) * rows_n * hg * kDim, out.as<bf16>() + int64_t(g) * rows_n * hg * kRank,
-                          lse.as<float>() + int64_t(g) * rows_n * hg, stream);
+            runner.run(q.as<bf16>() + int64_t(g) * rows_n * hg * kDim, cache_view, KvScale{},
+                       out.as<bf16>() + int64_t(g) * rows_n * hg * kRank, lse.as<float>() + int64_t(g) * rows_n * hg,
+                       stream);
         });
         row.kv_bytes = double(o.batch) * double(local) * kDim * 2 * G;  // each launch reads the shard
         row.attention_tbps = row.kv_bytes / (row.attention_us * 1e-6) / 1e12;

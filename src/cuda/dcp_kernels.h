@@ -85,6 +85,7 @@ struct BlockParams {
   const int32_t* seq_lens;     // [max_batch]
   KvDtype dtype;
   float kv_scale, softmax_scale;
+  const float* kv_scale_dev;   // read on the device when set (overrides kv_scale)
   int heads, dim, width;
   int64_t row_capacity;
   bf16* out;                   // [rows][heads][R]

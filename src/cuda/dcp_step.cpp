@@ -13,6 +13,7 @@
 #include "dcpmla/error.h"
 #include "dcpmla/layout.h"
 #include "dcpmla/runner.h"
+#include "common/resources.h"
 #include "params.h"
 
 namespace dcpmla {
@@ -60,6 +61,14 @@ int dcp_ranks_per_group(int world_size, int heads_local) {
   return best;
 }
 
+// The step's device memory and pinned staging (slots and lengths, two copies so that
+// planning step k + 1 never waits for step k's upload).
+struct DcpStep::Buffers {
+  cuda_detail::DeviceBuffer device;
+  cuda_detail::PinnedBuffer slots_host[2], lens_host[2];
+  cuda_detail::Event staged[2];
+};
+
 DcpStep::DcpStep(const DcpConfig& config, DeviceCommunicator& comm)
     : config_(config), comm_(comm), world_(comm.world_size()), rank_(comm.rank()) {
   require(config.world_size == 0 || config.world_size == world_, "world_size", config.world_size,
@@ -75,22 +84,20 @@ DcpStep::DcpStep(const DcpConfig& config, DeviceCommunicator& comm)
   rg_ = dcp_ranks_per_group(world_, hl_);
   hg_ = rg_ * hl_;
   groups_ = world_ / rg_;
-  softmax_scale_ = config.softmax_scale == 0.0f ? 1.0f / std::sqrt(float(kDim)) : config.softmax_scale;
 
-  PlannerConfig pc;
-  pc.backend = Backend::cuda;
-  pc.mode = config.mode;
-  pc.kv_dtype = config.kv_dtype;
-  pc.heads = hg_;
-  pc.dims = LatentDims{kRank, kDim - kRank};
-  pc.layout = Layout{world_, rank_, config.interleave};
-  pc.block_size = config.block_size;
-  pc.num_blocks = config.num_blocks;
-  pc.route = config.route;
-  pc.limits = config.limits;
-  pc.min_segment_tokens = config.min_segment_tokens;
-  runner_ = std::make_unique<CudaRankRunner>(pc, config.kv_scale, softmax_scale_, comm.device());
-  runner_->set_tuning(config.tuning);
+  AttentionConfig ac;
+  ac.heads = hg_;
+  ac.kv_dtype = config.kv_dtype;
+  ac.block_size = config.block_size;
+  ac.layout = Layout{world_, rank_, config.interleave};
+  ac.limits = config.limits;
+  ac.softmax_scale = config.softmax_scale;
+  ac.route = config.route;
+  ac.min_segment_tokens = config.min_segment_tokens;
+  check(cudaSetDevice(comm.device()), "cudaSetDevice(DcpStep)");
+  attention_ = std::make_unique<cuda::Attention>(ac, comm.device());
+  attention_->set_tuning(config.tuning);
+  softmax_scale_ = attention_->softmax_scale();
   rows_ = int64_t(config.limits.max_batch) * config.limits.max_qlen;
 
   // One device allocation carved into the step's buffers (256-byte aligned pieces).
@@ -116,23 +123,24 @@ DcpStep::DcpStep(const DcpConfig& config, DeviceCommunicator& comm)
   };
   int64_t total = 0;
   for (int64_t s : sizes) total += align_up(s, 256);
-  check(cudaSetDevice(comm.device()), "cudaSetDevice(DcpStep)");
-  try {
-    allocate(total, sizes);
-    agree_on_config();
-  } catch (...) {
-    release();
-    throw;
-  }
+  carve(total, sizes);
+  host_ = std::make_unique<HostStagedCommunicator>(comm_, size_t(64) * 4 * size_t(world_ + 1));
+  warm_up();
+  agree_on_config();
 }
 
-void DcpStep::allocate(int64_t total, const int64_t* sizes) {
-  const DcpConfig& config = config_;
-  check(cudaMalloc(&arena_, size_t(total)), "cudaMalloc(DcpStep buffers)");
+void DcpStep::carve(int64_t total, const int64_t* sizes) {
+  buffers_ = std::make_unique<Buffers>();
+  Buffers& b = *buffers_;
+  b.device = cuda_detail::DeviceBuffer(size_t(total), "cudaMalloc(DcpStep buffers)");
+  for (int k = 0; k < 2; ++k) {
+    b.slots_host[k] = cuda_detail::PinnedBuffer(size_t(rows_) * 8, "cudaMallocHost(slot staging)");
+    b.lens_host[k] = cuda_detail::PinnedBuffer(size_t(config_.limits.max_batch) * 4, "cudaMallocHost(length staging)");
+    b.staged[k] = cuda_detail::Event("cudaEventCreate(DcpStep staging)");
+  }
   // Zeroed once: rows past a batch hold zeros (or an earlier batch's values), never junk.
-  cudaStream_t stream = comm_.stream();
-  check(cudaMemsetAsync(arena_, 0, size_t(total), stream), "cudaMemsetAsync(DcpStep buffers)");
-  uint8_t* at = static_cast<uint8_t*>(arena_);
+  check(cudaMemsetAsync(b.device.get(), 0, size_t(total), comm_.stream()), "cudaMemsetAsync(DcpStep buffers)");
+  uint8_t* at = b.device.as<uint8_t>();
   void* parts[13];
   for (int k = 0; k < 13; ++k) {
     parts[k] = sizes[k] ? at : nullptr;
@@ -151,99 +159,100 @@ void DcpStep::allocate(int64_t total, const int64_t* sizes) {
   lb_ = static_cast<float*>(parts[10]);
   slots_dev_ = static_cast<int64_t*>(parts[11]);
   lens_dev_ = static_cast<int32_t*>(parts[12]);
-  check(cudaMallocHost(&slots_host_, size_t(rows_) * 8), "cudaMallocHost(slot staging)");
-  check(cudaMallocHost(&lens_host_, size_t(config.limits.max_batch) * 4), "cudaMallocHost(length staging)");
-  check(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming), "cudaEventCreate(DcpStep staging)");
+}
 
-  host_ = std::make_unique<HostStagedCommunicator>(comm_, size_t(64) * 4 * size_t(world_ + 1));
-
-  // Before any collective: (1) CudaRankRunner zeroes its plan arena on the legacy stream,
-  // which a non-blocking stream does not wait for; (2) with CUDA's lazy module loading the
-  // first launch of a kernel may wait for the device to go idle, which never happens while
-  // a peer's barrier kernel spins for this rank. So finish all setup work and launch every
-  // kernel run() uses once, on empty work, now (no peer waits on this rank yet).
+void DcpStep::warm_up() {
+  // Before any collective: (1) setup work ran on the legacy stream, which a non-blocking
+  // stream does not wait for; (2) with CUDA's lazy module loading the first launch of a
+  // kernel may wait for the device to go idle, which never happens while a peer's barrier
+  // kernel spins for this rank. So finish all setup work and launch every kernel run() uses
+  // once, on empty work, now (no peer waits on this rank yet).
+  cudaStream_t stream = comm_.stream();
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(DcpStep setup)");
   cuda_detail::preload_dcp_kernels();
   check(cudaMemsetAsync(slots_dev_, 0xff, size_t(rows_) * 8, stream), "cudaMemsetAsync(slots)");  // all PAD
-  cuda::write_kv(ob_, slots_dev_, 1, runner_->cache_config(), runner_->cache(), stream);  // writes nothing
-  cuda::attention(runner_->params(q_grp_, o_grp_, lse_grp_), stream, runner_->num_sms(), true,
-                  runner_->tuning());  // the zeroed plan has no work
+  // A scratch "cache" of one block over the stage-B buffer: the write kernel skips every PAD
+  // slot and the zeroed plan has no work, so nothing is read or written.
+  const KvCache scratch{ob_, 1, 1, kDim, config_.kv_dtype};
+  cuda::write_kv(scratch, ob_, slots_dev_, 1, KvScale{}, stream);
+  cuda::attention(attention_->params(q_grp_, scratch, KvScale{}, o_grp_, lse_grp_), stream, attention_->num_sms(),
+                  true, attention_->tuning());
   cuda::merge_state(ob_, lb_, ob_, lb_, ob_, lb_, 1, kRank, stream);  // scratch row
   check(cudaStreamSynchronize(stream), "cudaStreamSynchronize(DcpStep warm-up)");
 }
 
 void DcpStep::agree_on_config() {
   // Ranks built differently would merge garbage or wait on each other: refuse on every rank.
+  // Once, at construction (a synchronised exchange).
   const DcpConfig& config = config_;
   const PlanLimits& l = config.limits;
-  const int32_t signature[] = {world_, hl_, config.interleave, config.block_size, lo32(config.num_blocks),
-                               hi32(config.num_blocks), int32_t(config.kv_dtype), int32_t(config.mode),
+  const int32_t signature[] = {world_, hl_, config.interleave, config.block_size, int32_t(config.kv_dtype),
                                int32_t(config.route), l.max_batch, l.max_qlen, lo32(l.max_local_kv_len),
                                hi32(l.max_local_kv_len), int32_t(config.merge), int32_t(config.reduce_dtype),
-                               config.min_segment_tokens, int32_t(std::bit_cast<uint32_t>(config.kv_scale)),
-                               int32_t(std::bit_cast<uint32_t>(softmax_scale_))};
+                               config.min_segment_tokens, int32_t(std::bit_cast<uint32_t>(softmax_scale_))};
   check_ranks_agree(*host_, signature,
-                    "DcpConfig (world_size, heads_local, interleave, block_size, num_blocks, kv_dtype, mode, route, "
-                    "limits, merge, reduce_dtype, min_segment_tokens, kv_scale, softmax_scale)");
+                    "DcpConfig (world_size, heads_local, interleave, block_size, kv_dtype, route, limits, merge, "
+                    "reduce_dtype, min_segment_tokens, softmax_scale)");
 }
 
-DcpStep::~DcpStep() { release(); }
-
-void DcpStep::release() {
+DcpStep::~DcpStep() {
+  // Work in flight may still use the buffers.
   cudaStreamSynchronize(comm_.stream());
-  host_.reset();
-  runner_.reset();
-  cudaFree(arena_);
-  cudaFreeHost(slots_host_);
-  cudaFreeHost(lens_host_);
-  if (staged_) cudaEventDestroy(staged_);
-  arena_ = nullptr;
-  slots_host_ = nullptr;
-  lens_host_ = nullptr;
-  staged_ = nullptr;
 }
 
 void DcpStep::plan(const BatchDesc& batch) {
   const int B = int(batch.seq_lens.size());
-  // Agree first (same shape, lengths and tables everywhere); then every rank's planner sees
-  // the same batch and accepts or refuses it alike (its checks use rank 0's share).
-  const int32_t signature[] = {B, batch.qlen, batch.table_width, int32_t(fnv1a(batch.seq_lens)),
-                               int32_t(fnv1a(batch.block_tables))};
-  check_ranks_agree(*host_, signature, "batch (B, qlen, table_width, seq_lens hash, block_tables hash)");
+  if (config_.check_agreement) {
+    // Same shape, lengths and tables everywhere; then every rank's planner sees the same
+    // batch and accepts or refuses it alike (its checks use rank 0's share).
+    const int32_t signature[] = {B, batch.qlen, batch.table_width, int32_t(batch.mode), int32_t(fnv1a(batch.seq_lens)),
+                                 int32_t(fnv1a(batch.block_tables))};
+    check_ranks_agree(*host_, signature, "batch (B, qlen, table_width, mode, seq_lens hash, block_tables hash)");
+  }
 
   cudaStream_t stream = comm_.stream();
-  runner_->plan(batch, stream);  // validates the batch first
-  route_ = runner_->current_plan().route();
+  attention_->plan(batch, stream);  // validates the batch first
+  route_ = attention_->current_plan().route();
 
-  const auto& c = runner_->planner().config();
-  check(cudaEventSynchronize(staged_), "cudaEventSynchronize(DcpStep staging)");
-  std::fill(slots_host_, slots_host_ + rows_, kPadSlot);
-  std::fill(lens_host_, lens_host_ + config_.limits.max_batch, 0);
+  // The new tokens' slots: the host mapping, O(batch x qlen), into the staging copy whose
+  // upload (two plans back) has finished.
+  const auto& c = attention_->planner().config();
+  Buffers& bufs = *buffers_;
+  const int k = next_staging_;
+  check(cudaEventSynchronize(bufs.staged[k].get()), "cudaEventSynchronize(DcpStep staging)");
+  auto* slots = bufs.slots_host[k].as<int64_t>();
+  auto* lens = bufs.lens_host[k].as<int32_t>();
+  std::fill(slots, slots + rows_, kPadSlot);
+  std::fill(lens, lens + config_.limits.max_batch, 0);
   const int qlen = batch.qlen;
+  // Block ids were checked by the planner; the cache's size is checked against them at run().
+  const int64_t num_blocks = attention_->current_plan().stats().max_block + 1;
   for (int b = 0; b < B; ++b) {
     const int32_t L = batch.seq_lens[size_t(b)];
-    lens_host_[b] = L;
+    lens[b] = L;
     if (L == 0) continue;
     const auto table = batch.block_tables.subspan(size_t(b) * size_t(batch.table_width), size_t(batch.table_width));
     for (int t = 0; t < qlen; ++t)
-      slots_host_[int64_t(b) * qlen + t] = slot_of(int64_t(L) - qlen + t, table, c.block_size, c.num_blocks, c.layout);
+      slots[int64_t(b) * qlen + t] = slot_of(int64_t(L) - qlen + t, table, c.block_size, num_blocks, c.layout);
   }
-  check(cudaMemcpyAsync(slots_dev_, slots_host_, size_t(rows_) * 8, cudaMemcpyHostToDevice, stream),
+  check(cudaMemcpyAsync(slots_dev_, slots, size_t(rows_) * 8, cudaMemcpyHostToDevice, stream),
         "cudaMemcpyAsync(slots)");
-  check(cudaMemcpyAsync(lens_dev_, lens_host_, size_t(config_.limits.max_batch) * 4, cudaMemcpyHostToDevice, stream),
+  check(cudaMemcpyAsync(lens_dev_, lens, size_t(config_.limits.max_batch) * 4, cudaMemcpyHostToDevice, stream),
         "cudaMemcpyAsync(seq_lens)");
-  check(cudaEventRecord(staged_, stream), "cudaEventRecord(DcpStep staging)");
+  check(cudaEventRecord(bufs.staged[k].get(), stream), "cudaEventRecord(DcpStep staging)");
+  next_staging_ = 1 - k;
   planned_ = true;
 }
 
-void DcpStep::run(const bf16* q_local, const bf16* new_latents, bf16* out, float* lse) {
+void DcpStep::run(const bf16* q_local, const bf16* new_latents, const KvCache& cache, const KvScale& scale,
+                  bf16* out, float* lse) {
   require(planned_, "plan", "none", "a plan: call plan(batch) before run()");
   require(q_local != nullptr && out != nullptr && lse != nullptr, "q_local/out/lse", "null", "device pointers");
   require(new_latents != nullptr || route_ != Route::two_stage, "new_latents", "null",
           "the verify block's latents (two_stage's stage B reads them)");
+  validate_run(attention_->planner().config(), attention_->current_plan(), cache, scale);
   cudaStream_t stream = comm_.stream();
-  const CacheConfig& cache = runner_->cache_config();
-  if (new_latents) cuda::write_kv(new_latents, slots_dev_, rows_, cache, runner_->cache(), stream);
+  if (new_latents) cuda::write_kv(cache, new_latents, slots_dev_, rows_, scale, stream);
 
   // q over heads: [N][rows][Hl][D] -> [G][rows][Hg][D] (one 2-D copy per rank; none when
   // every group is one rank, where the layouts coincide).
@@ -263,7 +272,7 @@ void DcpStep::run(const bf16* q_local, const bf16* new_latents, bf16* out, float
     cuda_detail::launch_copy_2d(c, stream);
   }
   for (int g = 0; g < groups_; ++g)
-    runner_->attend(q_grp_ + int64_t(g) * rows_ * hg_ * kDim, o_grp_ + int64_t(g) * rows_ * hg_ * kRank,
+    attention_->run(q_grp_ + int64_t(g) * rows_ * hg_ * kDim, cache, scale, o_grp_ + int64_t(g) * rows_ * hg_ * kRank,
                     lse_grp_ + int64_t(g) * rows_ * hg_, stream);
 
   enqueue_merge(out, lse);
@@ -272,12 +281,13 @@ void DcpStep::run(const bf16* q_local, const bf16* new_latents, bf16* out, float
     // Balanced two_stage: the prefix is merged across ranks; each rank now attends the
     // verify block for the heads it keeps and merges it in.
     cuda_detail::BlockParams b{};
-    b.plan_header = runner_->device_plan();
+    b.plan_header = reinterpret_cast<const int32_t*>(attention_->params(nullptr, cache, scale, nullptr, nullptr).plan.header);
     b.q = q_local;
     b.block = new_latents;
     b.seq_lens = lens_dev_;
     b.dtype = config_.kv_dtype;
-    b.kv_scale = config_.kv_scale;
+    b.kv_scale = scale.value;
+    b.kv_scale_dev = scale.device;
     b.softmax_scale = softmax_scale_;
     b.heads = hl_;
     b.dim = kDim;

@@ -1,108 +1,120 @@
-// The CUDA RankEngine: the conformance driver's per-rank steps (poison, write, plan,
-// attend) on the GPU, with host buffers in and out.
+// The CUDA rank of the conformance path: a device cache it owns (as an engine would), the
+// device slot mapping and write path, and cuda::Attention, with host buffers in and out.
 #include <cuda_runtime.h>
 
 #include <memory>
 
 #include "dcpmla/cuda.h"
 #include "dcpmla/error.h"
+#include "common/resources.h"
 #include "params.h"
 
 namespace dcpmla::cuda {
 namespace {
 
-using cuda_detail::check;
+using namespace cuda_detail;
 
 // A device buffer that grows on demand (contents are not kept across growth).
-template <class T>
 class Scratch {
  public:
-  ~Scratch() { cudaFree(ptr_); }
-  T* get(size_t n) {
-    if (n > n_) {
-      cudaFree(ptr_);
-      ptr_ = nullptr;
-      n_ = 0;
-      check(cudaMalloc(&ptr_, std::max<size_t>(n, 1) * sizeof(T)), "cudaMalloc(engine scratch)");
-      n_ = n;
-    }
-    return ptr_;
+  template <class T>
+  T* get(size_t n, const char* what) {
+    if (n * sizeof(T) > buffer_.bytes()) buffer_ = DeviceBuffer(n * sizeof(T), what);
+    return buffer_.as<T>();
   }
 
  private:
-  T* ptr_ = nullptr;
-  size_t n_ = 0;
+  DeviceBuffer buffer_;
 };
 
-PlannerConfig on_cuda(PlannerConfig c) {
-  c.backend = Backend::cuda;
-  return c;
-}
-
-class CudaRankEngine final : public RankEngine {
+class CudaRank final : public RankEngine {
  public:
-  CudaRankEngine(const PlannerConfig& config, float kv_scale, float softmax_scale, int device)
-      : runner_(on_cuda(config), kv_scale, softmax_scale, device) {
-    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate(engine)");
-  }
-  ~CudaRankEngine() override {
-    if (stream_) {
-      cudaStreamSynchronize(stream_);
-      cudaStreamDestroy(stream_);
-    }
+  CudaRank(const AttentionConfig& config, const CacheConfig& cache, int device)
+      : device_((check(cudaSetDevice(device), "cudaSetDevice"), device)),
+        cache_config_((cache.validate(), cache)),
+        cache_(size_t(cache.bytes()), "cudaMalloc(rank cache)"),
+        stream_("cudaStreamCreate(rank)"),
+        attention_(config, device) {}
+
+  KvCache view() const {
+    return KvCache{cache_.get(), cache_config_.num_blocks, cache_config_.block_size, cache_config_.dim,
+                   cache_config_.dtype};
   }
 
   // 0xff bytes are NaN in bf16, e4m3 and e5m2 alike.
   void poison() override {
-    check(cudaMemsetAsync(runner_.cache(), 0xff, size_t(runner_.cache_config().bytes()), stream_),
-          "cudaMemsetAsync(cache poison)");
-    check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize(poison)");
+    check(cudaMemsetAsync(cache_.get(), 0xff, cache_.bytes(), stream_.get()), "cudaMemsetAsync(cache poison)");
+    check(cudaStreamSynchronize(stream_.get()), "cudaStreamSynchronize(poison)");
   }
 
+  // The device slot mapping from positions and the shared tables, then the device write.
   void write(std::span<const bf16> latents, std::span<const int64_t> positions, std::span<const int32_t> requests,
              const BatchDesc& batch) override {
-    const int dim = runner_.cache_config().dim;
+    const int dim = cache_config_.dim;
     require(latents.size() == positions.size() * size_t(dim), "latents", latents.size(),
             fmt::format("positions ({}) x dim ({}) values", positions.size(), dim));
-    if (positions.empty()) return;
-    bf16* dev = latents_.get(latents.size());
-    check(cudaMemcpyAsync(dev, latents.data(), latents.size_bytes(), cudaMemcpyHostToDevice, stream_),
-          "cudaMemcpyAsync(latents)");
-    runner_.write(dev, positions, requests, batch, stream_);
-    check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize(write)");
+    require(requests.size() == positions.size(), "requests", requests.size(),
+            fmt::format("one request index per position ({})", positions.size()));
+    const int64_t n = int64_t(positions.size());
+    if (n == 0) return;
+    cudaStream_t s = stream_.get();
+    auto* d_latents = latents_.get<bf16>(latents.size(), "cudaMalloc(latents)");
+    auto* d_pos = positions_.get<int64_t>(size_t(n), "cudaMalloc(positions)");
+    auto* d_req = requests_.get<int32_t>(size_t(n), "cudaMalloc(requests)");
+    auto* d_tables = tables_.get<int32_t>(batch.block_tables.size() + 1, "cudaMalloc(tables)");
+    auto* d_slots = slots_.get<int64_t>(size_t(n), "cudaMalloc(slots)");
+    auto* d_errors = errors_.get<int>(1, "cudaMalloc(errors)");
+    check(cudaMemcpyAsync(d_latents, latents.data(), latents.size_bytes(), cudaMemcpyHostToDevice, s), "latents");
+    check(cudaMemcpyAsync(d_pos, positions.data(), positions.size_bytes(), cudaMemcpyHostToDevice, s), "positions");
+    check(cudaMemcpyAsync(d_req, requests.data(), requests.size_bytes(), cudaMemcpyHostToDevice, s), "requests");
+    check(cudaMemcpyAsync(d_tables, batch.block_tables.data(), batch.block_tables.size_bytes(),
+                          cudaMemcpyHostToDevice, s),
+          "block tables");
+    check(cudaMemsetAsync(d_errors, 0, sizeof(int), s), "cudaMemsetAsync(errors)");
+    const PlannerConfig& c = attention_.planner().config();
+    slot_mapping(d_pos, d_req, n, d_tables, int(batch.seq_lens.size()), batch.table_width, c.block_size,
+                 cache_config_.num_blocks, c.layout, d_slots, s, d_errors);
+    write_kv(view(), d_latents, d_slots, n, KvScale{cache_config_.scale}, s, d_errors);
+    int errors = 0;
+    check(cudaMemcpyAsync(&errors, d_errors, sizeof(int), cudaMemcpyDeviceToHost, s), "errors");
+    check(cudaStreamSynchronize(s), "cudaStreamSynchronize(write)");
+    require(errors == 0, "positions/block_tables", fmt::format("{} bad entries", errors),
+            "positions inside the tables and block ids inside the cache");
   }
 
-  void plan(const BatchDesc& batch) override { runner_.plan(batch, stream_); }
-  const Plan& current_plan() const override { return runner_.current_plan(); }
+  void plan(const BatchDesc& batch) override { attention_.plan(batch, stream_.get()); }
+  const Plan& current_plan() const override { return attention_.current_plan(); }
 
   void attend(const bf16* q, bf16* out, float* lse) override {
-    const auto& c = runner_.planner().config();
-    const PlanHeader& h = runner_.current_plan().header();
+    const auto& c = attention_.planner().config();
+    const PlanHeader& h = attention_.current_plan().header();
     const size_t rows = size_t(h.batch) * size_t(h.qlen) * size_t(c.heads);
     const size_t D = size_t(c.dims.dim()), R = size_t(c.dims.kv_lora_rank);
-    bf16* dq = q_.get(rows * D);
-    bf16* dout = out_.get(rows * R);
-    float* dlse = lse_.get(rows);
-    check(cudaMemcpyAsync(dq, q, rows * D * sizeof(bf16), cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync(q)");
-    runner_.attend(dq, dout, dlse, stream_);
-    check(cudaMemcpyAsync(out, dout, rows * R * sizeof(bf16), cudaMemcpyDeviceToHost, stream_),
-          "cudaMemcpyAsync(out)");
-    check(cudaMemcpyAsync(lse, dlse, rows * sizeof(float), cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync(lse)");
-    check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize(attend)");
+    cudaStream_t s = stream_.get();
+    auto* dq = q_.get<bf16>(rows * D, "cudaMalloc(q)");
+    auto* dout = out_.get<bf16>(rows * R, "cudaMalloc(out)");
+    auto* dlse = lse_.get<float>(rows, "cudaMalloc(lse)");
+    check(cudaMemcpyAsync(dq, q, rows * D * sizeof(bf16), cudaMemcpyHostToDevice, s), "cudaMemcpyAsync(q)");
+    attention_.run(dq, view(), KvScale{cache_config_.scale}, dout, dlse, s);
+    check(cudaMemcpyAsync(out, dout, rows * R * sizeof(bf16), cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync(out)");
+    check(cudaMemcpyAsync(lse, dlse, rows * sizeof(float), cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync(lse)");
+    check(cudaStreamSynchronize(s), "cudaStreamSynchronize(attend)");
   }
 
  private:
-  CudaRankRunner runner_;
-  cudaStream_t stream_ = nullptr;
-  Scratch<bf16> latents_, q_, out_;
-  Scratch<float> lse_;
+  int device_;
+  CacheConfig cache_config_;
+  DeviceBuffer cache_;
+  Stream stream_;
+  Attention attention_;
+  Scratch latents_, positions_, requests_, tables_, slots_, errors_, q_, out_, lse_;
 };
 
 }  // namespace
 
 RankEngineFactory rank_engine_factory(int device) {
-  return [device](const PlannerConfig& config, float kv_scale, float softmax_scale) -> std::unique_ptr<RankEngine> {
-    return std::make_unique<CudaRankEngine>(config, kv_scale, softmax_scale, device);
+  return [device](const AttentionConfig& config, const CacheConfig& cache) -> std::unique_ptr<RankEngine> {
+    return std::make_unique<CudaRank>(config, cache, device);
   };
 }
 

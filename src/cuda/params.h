@@ -24,7 +24,21 @@ struct WriteKvParams {
   int dim;
   KvDtype dtype;
   float scale;
+  const float* scale_dev;  // read on the device when set
+  int* errors;             // counts slots outside the cache (nullable)
   uint8_t* cache;       // [num_slots, dim] in dtype
+};
+
+struct SlotMappingParams {
+  const int64_t* positions;   // [n] global positions
+  const int32_t* requests;    // [n] request of each position
+  int64_t n;
+  const int32_t* block_tables;  // [batch, table_width]
+  int batch, table_width, block_size;
+  int64_t num_blocks;
+  int world_size, rank, interleave;
+  int64_t* slots;             // [n] out
+  int* errors;                // nullable
 };
 
 struct MergeParams {
@@ -47,6 +61,7 @@ int attention_smem_bytes();
 
 void launch_split_merge(const AttentionParams& p, int grid, cudaStream_t stream);
 void launch_write_kv(const WriteKvParams& p, cudaStream_t stream);
+void launch_slot_mapping(const SlotMappingParams& p, cudaStream_t stream);
 void launch_merge(const MergeParams& p, cudaStream_t stream);
 
 }  // namespace dcpmla::cuda_detail

@@ -1,5 +1,5 @@
-// Host side of the CUDA backend: validation (before any launch), variant choice, the
-// CudaRankRunner's buffers and the plan upload. Kernels live in the .cu files beside this.
+// Host side of the CUDA backend: validation (before any launch), variant choice, and the
+// engine API's cuda::Attention (its plan copies, the plan upload and the workspace). Kernels live in the .cu files beside this.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -10,22 +10,33 @@
 #include "dcpmla/error.h"
 #include "dcpmla/layout.h"
 #include "attention/variants.h"
+#include "common/resources.h"
 #include "params.h"
 
 namespace dcpmla {
-namespace {
 
-using cuda_detail::check;
+namespace cuda_detail {
 
-constexpr int kCudaDim = 576, kCudaRank = 512, kCudaMaxHeads = 128;
-
-int device_sms() {
-  int device = 0, sms = 0;
+int current_device() {
+  int device = 0;
   check(cudaGetDevice(&device), "cudaGetDevice");
+  return device;
+}
+
+int device_sms(int device) {
+  int sms = 0;
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
         "cudaDeviceGetAttribute(multiprocessor count)");
   return sms;
 }
+
+}  // namespace cuda_detail
+
+namespace {
+
+using namespace cuda_detail;
+
+constexpr int kCudaDim = 576, kCudaRank = 512, kCudaMaxHeads = 128;
 
 void require_dtype(KvDtype d) {
   require(d == KvDtype::bf16 || d == KvDtype::fp8_e4m3 || d == KvDtype::fp8_e5m2, "kv_dtype", int(d),
@@ -170,7 +181,7 @@ AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const
 void attention(const AttentionParams& p, cudaStream_t stream, int num_sms, bool merge, const AttentionTuning& tuning) {
   validate_attention(p);
   const AttentionVariant v = attention_variant(p.plan.max_qlen, p.heads, p.kv_dtype, tuning);
-  if (num_sms <= 0) num_sms = device_sms();
+  if (num_sms <= 0) num_sms = device_sms(current_device());
   // Fixed grid from the capacities (graph-safe): ctas_per_sm CTAs per SM (the kernel
   // fills the shared memory), each looping over (work item, head group) units.
   const int64_t groups = (int64_t(p.plan.max_qlen) * p.heads + v.rows_per_cta - 1) / v.rows_per_cta;
@@ -182,197 +193,137 @@ void attention(const AttentionParams& p, cudaStream_t stream, int num_sms, bool 
   }
 }
 
-void write_kv(const bf16* latents, const int64_t* slots, int64_t n, const CacheConfig& cache,
-              uint8_t* cache_data, cudaStream_t stream) {
-  cache.validate();
-  require(n >= 0, "n", n, ">= 0");
-  require(cache.dim % 8 == 0, "dim", cache.dim, "a multiple of 8 on the CUDA backend");
-  if (n == 0) return;
-  require(latents != nullptr && slots != nullptr && cache_data != nullptr, "latents/slots/cache", "null",
-          "device pointers");
-  cuda_detail::launch_write_kv(
-      cuda_detail::WriteKvParams{latents, slots, n, cache.num_slots(), cache.dim, cache.dtype, cache.scale, cache_data},
-      stream);
-}
-
-void merge_state(const bf16* o_a, const float* lse_a, const bf16* o_b, const float* lse_b, bf16* o,
-                 float* lse, int64_t rows, int width, cudaStream_t stream) {
-  require(rows >= 0, "rows", rows, ">= 0");
-  require(width >= 1, "width", width, ">= 1");
-  if (rows == 0) return;
-  require(o_a && lse_a && o_b && lse_b && o && lse, "o/lse", "null", "device pointers");
-  // Two partials as one stack: element distances between a and b (flat device addresses).
-  const int64_t so = int64_t(reinterpret_cast<intptr_t>(o_b) - reinterpret_cast<intptr_t>(o_a)) / 2;
-  const int64_t sl = int64_t(reinterpret_cast<intptr_t>(lse_b) - reinterpret_cast<intptr_t>(lse_a)) / 4;
-  require((reinterpret_cast<intptr_t>(o_b) - reinterpret_cast<intptr_t>(o_a)) % 2 == 0 &&
-              (reinterpret_cast<intptr_t>(lse_b) - reinterpret_cast<intptr_t>(lse_a)) % 4 == 0,
-          "o_b/lse_b", "misaligned", "aligned to their element types");
-  cuda_detail::launch_merge(cuda_detail::MergeParams{o_a, lse_a, so, sl, 2, rows, width, o, lse}, stream);
-}
-
-void combine_partials(const bf16* o_parts, const float* lse_parts, int n, bf16* o, float* lse,
-                      int64_t rows, int width, cudaStream_t stream) {
-  require(n >= 1, "n", n, ">= 1");
-  require(rows >= 0, "rows", rows, ">= 0");
-  require(width >= 1, "width", width, ">= 1");
-  if (rows == 0) return;
-  require(o_parts && lse_parts && o && lse, "o/lse", "null", "device pointers");
-  cuda_detail::launch_merge(
-      cuda_detail::MergeParams{o_parts, lse_parts, rows * width, rows, n, rows, width, o, lse}, stream);
-}
-
 }  // namespace cuda
 
-namespace {
+namespace cuda {
 
-PlannerConfig checked_config(const PlannerConfig& c, float softmax_scale) {
-  require(c.backend == Backend::cuda, "backend", to_string(c.backend),
-          "cuda for CudaRankRunner (RankRunner serves cpu)");
-  require(c.dims.kv_lora_rank == kCudaRank && c.dims.rope_dim == kCudaDim - kCudaRank, "dims",
-          fmt::format("kv_lora_rank {}, rope_dim {}", c.dims.kv_lora_rank, c.dims.rope_dim),
-          "kv_lora_rank 512, rope_dim 64 on the CUDA backend");
-  require(std::isfinite(softmax_scale) && softmax_scale > 0.0f, "softmax_scale", softmax_scale,
-          "a finite value > 0");
-  return c;
-}
-
-}  // namespace
-
-CudaRankRunner::CudaRankRunner(const PlannerConfig& config, float kv_scale, float softmax_scale, int device)
-    : planner_(checked_config(config, softmax_scale)),
-      cache_config_{config.num_blocks, config.block_size, config.dims.dim(), config.kv_dtype, kv_scale},
-      plan_(planner_.make_plan()),
-      kv_scale_(kv_scale),
-      softmax_scale_(softmax_scale),
-      device_(device) {
-  cache_config_.validate();
-  auto release = [this] {
-    cudaFree(cache_);
-    cudaFree(plan_dev_);
-    cudaFree(workspace_);
-    for (int k = 0; k < 2; ++k) {
-      cudaFreeHost(staging_[k]);
-      if (staged_[k]) cudaEventDestroy(staged_[k]);
+struct Attention::Impl {
+  Impl(const AttentionConfig& config, int device_in, void* external, size_t external_bytes)
+      : device(device_in < 0 ? current_device() : device_in),
+        sms(device_sms(device)),
+        planner(checked_config(config, device)),
+        softmax_scale(softmax_scale_of(config)),
+        staging(2 * planner.plan_ints() * sizeof(int32_t), "cudaMallocHost(plan staging)"),
+        plans{planner.make_plan(staging.as<int32_t>()), planner.make_plan(staging.as<int32_t>() + planner.plan_ints())},
+        staged{Event("cudaEventCreate(plan staging)"), Event("cudaEventCreate(plan staging)")} {
+    const size_t need = layout_bytes(planner);
+    void* base = external;
+    if (external == nullptr) {
+      owned = DeviceBuffer(need, "cudaMalloc(attention workspace)");
+      base = owned.get();
+    } else {
+      require(external_bytes >= need, "workspace bytes", external_bytes, fmt::format(">= {} (workspace_bytes)", need));
+      require(reinterpret_cast<uintptr_t>(external) % 256 == 0, "workspace", fmt::format("address {}", external),
+              "256-byte aligned device memory");
     }
-  };
-  try {
-    check(cudaSetDevice(device), "cudaSetDevice");
-    num_sms_ = device_sms();
-    const size_t arena_bytes = plan_.arena().size() * sizeof(int32_t);
-    check(cudaMalloc(&cache_, size_t(cache_config_.bytes())), "cudaMalloc(cache)");
-    check(cudaMalloc(&plan_dev_, arena_bytes), "cudaMalloc(plan arena)");
-    workspace_floats_ = split_workspace_floats(planner_.work_capacity(), config.limits.max_qlen, config.heads,
-                                               config.dims.kv_lora_rank);
-    check(cudaMalloc(&workspace_, size_t(workspace_floats_) * sizeof(float)), "cudaMalloc(split-K workspace)");
-    for (int k = 0; k < 2; ++k) {
-      check(cudaMallocHost(&staging_[k], arena_bytes), "cudaMallocHost(plan staging)");
-      check(cudaEventCreateWithFlags(&staged_[k], cudaEventDisableTiming), "cudaEventCreate(plan staging)");
-    }
-    // Zeroed plan: a launch before the first plan() sees work_count = 0 and does nothing.
-    // Finished before the constructor returns: later work runs on the caller's non-blocking
-    // streams, which do not wait for the legacy default stream.
-    check(cudaMemset(plan_dev_, 0, arena_bytes), "cudaMemset(plan arena)");
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(runner setup)");
-    // Opt the chosen kernel variant into its shared memory now, before any graph capture.
-    set_tuning(tuning_);
-  } catch (...) {
-    release();
-    throw;
+    plan_dev = static_cast<int32_t*>(base);
+    split = reinterpret_cast<float*>(static_cast<char*>(base) + plan_region(planner));
+    // A zeroed device plan: a launch before the first plan() sees work_count = 0 and does
+    // nothing. Finished before the constructor returns: later work runs on the caller's
+    // non-blocking streams, which do not wait for the legacy default stream.
+    check(cudaMemset(plan_dev, 0, plan_region(planner)), "cudaMemset(plan)");
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(attention setup)");
   }
+
+  // device < 0: checks only (one worker), without touching the device.
+  static PlannerConfig checked_config(const AttentionConfig& c, int device) {
+    require(c.dims.kv_lora_rank == kCudaRank && c.dims.rope_dim == kCudaDim - kCudaRank, "dims",
+            fmt::format("kv_lora_rank {}, rope_dim {}", c.dims.kv_lora_rank, c.dims.rope_dim),
+            "kv_lora_rank 512, rope_dim 64 on the CUDA backend");
+    (void)softmax_scale_of(c);
+    return planner_config(c, Backend::cuda, device < 0 ? 1 : device_sms(device));
+  }
+  // The device plan (256-byte aligned), then the split-K partials.
+  static size_t plan_region(const Planner& p) { return (p.plan_ints() * sizeof(int32_t) + 255) / 256 * 256; }
+  static size_t layout_bytes(const Planner& p) {
+    const auto& c = p.config();
+    return plan_region(p) +
+           size_t(split_workspace_floats(p.work_capacity(), c.limits.max_qlen, c.heads, c.dims.kv_lora_rank)) *
+               sizeof(float);
+  }
+
+  int device, sms;
+  Planner planner;
+  float softmax_scale;
+  PinnedBuffer staging;
+  Plan plans[2];
+  Event staged[2];
+  int current = 1;  // plans[current] is the last plan; the next goes to the other copy
+  bool planned = false;
+  AttentionTuning tuning;
+  DeviceBuffer owned;
+  int32_t* plan_dev = nullptr;
+  float* split = nullptr;
+};
+
+Attention::Attention(const AttentionConfig& config, int device) : Attention(config, nullptr, 0, device) {}
+
+Attention::Attention(const AttentionConfig& config, void* workspace, size_t bytes, int device) {
+  // The configuration is checked before any CUDA call (fail fast, also without a GPU).
+  (void)Planner(Impl::checked_config(config, -1));
+  if (device >= 0) check(cudaSetDevice(device), "cudaSetDevice");
+  impl_ = std::make_unique<Impl>(config, device, workspace, bytes);
+  set_tuning(AttentionTuning{});
 }
 
-CudaRankRunner::~CudaRankRunner() {
-  // Pending work that uses these buffers must finish before they go.
-  cudaDeviceSynchronize();
-  cudaFree(cache_);
-  cudaFree(plan_dev_);
-  cudaFree(workspace_);
-  cudaFree(slots_dev_);
-  cudaFreeHost(slots_host_);
-  for (int k = 0; k < 2; ++k) {
-    cudaFreeHost(staging_[k]);
-    if (staged_[k]) cudaEventDestroy(staged_[k]);
-  }
+Attention::~Attention() {
+  // Work in flight may still read the plan and the workspace.
+  if (impl_) cudaDeviceSynchronize();
 }
 
-void CudaRankRunner::upload_cache(std::span<const uint8_t> bytes, cudaStream_t stream) {
-  require(int64_t(bytes.size()) == cache_config_.bytes(), "cache bytes", bytes.size(),
-          fmt::format("the cache's size ({} bytes)", cache_config_.bytes()));
-  check(cudaMemcpyAsync(cache_, bytes.data(), bytes.size(), cudaMemcpyHostToDevice, stream),
-        "cudaMemcpyAsync(cache upload)");
+size_t Attention::workspace_bytes(const AttentionConfig& config, int device) {
+  (void)Planner(Impl::checked_config(config, -1));
+  return Impl::layout_bytes(Planner(Impl::checked_config(config, device < 0 ? current_device() : device)));
 }
 
-void CudaRankRunner::write(const bf16* latents, std::span<const int64_t> positions,
-                           std::span<const int32_t> requests, const BatchDesc& batch, cudaStream_t stream) {
-  const auto& c = planner_.config();
-  require(requests.size() == positions.size(), "requests", requests.size(),
-          fmt::format("one request index per position ({})", positions.size()));
-  const int64_t n = int64_t(positions.size());
-  if (n == 0) return;
-  require(latents != nullptr, "latents", "null", "a device pointer");
-  if (n > slots_capacity_) {
-    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize(before growing slot buffers)");
-    cudaFree(slots_dev_);
-    cudaFreeHost(slots_host_);
-    slots_dev_ = nullptr;
-    slots_host_ = nullptr;
-    slots_capacity_ = 0;
-    check(cudaMallocHost(&slots_host_, size_t(n) * sizeof(int64_t)), "cudaMallocHost(slots)");
-    check(cudaMalloc(&slots_dev_, size_t(n) * sizeof(int64_t)), "cudaMalloc(slots)");
-    slots_capacity_ = n;
-  } else {
-    // The previous write's copy may still read the pinned slots.
-    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize(slot staging reuse)");
-  }
-  for (int64_t k = 0; k < n; ++k) {
-    const int32_t b = requests[size_t(k)];
-    require(b >= 0 && size_t(b) < batch.seq_lens.size(), fmt::format("requests[{}]", k), b,
-            fmt::format("a request in [0, {})", batch.seq_lens.size()));
-    const auto table = batch.block_tables.subspan(size_t(b) * size_t(batch.table_width), size_t(batch.table_width));
-    slots_host_[k] = slot_of(positions[size_t(k)], table, c.block_size, c.num_blocks, c.layout);
-  }
-  check(cudaMemcpyAsync(slots_dev_, slots_host_, size_t(n) * sizeof(int64_t), cudaMemcpyHostToDevice, stream),
-        "cudaMemcpyAsync(slots)");
-  cuda::write_kv(latents, slots_dev_, n, cache_config_, cache_, stream);
-}
+const Planner& Attention::planner() const { return impl_->planner; }
+const Plan& Attention::current_plan() const { return impl_->plans[impl_->current]; }
+float Attention::softmax_scale() const { return impl_->softmax_scale; }
+int Attention::device() const { return impl_->device; }
+int Attention::num_sms() const { return impl_->sms; }
+const AttentionTuning& Attention::tuning() const { return impl_->tuning; }
 
-void CudaRankRunner::plan(const BatchDesc& batch, cudaStream_t stream) {
-  const int k = next_staging_;
-  // The upload two plans back used this staging copy; it has long finished in practice.
-  check(cudaEventSynchronize(staged_[k]), "cudaEventSynchronize(plan staging)");
-  planner_.plan(batch, plan_);  // validates first; throws before anything is written
-  const PlanView view = plan_.view();
-  const int32_t* base = plan_.arena().data();
-  // Arena order: header, rows, request offsets, work, sub-page tables (last): copy the
-  // prefix this batch uses.
-  const size_t used = size_t(view.subpage_table - base) + size_t(view.header->batch) * size_t(view.table_stride);
-  std::memcpy(staging_[k], base, used * sizeof(int32_t));
-  check(cudaMemcpyAsync(plan_dev_, staging_[k], used * sizeof(int32_t), cudaMemcpyHostToDevice, stream),
+void Attention::plan(const BatchDesc& batch, cudaStream_t stream) {
+  Impl& m = *impl_;
+  const int k = 1 - m.current;
+  // The copy two plans back read this staging copy; in practice it finished long ago.
+  check(cudaEventSynchronize(m.staged[k].get()), "cudaEventSynchronize(plan staging)");
+  m.planner.plan(batch, m.plans[k]);  // validates first; throws before anything is written
+  check(cudaMemcpyAsync(m.plan_dev, m.plans[k].arena().data(), m.plans[k].used_ints() * sizeof(int32_t),
+                        cudaMemcpyHostToDevice, stream),
         "cudaMemcpyAsync(plan upload)");
-  check(cudaEventRecord(staged_[k], stream), "cudaEventRecord(plan staging)");
-  next_staging_ = 1 - k;
-  planned_ = true;
+  check(cudaEventRecord(m.staged[k].get(), stream), "cudaEventRecord(plan staging)");
+  m.current = k;
+  m.planned = true;
 }
 
-AttentionParams CudaRankRunner::params(const bf16* q, bf16* out, float* lse) const {
-  return attention_params(planner_.config(), q, cache_, kv_scale_, softmax_scale_, plan_.view_at(plan_dev_),
-                          workspace_, out, lse);
+AttentionParams Attention::params(const bf16* q, const KvCache& cache, const KvScale& scale, bf16* out,
+                                  float* lse) const {
+  const Impl& m = *impl_;
+  return attention_params(m.planner.config(), q, static_cast<const uint8_t*>(cache.data), scale, m.softmax_scale,
+                          current_plan().view_at(m.plan_dev), m.split, out, lse);
 }
 
-void CudaRankRunner::attend(const bf16* q, bf16* out, float* lse, cudaStream_t stream) {
-  require(planned_, "plan", "none", "a plan: call plan(batch) before attend()");
-  const Route forced = planner_.config().route;
+void Attention::run(const bf16* q, const KvCache& cache, const KvScale& scale, bf16* out, float* lse,
+                    cudaStream_t stream) {
+  const Impl& m = *impl_;
+  if (!m.planned) fail("plan", "none", "a plan: call plan(batch, stream) before run()");
+  validate_run(m.planner.config(), current_plan(), cache, scale);
+  const Route forced = m.planner.config().route;
   // The merge kernel reads the route from the device plan; skip it only when no plan of
   // this planner can be split_k.
   const bool may_split = forced == Route::automatic || forced == Route::split_k;
-  cuda::attention(params(q, out, lse), stream, num_sms_, may_split, tuning_);
+  attention(params(q, cache, scale, out, lse), stream, m.sms, may_split, m.tuning);
 }
 
-void CudaRankRunner::set_tuning(const cuda::AttentionTuning& tuning) {
-  const auto& c = planner_.config();
-  const cuda::AttentionVariant v = cuda::attention_variant(c.limits.max_qlen, c.heads, c.kv_dtype, tuning);
-  launch_attention(params(nullptr, nullptr, nullptr), 0, nullptr, v, c.kv_dtype != KvDtype::bf16);
-  tuning_ = tuning;
+void Attention::set_tuning(const AttentionTuning& tuning) {
+  const auto& c = impl_->planner.config();
+  const AttentionVariant v = attention_variant(c.limits.max_qlen, c.heads, c.kv_dtype, tuning);
+  launch_attention(params(nullptr, KvCache{}, KvScale{}, nullptr, nullptr), 0, nullptr, v,
+                   c.kv_dtype != KvDtype::bf16);
+  impl_->tuning = tuning;
 }
+
+}  // namespace cuda
 
 }  // namespace dcpmla

@@ -214,14 +214,12 @@ inline RankInputs rank_inputs(const GlobalBatch& g, int rank, int hl, int64_t ro
 inline DcpConfig step_config(const DcpCase& c, const Tables& t, int max_batch, int max_qlen) {
   DcpConfig cfg;
   cfg.world_size = c.world;
-  cfg.mode = c.mode;
   cfg.kv_dtype = c.dtype;
-  cfg.kv_scale = c.kv_scale;
   cfg.heads_local = c.heads_local;
   cfg.interleave = c.interleave;
   cfg.block_size = c.block_size;
-  cfg.num_blocks = t.num_blocks;
   cfg.route = c.route;
+  cfg.check_agreement = true;
   cfg.limits = PlanLimits{max_batch, max_qlen, t.max_local};
   cfg.min_segment_tokens = 16;  // several split-K segments on short rows
   cfg.merge = c.merge;
@@ -245,20 +243,15 @@ inline void scatter_heads(Result& res, const GlobalBatch& g, int rank, int hl, c
 // The CPU write path of one rank (poison, prefix, block), for the byte comparison.
 inline std::vector<uint8_t> cpu_cache(const DcpCase& c, const Tables& t, const GlobalBatch& g, size_t which,
                                       int rank, const RankInputs& in, std::vector<uint8_t>* poisoned) {
-  PlannerConfig pc;
-  pc.mode = c.mode;
-  pc.kv_dtype = c.dtype;
-  pc.heads = 1;
-  pc.layout = Layout{c.world, rank, c.interleave};
-  pc.block_size = c.block_size;
-  pc.num_blocks = t.num_blocks;
-  pc.limits = PlanLimits{g.B, g.qlen, t.max_local};
-  RankRunner cpu(pc, c.kv_scale, 1.0f);
-  cpu.cache().poison();
-  const size_t bytes = size_t(cpu.cache().config().bytes());
-  if (poisoned) poisoned->assign(cpu.cache().data(), cpu.cache().data() + bytes);
-  const BatchDesc desc{g.lens, g.qlen, t.tables[which], t.widths[which]};
-  cpu.write(in.prefix_latents, in.prefix_positions, in.prefix_requests, desc);
+  PagedCache cpu(CacheConfig{t.num_blocks, c.block_size, kD, c.dtype, c.kv_scale});
+  cpu.poison();
+  const Layout layout{c.world, rank, c.interleave};
+  const auto* data = static_cast<const uint8_t*>(cpu.view().data);
+  const size_t bytes = size_t(cpu.config().bytes());
+  if (poisoned) poisoned->assign(data, data + bytes);
+  const BatchDesc desc{g.lens, g.qlen, t.tables[which], t.widths[which], c.mode};
+  cpu.write(in.prefix_latents,
+            slots_of(in.prefix_positions, in.prefix_requests, desc, c.block_size, t.num_blocks, layout));
   std::vector<bf16> block;
   for (size_t k = 0; k < in.block_positions.size(); ++k) {
     const int b = in.block_requests[k];
@@ -266,8 +259,8 @@ inline std::vector<uint8_t> cpu_cache(const DcpCase& c, const Tables& t, const G
     const bf16* lat = g.kv16.data() + (size_t(b) * size_t(g.Lmax) + size_t(p)) * kD;
     block.insert(block.end(), lat, lat + kD);
   }
-  cpu.write(block, in.block_positions, in.block_requests, desc);
-  return std::vector<uint8_t>(cpu.cache().data(), cpu.cache().data() + bytes);
+  cpu.write(block, slots_of(in.block_positions, in.block_requests, desc, c.block_size, t.num_blocks, layout));
+  return std::vector<uint8_t>(data, data + bytes);
 }
 
 // The whole GPU DCP step for one batch on c.world ranks (threads on one GPU).
@@ -281,16 +274,13 @@ inline Result run_gpu(const DcpCase& c, const GlobalBatch& g) {
     cudaStream_t stream = comm.stream();
     DcpStep step(step_config(c, t, g.B, g.qlen), comm);
     const RankInputs in = rank_inputs(g, rank, c.heads_local, step.row_capacity());
-    std::vector<uint8_t> poisoned;
-    const std::vector<uint8_t> expect_cache = cpu_cache(c, t, g, 0, rank, in, &poisoned);
-    step.runner().upload_cache(poisoned, stream);
-    const BatchDesc desc{g.lens, g.qlen, t.tables[0], t.widths[0]};
-    if (!in.prefix_positions.empty()) {
-      DeviceBuffer<bf16> lat(in.prefix_latents.size());
-      upload_on(lat, in.prefix_latents, stream);
-      step.runner().write(lat.get(), in.prefix_positions, in.prefix_requests, desc, stream);
-      cuda_ok(cudaStreamSynchronize(stream), "prefix write");
-    }
+    const std::vector<uint8_t> expect_cache = cpu_cache(c, t, g, 0, rank, in, nullptr);
+    // This rank's cache shard, owned here as an engine owns it, poisoned, with the prefix
+    // written by the device slot mapping and write path.
+    DeviceCache cache(t.num_blocks, c.block_size, c.dtype, stream);
+    const BatchDesc desc{g.lens, g.qlen, t.tables[0], t.widths[0], c.mode};
+    device_write(in.prefix_positions, in.prefix_requests, in.prefix_latents, desc, Layout{c.world, rank, c.interleave},
+                 cache, c.kv_scale, stream);
     step.plan(desc);
     DeviceBuffer<bf16> q(in.q_local.size()), lat(in.new_latents.size());
     upload_on(q, in.q_local, stream);
@@ -299,17 +289,16 @@ inline Result run_gpu(const DcpCase& c, const GlobalBatch& g) {
     DeviceBuffer<float> lse(size_t(step.row_capacity()) * c.heads_local);
     poison_on(out, stream);
     poison_on(lse, stream);
-    step.run(q.get(), lat.get(), out.get(), lse.get());
+    step.run(q.get(), lat.get(), cache.view, KvScale{c.kv_scale}, out.get(), lse.get());
     comm.synchronize();
     std::vector<bf16> o = out.download();
     std::vector<float> l = lse.download();
-    std::vector<uint8_t> cache(expect_cache.size());
-    cuda_ok(cudaMemcpy(cache.data(), step.runner().cache(), cache.size(), cudaMemcpyDeviceToHost), "cache download");
+    const std::vector<uint8_t> bytes = cache.bytes.download();
     int64_t mismatch = 0;
-    for (size_t i = 0; i < cache.size(); ++i) mismatch += cache[i] != expect_cache[i];
+    for (size_t i = 0; i < bytes.size(); ++i) mismatch += bytes[i] != expect_cache[i];
     std::lock_guard lock(mutex);
     scatter_heads(res, g, rank, c.heads_local, o, l);
-    res.route = step.runner().current_plan().route();
+    res.route = step.attention().current_plan().route();
     res.cache_mismatch += mismatch;
   });
   return res;

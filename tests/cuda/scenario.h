@@ -1,5 +1,6 @@
-// A randomized batch on one rank, set up twice over the same bytes: the CPU RankRunner
-// (the reference kernel attention_cpu) and the CudaRankRunner. Caches are poisoned with
+// A randomized batch on one rank, set up twice over the same bytes: the CPU engine API
+// (Attention over a PagedCache: the reference kernel attention_cpu) and cuda::Attention over
+// a device cache the test owns, written by the device slot mapping and write_kv. Caches are poisoned with
 // NaN before the write and block tables are random permutations with a poisoned spare
 // block in unused entries, so any read past a length or through a wrong table shows.
 #pragma once
@@ -58,7 +59,8 @@ struct BatchData {
   std::vector<int32_t> requests;
   std::vector<bf16> latents;
   std::vector<bf16> q;
-  BatchDesc desc() const { return BatchDesc{lens, qlen, tables, width}; }
+  Mode mode = Mode::verify;
+  BatchDesc desc() const { return BatchDesc{lens, qlen, tables, width, mode}; }
 };
 
 inline int64_t blocks_needed(const Scenario& s, int32_t len) {
@@ -72,6 +74,7 @@ inline BatchData make_batch(const Scenario& s, const std::vector<int32_t>& lens,
   BatchData d;
   d.lens = lens;
   d.qlen = qlen;
+  d.mode = s.mode;
   const int batch = int(lens.size());
   for (int32_t L : lens) d.width = std::max<int>(d.width, int(blocks_needed(s, L)));
   d.tables.assign(size_t(batch) * d.width, spare);
@@ -90,18 +93,51 @@ inline BatchData make_batch(const Scenario& s, const std::vector<int32_t>& lens,
   return d;
 }
 
-inline PlannerConfig make_config(const Scenario& s, int64_t num_blocks, int max_batch, int64_t max_local) {
-  PlannerConfig c;
-  c.backend = Backend::cpu;
-  c.mode = s.mode;
+inline AttentionConfig make_config(const Scenario& s, int max_batch, int64_t max_local) {
+  AttentionConfig c;
   c.kv_dtype = s.dtype;
   c.heads = s.heads;
   c.layout = Layout{s.world, s.rank, s.interleave};
   c.block_size = s.block_size;
-  c.num_blocks = num_blocks;
   c.route = s.route;
   c.limits = PlanLimits{max_batch, s.max_qlen, std::max<int64_t>(1, max_local)};
   return c;
+}
+
+// A device cache the test owns (as an engine would), poisoned with 0xff (NaN in every dtype).
+struct DeviceCache {
+  DeviceBuffer<uint8_t> bytes;
+  KvCache view;
+  DeviceCache(int64_t num_blocks, int block_size, KvDtype dtype, cudaStream_t stream = nullptr)
+      : bytes(size_t(num_blocks) * block_size * 576 * bytes_per_value(dtype)),
+        view{bytes.get(), num_blocks, block_size, 576, dtype} {
+    cuda_ok(cudaMemsetAsync(bytes.get(), 0xff, bytes.size(), stream), "cudaMemsetAsync(cache poison)");
+    cuda_ok(cudaStreamSynchronize(stream), "cache poison");
+  }
+};
+
+// Writes tokens (global positions[k] of requests[k], latents [n, 576]) into a device cache as
+// an engine would: positions, requests and tables go up, the device slot mapping computes
+// the slots and write_kv stores the latents. Throws on a counted bad entry.
+inline void device_write(const std::vector<int64_t>& positions, const std::vector<int32_t>& requests,
+                         const std::vector<bf16>& latents, const BatchDesc& batch, const Layout& layout,
+                         DeviceCache& cache, float kv_scale, cudaStream_t stream) {
+  if (positions.empty()) return;
+  DeviceBuffer<int64_t> pos(positions), slots(positions.size());
+  DeviceBuffer<int32_t> req(requests), tables(std::vector<int32_t>(batch.block_tables.begin(), batch.block_tables.end()));
+  DeviceBuffer<bf16> lat(latents);
+  DeviceBuffer<int> errors(std::vector<int>{0});
+  cuda::slot_mapping(pos.get(), req.get(), int64_t(positions.size()), tables.get(), int(batch.seq_lens.size()),
+                     batch.table_width, cache.view.block_size, cache.view.num_blocks, layout, slots.get(), stream,
+                     errors.get());
+  cuda::write_kv(cache.view, lat.get(), slots.get(), int64_t(positions.size()), KvScale{kv_scale}, stream,
+                 errors.get());
+  cuda_ok(cudaStreamSynchronize(stream), "write");
+  if (errors.download()[0] != 0) throw std::runtime_error("device write counted bad entries");
+}
+inline void device_write(const BatchData& d, const Layout& layout, DeviceCache& cache, float kv_scale,
+                         cudaStream_t stream) {
+  device_write(d.positions, d.requests, d.latents, d.desc(), layout, cache, kv_scale, stream);
 }
 
 inline float default_softmax_scale() { return 1.0f / std::sqrt(576.0f); }
@@ -150,33 +186,31 @@ inline ScenarioResult run_scenario(const Scenario& s) {
   const BatchData d = make_batch(s, s.lens, s.qlen, ids, next, int32_t(num_blocks - 1), s.seed);
   const BatchDesc desc = d.desc();
 
-  PlannerConfig config = make_config(s, num_blocks, s.max_batch ? s.max_batch : batch, max_local);
-  const float sm_scale = default_softmax_scale();
-  RankRunner cpu(config, s.kv_scale, sm_scale);
-  cpu.cache().poison();
-  const size_t cache_bytes = size_t(cpu.cache().config().bytes());
-  const std::vector<uint8_t> poisoned(cpu.cache().data(), cpu.cache().data() + cache_bytes);
-  cpu.write(d.latents, d.positions, d.requests, desc);
+  const AttentionConfig config = make_config(s, s.max_batch ? s.max_batch : batch, max_local);
+  const Layout layout = config.layout;
+  Attention cpu(config);
+  PagedCache cpu_cache(CacheConfig{num_blocks, s.block_size, 576, s.dtype, s.kv_scale});
+  cpu_cache.poison();
+  const size_t cache_bytes = size_t(cpu_cache.config().bytes());
+  cpu_cache.write(d.latents, slots_of(d.positions, d.requests, desc, s.block_size, num_blocks, layout));
   cpu.plan(desc);
   const size_t rows = size_t(batch) * s.qlen * s.heads;
   std::vector<bf16> ref_out(rows * 512);
   std::vector<float> ref_lse(rows);
-  cpu.attend(d.q.data(), ref_out.data(), ref_lse.data());
+  cpu.run(d.q.data(), cpu_cache.view(), KvScale{s.kv_scale}, ref_out.data(), ref_lse.data());
 
-  config.backend = Backend::cuda;
-  CudaRankRunner gpu(config, s.kv_scale, sm_scale);
+  cuda::Attention gpu(config);
   gpu.set_tuning(test_tuning());
   cudaStream_t stream;
   cuda_ok(cudaStreamCreate(&stream), "cudaStreamCreate");
   ScenarioResult res;
   {
-    gpu.upload_cache(poisoned, stream);
-    DeviceBuffer<bf16> latents(d.latents.empty() ? std::vector<bf16>(1) : d.latents);
-    gpu.write(latents.get(), d.positions, d.requests, desc, stream);
-    cuda_ok(cudaStreamSynchronize(stream), "write");
+    DeviceCache cache(num_blocks, s.block_size, s.dtype);
+    device_write(d, layout, cache, s.kv_scale, stream);
     std::vector<uint8_t> bytes(cache_bytes);
-    cuda_ok(cudaMemcpy(bytes.data(), gpu.cache(), cache_bytes, cudaMemcpyDeviceToHost), "cache download");
-    for (size_t i = 0; i < cache_bytes; ++i) res.cache_mismatch += bytes[i] != cpu.cache().data()[i];
+    cuda_ok(cudaMemcpy(bytes.data(), cache.bytes.get(), cache_bytes, cudaMemcpyDeviceToHost), "cache download");
+    const auto* want = static_cast<const uint8_t*>(cpu_cache.view().data);
+    for (size_t i = 0; i < cache_bytes; ++i) res.cache_mismatch += bytes[i] != want[i];
     res.cache_ok = res.cache_mismatch == 0;
 
     gpu.plan(desc, stream);
@@ -188,7 +222,7 @@ inline ScenarioResult run_scenario(const Scenario& s) {
     DeviceBuffer<float> lse(rows);
     out.poison();
     lse.poison();
-    gpu.attend(q.get(), out.get(), lse.get(), stream);
+    gpu.run(q.get(), cache.view, KvScale{s.kv_scale}, out.get(), lse.get(), stream);
     cuda_ok(cudaStreamSynchronize(stream), "attend");
     res.cmp = compare_rows(out.download(), lse.download(), ref_out, ref_lse, 512, s.qlen, s.heads);
   }

@@ -170,18 +170,14 @@ void run_graph_case(const GraphCase& gc) {
   run_ranks_on_gpu(c.world, [&](int rank, DeviceCommunicator& comm) {
     cudaStream_t stream = comm.stream();
     DcpStep step(step_config(c, t, max_batch, max_qlen), comm);
-    cuda_ok(cudaMemsetAsync(step.runner().cache(), 0xff, size_t(step.runner().cache_config().bytes()), stream),
-            "poison");
+    DeviceCache cache(t.num_blocks, c.block_size, c.dtype, stream);
     const RankInputs in1 = rank_inputs(g1, rank, c.heads_local, step.row_capacity());
     const RankInputs in2 = rank_inputs(g2, rank, c.heads_local, step.row_capacity());
-    const BatchDesc d1{g1.lens, g1.qlen, t.tables[0], t.widths[0]}, d2{g2.lens, g2.qlen, t.tables[1], t.widths[1]};
+    const BatchDesc d1{g1.lens, g1.qlen, t.tables[0], t.widths[0], c.mode},
+        d2{g2.lens, g2.qlen, t.tables[1], t.widths[1], c.mode};
     for (auto [in, d] : {std::pair{&in1, &d1}, std::pair{&in2, &d2}})
-      if (!in->prefix_positions.empty()) {
-        DeviceBuffer<bf16> lat(in->prefix_latents.size());
-        upload_on(lat, in->prefix_latents, stream);
-        step.runner().write(lat.get(), in->prefix_positions, in->prefix_requests, *d, stream);
-        cuda_ok(cudaStreamSynchronize(stream), "prefix write");
-      }
+      device_write(in->prefix_positions, in->prefix_requests, in->prefix_latents, *d,
+                   Layout{c.world, rank, c.interleave}, cache, c.kv_scale, stream);
     const size_t cap = size_t(step.row_capacity());
     DeviceBuffer<bf16> q(cap * c.heads_local * kD), lat(cap * kD), out(cap * c.heads_local * kR);
     DeviceBuffer<float> lse(cap * c.heads_local);
@@ -192,10 +188,10 @@ void run_graph_case(const GraphCase& gc) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
-    step.run(q.get(), lat.get(), out.get(), lse.get());
+    step.run(q.get(), lat.get(), cache.view, KvScale{c.kv_scale}, out.get(), lse.get());
     cuda_ok(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
     cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
-    std::string route = std::string(to_string(step.runner().current_plan().route()));
+    std::string route = std::string(to_string(step.attention().current_plan().route()));
 
     auto replay = [&](const GlobalBatch& g, Result& res) {
       poison_on(out, stream);
@@ -212,7 +208,7 @@ void run_graph_case(const GraphCase& gc) {
     upload_on(q, in2.q_local, stream);
     upload_on(lat, in2.new_latents, stream);
     replay(g2, got2);
-    route += " -> " + std::string(to_string(step.runner().current_plan().route()));
+    route += " -> " + std::string(to_string(step.attention().current_plan().route()));
     routes[size_t(rank)] = route;
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
@@ -306,8 +302,8 @@ DcpConfig small_config(int world) {
   cfg.world_size = world;
   cfg.heads_local = 4;
   cfg.block_size = 16;
-  cfg.num_blocks = 64;
   cfg.limits = PlanLimits{4, 2, 256};
+  cfg.check_agreement = true;
   return cfg;
 }
 

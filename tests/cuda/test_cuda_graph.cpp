@@ -1,7 +1,10 @@
-// CUDA graph capture and replay (SPEC §4): capture attend() once, re-plan a different
-// batch (other lengths, another qlen, fewer requests padded with L = 0, another route),
-// replay the same graph and compare with the CPU kernel on that batch.
+// CUDA graph capture and replay (SPEC §4, §6): capture run() of three layers (each with its
+// own engine-owned cache and device kv_scale) once, re-plan a different batch (other
+// lengths, another qlen, fewer requests padded with L = 0, another route), replay the same
+// graph and compare every layer with the CPU engine on that batch.
 #include <gtest/gtest.h>
+
+#include <memory>
 
 #include "scenario.h"
 
@@ -13,6 +16,8 @@ struct GraphCase {
   std::vector<int32_t> lens1, lens2;
   int qlen1, qlen2;
 };
+
+constexpr int kLayers = 3;
 
 void run_graph_case(const GraphCase& gc) {
   const Scenario& s = gc.s;
@@ -29,75 +34,102 @@ void run_graph_case(const GraphCase& gc) {
   std::iota(ids.begin(), ids.end(), 0);
   std::mt19937_64 rng(s.seed);
   std::shuffle(ids.begin(), ids.end(), rng);
-  size_t next = 0;
-  // Two batches over disjoint blocks of one cache.
-  const BatchData d1 = make_batch(s, gc.lens1, gc.qlen1, ids, next, int32_t(num_blocks - 1), s.seed);
-  const BatchData d2 = make_batch(s, gc.lens2, gc.qlen2, ids, next, int32_t(num_blocks - 1), s.seed + 99);
+  // Two batches over disjoint blocks of every layer's cache; each layer has its own latents
+  // (and its own scale), so a run that reads another layer's cache shows.
+  std::vector<BatchData> d1, d2;
+  std::vector<float> scales;
+  for (int layer = 0; layer < kLayers; ++layer) {
+    size_t next = 0;
+    d1.push_back(make_batch(s, gc.lens1, gc.qlen1, ids, next, int32_t(num_blocks - 1), s.seed + 1000 * layer));
+    d2.push_back(make_batch(s, gc.lens2, gc.qlen2, ids, next, int32_t(num_blocks - 1), s.seed + 1000 * layer + 99));
+    scales.push_back(s.dtype == KvDtype::bf16 ? 1.0f : s.kv_scale * float(1 + layer));
+  }
 
-  PlannerConfig config = make_config(s, num_blocks, max_batch, max_local);
-  const float sm_scale = default_softmax_scale();
-  RankRunner cpu(config, s.kv_scale, sm_scale);
-  cpu.cache().poison();
-  cpu.write(d1.latents, d1.positions, d1.requests, d1.desc());
-  cpu.write(d2.latents, d2.positions, d2.requests, d2.desc());
-
-  config.backend = Backend::cuda;
-  CudaRankRunner gpu(config, s.kv_scale, sm_scale);
-  gpu.set_tuning(test_tuning());
-  const size_t cache_bytes = size_t(cpu.cache().config().bytes());
+  const AttentionConfig config = make_config(s, max_batch, max_local);
+  Attention cpu(config);
+  std::vector<PagedCache> cpu_caches;
+  std::vector<std::unique_ptr<DeviceCache>> gpu_caches;
   cudaStream_t stream;
   cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-  gpu.upload_cache(std::span<const uint8_t>(cpu.cache().data(), cache_bytes), stream);
+  for (int layer = 0; layer < kLayers; ++layer) {
+    cpu_caches.emplace_back(CacheConfig{num_blocks, s.block_size, 576, s.dtype, scales[size_t(layer)]});
+    cpu_caches.back().poison();
+    gpu_caches.push_back(std::make_unique<DeviceCache>(num_blocks, s.block_size, s.dtype));
+    for (const BatchData* d : {&d1[size_t(layer)], &d2[size_t(layer)]}) {
+      cpu_caches.back().write(d->latents,
+                              slots_of(d->positions, d->requests, d->desc(), s.block_size, num_blocks, config.layout));
+      device_write(*d, config.layout, *gpu_caches.back(), scales[size_t(layer)], stream);
+    }
+  }
 
+  cuda::Attention gpu(config);
+  gpu.set_tuning(test_tuning());
   const size_t qcap = size_t(max_batch) * s.max_qlen * s.heads;
-  DeviceBuffer<bf16> q(qcap * 576), out(qcap * 512);
-  DeviceBuffer<float> lse(qcap);
-
-  auto reference = [&](const BatchData& d, std::vector<bf16>& ro, std::vector<float>& rl) {
-    cpu.plan(d.desc());
-    const size_t rows = d.lens.size() * size_t(d.qlen) * s.heads;
-    ro.assign(rows * 512, bf16{});
-    rl.assign(rows, 0.0f);
-    cpu.attend(d.q.data(), ro.data(), rl.data());
-    return cpu.current_plan().route();
+  DeviceBuffer<bf16> q(qcap * 576);
+  std::vector<std::unique_ptr<DeviceBuffer<bf16>>> outs;
+  std::vector<std::unique_ptr<DeviceBuffer<float>>> lses;
+  // fp8 scales as device floats, read when the graph replays.
+  DeviceBuffer<float> scale_dev(scales);
+  for (int layer = 0; layer < kLayers; ++layer) {
+    outs.push_back(std::make_unique<DeviceBuffer<bf16>>(qcap * 512));
+    lses.push_back(std::make_unique<DeviceBuffer<float>>(qcap));
+  }
+  auto scale_of = [&](int layer) {
+    return s.dtype == KvDtype::bf16 ? KvScale{} : KvScale{1.0f, scale_dev.get() + layer};
   };
-  auto check = [&](const BatchData& d, const char* which) {
-    std::vector<bf16> ro;
-    std::vector<float> rl;
-    const Route route = reference(d, ro, rl);
-    const size_t rows = rl.size();
-    std::vector<bf16> o = out.download();
-    std::vector<float> l = lse.download();
-    o.resize(rows * 512);
-    l.resize(rows);
-    const Comparison c = compare_rows(o, l, ro, rl, 512, d.qlen, s.heads);
-    EXPECT_EQ(c.bad_rows, 0) << which << " (route " << to_string(route) << "): max rel_l2 " << c.max_rel_l2
-                             << ", lse err " << c.max_lse_err << " | worst " << c.worst;
-    EXPECT_EQ(c.nonzero_empty, 0) << which;
+
+  auto check = [&](const std::vector<BatchData>& d, const char* which) {
+    cpu.plan(d[0].desc());
+    const Route route = cpu.current_plan().route();
+    for (int layer = 0; layer < kLayers; ++layer) {
+      const BatchData& dl = d[size_t(layer)];
+      const size_t rows = dl.lens.size() * size_t(dl.qlen) * s.heads;
+      std::vector<bf16> ro(rows * 512);
+      std::vector<float> rl(rows);
+      cpu.run(d[0].q.data(), cpu_caches[size_t(layer)].view(), KvScale{scales[size_t(layer)]}, ro.data(), rl.data());
+      std::vector<bf16> o = outs[size_t(layer)]->download();
+      std::vector<float> l = lses[size_t(layer)]->download();
+      o.resize(rows * 512);
+      l.resize(rows);
+      const Comparison c = compare_rows(o, l, ro, rl, 512, dl.qlen, s.heads);
+      EXPECT_EQ(c.bad_rows, 0) << which << ", layer " << layer << " (route " << to_string(route)
+                               << "): max rel_l2 " << c.max_rel_l2 << ", lse err " << c.max_lse_err << " | worst "
+                               << c.worst;
+      EXPECT_EQ(c.nonzero_empty, 0) << which << ", layer " << layer;
+    }
     return route;
   };
+  auto poison = [&] {
+    for (int layer = 0; layer < kLayers; ++layer) {
+      outs[size_t(layer)]->poison();
+      lses[size_t(layer)]->poison();
+    }
+  };
 
-  // Plan batch 1, capture, replay.
-  gpu.plan(d1.desc(), stream);
-  cuda_ok(cudaMemcpyAsync(q.get(), d1.q.data(), d1.q.size() * sizeof(bf16), cudaMemcpyHostToDevice, stream), "q1");
+  // Plan batch 1, capture every layer's run in global mode (any synchronisation or
+  // allocation inside run() would invalidate the capture), replay.
+  gpu.plan(d1[0].desc(), stream);
+  cuda_ok(cudaMemcpyAsync(q.get(), d1[0].q.data(), d1[0].q.size() * sizeof(bf16), cudaMemcpyHostToDevice, stream),
+          "q1");
   cuda_ok(cudaStreamSynchronize(stream), "sync");
   cudaGraph_t graph;
   cudaGraphExec_t exec;
-  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
-  gpu.attend(q.get(), out.get(), lse.get(), stream);
+  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
+  for (int layer = 0; layer < kLayers; ++layer)
+    gpu.run(q.get(), gpu_caches[size_t(layer)]->view, scale_of(layer), outs[size_t(layer)]->get(),
+            lses[size_t(layer)]->get(), stream);
   cuda_ok(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
   cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
-  out.poison();
-  lse.poison();
+  poison();
   cuda_ok(cudaGraphLaunch(exec, stream), "cudaGraphLaunch 1");
   cuda_ok(cudaStreamSynchronize(stream), "replay 1");
   const Route r1 = check(d1, "replay of batch 1");
 
   // Re-plan batch 2 (fewer live requests, padding, other qlen), replay the same graph.
-  gpu.plan(d2.desc(), stream);
-  cuda_ok(cudaMemcpyAsync(q.get(), d2.q.data(), d2.q.size() * sizeof(bf16), cudaMemcpyHostToDevice, stream), "q2");
-  out.poison();
-  lse.poison();
+  gpu.plan(d2[0].desc(), stream);
+  cuda_ok(cudaMemcpyAsync(q.get(), d2[0].q.data(), d2[0].q.size() * sizeof(bf16), cudaMemcpyHostToDevice, stream),
+          "q2");
+  poison();
   cuda_ok(cudaGraphLaunch(exec, stream), "cudaGraphLaunch 2");
   cuda_ok(cudaStreamSynchronize(stream), "replay 2");
   const Route r2 = check(d2, "replay of batch 2");

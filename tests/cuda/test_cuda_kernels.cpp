@@ -5,6 +5,9 @@
 // without a GPU too).
 #include <gtest/gtest.h>
 
+#include <functional>
+#include <numeric>
+
 #include <cmath>
 #include <limits>
 #include <random>
@@ -55,16 +58,90 @@ TEST(CudaWriteKv, BitExactAgainstHostEncoder) {
       const std::vector<uint8_t> poisoned(host.data(), host.data() + cfg.bytes());
       host.write(lat, slots);
 
-      DeviceBuffer<uint8_t> cache(poisoned);
-      DeviceBuffer<bf16> dl(lat);
-      DeviceBuffer<int64_t> ds(slots);
-      cuda::write_kv(dl.get(), ds.get(), int64_t(slots.size()), cfg, cache.get(), nullptr);
-      cuda_ok(cudaDeviceSynchronize(), "write_kv");
-      const std::vector<uint8_t> got = cache.download();
-      int64_t diff = 0;
-      for (size_t i = 0; i < got.size(); ++i) diff += got[i] != host.data()[i];
-      EXPECT_EQ(diff, 0) << to_string(d) << " scale " << scale;
+      // The scale as a host float, then as a device float read at run time: same bytes.
+      for (bool device_scale : {false, true}) {
+        if (device_scale && d == KvDtype::bf16) continue;
+        DeviceBuffer<uint8_t> cache(poisoned);
+        DeviceBuffer<bf16> dl(lat);
+        DeviceBuffer<int64_t> ds(slots);
+        DeviceBuffer<float> dscale(std::vector<float>{scale});
+        DeviceBuffer<int> errors(std::vector<int>{0});
+        const KvScale ks = device_scale ? KvScale{1.0f, dscale.get()} : KvScale{scale};
+        cuda::write_kv(KvCache{cache.get(), cfg.num_blocks, 1, dim, d}, dl.get(), ds.get(), int64_t(slots.size()), ks,
+                       nullptr, errors.get());
+        cuda_ok(cudaDeviceSynchronize(), "write_kv");
+        const std::vector<uint8_t> got = cache.download();
+        int64_t diff = 0;
+        for (size_t i = 0; i < got.size(); ++i) diff += got[i] != host.data()[i];
+        EXPECT_EQ(diff, 0) << to_string(d) << " scale " << scale << (device_scale ? " (device scale)" : "");
+        EXPECT_EQ(errors.download()[0], 0);
+      }
     }
+}
+
+// A device slot mapping outside the cache is never written: skipped and counted.
+TEST(CudaWriteKv, OutOfRangeSlotsAreSkippedAndCounted) {
+  DCPMLA_REQUIRE_GPU();
+  const std::vector<bf16> lat = random_bf16(3 * 576, 9);
+  const std::vector<int64_t> slots{1, 4, -7};  // a 4-slot cache: 4 and -7 are outside
+  DeviceBuffer<uint8_t> cache(std::vector<uint8_t>(4 * 576 * 2, 0xff));
+  DeviceBuffer<bf16> dl(lat);
+  DeviceBuffer<int64_t> ds(slots);
+  DeviceBuffer<int> errors(std::vector<int>{0});
+  cuda::write_kv(KvCache{cache.get(), 4, 1, 576, KvDtype::bf16}, dl.get(), ds.get(), 3, KvScale{}, nullptr, errors.get());
+  cuda_ok(cudaDeviceSynchronize(), "write_kv");
+  EXPECT_EQ(errors.download()[0], 2);
+  const std::vector<uint8_t> got = cache.download();
+  for (size_t i = 0; i < got.size(); ++i)
+    if (i / (576 * 2) != 1) EXPECT_EQ(got[i], 0xff) << "byte " << i << " outside slot 1 was written";
+}
+
+// The device slot mapping equals the host slot_of (layout.h) for every rank, interleave and
+// block size, on random positions and permuted tables; bad entries give PAD and count.
+TEST(CudaSlotMapping, EqualsTheHostMapping) {
+  DCPMLA_REQUIRE_GPU();
+  std::mt19937_64 rng(17);
+  for (int world : {1, 3, 4})
+    for (int interleave : {1, 2})
+      for (int block : {2, 16, 64}) {
+        const int batch = 3, width = 8;
+        const int64_t num_blocks = batch * width;
+        std::vector<int32_t> tables(size_t(batch) * width);
+        std::iota(tables.begin(), tables.end(), 0);
+        std::shuffle(tables.begin(), tables.end(), rng);
+        std::vector<int64_t> positions;
+        std::vector<int32_t> requests;
+        const int64_t span = int64_t(width) * block * world;  // positions the tables cover
+        for (int k = 0; k < 200; ++k) {
+          positions.push_back(int64_t(rng() % uint64_t(span)));
+          requests.push_back(int32_t(rng() % batch));
+        }
+        positions.push_back(span * 4);  // past the table on its owner
+        requests.push_back(0);
+        for (int rank = 0; rank < world; ++rank) {
+          const Layout layout{world, rank, interleave};
+          std::vector<int64_t> want(positions.size());
+          int64_t bad = 0;
+          for (size_t k = 0; k < positions.size(); ++k) {
+            const auto table = std::span<const int32_t>(tables).subspan(size_t(requests[k]) * width, width);
+            try {
+              want[k] = slot_of(positions[k], table, block, num_blocks, layout);
+            } catch (const Error&) {
+              want[k] = kPadSlot;
+              ++bad;
+            }
+          }
+          DeviceBuffer<int64_t> dp(positions), dslots(positions.size());
+          DeviceBuffer<int32_t> dr(requests), dt(tables);
+          DeviceBuffer<int> errors(std::vector<int>{0});
+          cuda::slot_mapping(dp.get(), dr.get(), int64_t(positions.size()), dt.get(), batch, width, block, num_blocks,
+                             layout, dslots.get(), nullptr, errors.get());
+          cuda_ok(cudaDeviceSynchronize(), "slot_mapping");
+          EXPECT_EQ(dslots.download(), want) << "world " << world << " rank " << rank << " I " << interleave
+                                             << " block " << block;
+          EXPECT_EQ(errors.download()[0], bad);
+        }
+      }
 }
 
 std::vector<float> random_lse(size_t n, uint64_t seed) {
@@ -117,47 +194,39 @@ TEST(CudaMerge, MergeStateAndCombineMatchCpu) {
   }
 }
 
-PlannerConfig good_config() {
-  PlannerConfig c;
-  c.backend = Backend::cuda;
-  c.mode = Mode::verify;
+AttentionConfig good_config() {
+  AttentionConfig c;
   c.heads = 16;
-  c.num_blocks = 64;
   c.limits = PlanLimits{4, 4, 4096};
+  c.softmax_scale = 0.05f;
   return c;
 }
 
 // Construction checks come before any CUDA call: these run on machines without a GPU.
-TEST(CudaValidation, RunnerRefusesBadConfigurationsBeforeTouchingTheDevice) {
-  auto expect_error = [](PlannerConfig c, float kv_scale, const char* field) {
+TEST(CudaValidation, AttentionRefusesBadConfigurationsBeforeTouchingTheDevice) {
+  auto expect_error = [](AttentionConfig c, const char* field) {
     try {
-      CudaRankRunner r(c, kv_scale, 0.05f);
+      cuda::Attention a(c);
       ADD_FAILURE() << "accepted a configuration with a bad " << field;
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
     }
   };
-  PlannerConfig c = good_config();
+  AttentionConfig c = good_config();
   c.heads = 129;
-  expect_error(c, 1.0f, "heads");
-  c = good_config();
-  c.backend = Backend::cpu;
-  expect_error(c, 1.0f, "backend");
+  expect_error(c, "'heads' = 129");
   c = good_config();
   c.dims = LatentDims{256, 64};
-  expect_error(c, 1.0f, "dims");
+  expect_error(c, "dims");
   c = good_config();
-  expect_error(c, 0.5f, "kv_scale");  // bf16 cache with a scale
-  c = good_config();
-  c.kv_dtype = KvDtype::fp8_e4m3;
-  expect_error(c, -1.0f, "kv_scale");
+  c.softmax_scale = 1e-40f;  // subnormal
+  expect_error(c, "softmax_scale");
   c = good_config();
   c.layout = Layout{2, 2, 1};
-  expect_error(c, 1.0f, "rank");
+  expect_error(c, "rank");
   c = good_config();
-  c.mode = Mode::decode;
-  c.route = Route::two_stage;
-  expect_error(c, 1.0f, "route");
+  c.limits.max_batch = 0;
+  expect_error(c, "max_batch");
 }
 
 TEST(CudaValidation, AttentionRefusesBadParamsBeforeLaunch) {
@@ -211,24 +280,53 @@ TEST(CudaValidation, AttentionRefusesBadParamsBeforeLaunch) {
   expect_field(bad, "q");
 }
 
-TEST(CudaValidation, RunnerRefusesBadBatchesAndAttendWithoutPlan) {
+// Bad batches at plan(), bad caches and scales at run(): refused before any launch, with an
+// error naming the field.
+TEST(CudaValidation, AttentionRefusesBadBatchesCachesAndRunWithoutPlan) {
   DCPMLA_REQUIRE_GPU();
-  CudaRankRunner r(good_config(), 1.0f, 0.05f);
-  static bf16 dummy[4];
-  EXPECT_THROW(r.attend(dummy, dummy, reinterpret_cast<float*>(dummy), nullptr), Error);
+  cuda::Attention a(good_config());
+  DeviceBuffer<uint8_t> bytes(size_t(64) * 64 * 576 * 2 + 16);
+  DeviceBuffer<bf16> q(4 * 4 * 16 * 576), out(4 * 4 * 16 * 512);
+  DeviceBuffer<float> lse(4 * 4 * 16);
+  const KvCache good{bytes.get(), 64, 64, 576, KvDtype::bf16};
+  auto expect_field = [](const std::function<void()>& fn, const char* field) {
+    try {
+      fn();
+      ADD_FAILURE() << "accepted a bad " << field;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+    }
+  };
+  expect_field([&] { a.run(q.get(), good, KvScale{}, out.get(), lse.get(), nullptr); }, "plan");
   const std::vector<int32_t> lens{10, -3};
   const std::vector<int32_t> tables(2, 0);
-  try {
-    r.plan(BatchDesc{lens, 1, tables, 1}, nullptr);
-    ADD_FAILURE() << "accepted a negative length";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("seq_lens[1]"), std::string::npos) << e.what();
-  }
-  const std::vector<int32_t> lens2{100};
-  const std::vector<int32_t> bad_table{99, 99};
-  EXPECT_THROW(r.plan(BatchDesc{lens2, 1, bad_table, 2}, nullptr), Error);  // block id out of range
+  expect_field([&] { a.plan(BatchDesc{lens, 1, tables, 1}, nullptr); }, "seq_lens[1]");
   const std::vector<int32_t> lens3{10};
-  EXPECT_THROW(r.plan(BatchDesc{lens3, 9, std::vector<int32_t>(1, 0), 1}, nullptr), Error);  // qlen > max
+  expect_field([&] { a.plan(BatchDesc{lens3, 9, std::vector<int32_t>(1, 0), 1}, nullptr); }, "qlen");
+  const std::vector<int32_t> many(5, 10);
+  expect_field([&] { a.plan(BatchDesc{many, 1, std::vector<int32_t>(5, 0), 1}, nullptr); }, "batch");
+  expect_field([&] { a.plan(BatchDesc{std::vector<int32_t>{5000}, 1, std::vector<int32_t>(79, 0), 79}, nullptr); },
+               "max_local_kv_len");
+  // A plan naming block 99: a 64-block cache is too small for it.
+  const std::vector<int32_t> lens2{100};
+  const std::vector<int32_t> table{3, 99};
+  a.plan(BatchDesc{lens2, 1, table, 2}, nullptr);
+  expect_field([&] { a.run(q.get(), good, KvScale{}, out.get(), lse.get(), nullptr); }, "num_blocks");
+  a.plan(BatchDesc{lens2, 1, std::vector<int32_t>{3, 9}, 2}, nullptr);
+  KvCache bad = good;
+  bad.data = nullptr;
+  expect_field([&] { a.run(q.get(), bad, KvScale{}, out.get(), lse.get(), nullptr); }, "kv_cache");
+  bad = good;
+  bad.data = bytes.get() + 1;
+  expect_field([&] { a.run(q.get(), bad, KvScale{}, out.get(), lse.get(), nullptr); }, "aligned");
+  bad = good;
+  bad.dtype = KvDtype::fp8_e4m3;
+  expect_field([&] { a.run(q.get(), bad, KvScale{}, out.get(), lse.get(), nullptr); }, "dtype");
+  bad = good;
+  bad.block_size = 16;
+  expect_field([&] { a.run(q.get(), bad, KvScale{}, out.get(), lse.get(), nullptr); }, "block_size");
+  expect_field([&] { a.run(q.get(), good, KvScale{0.5f}, out.get(), lse.get(), nullptr); }, "kv_scale");
+  cuda_ok(cudaDeviceSynchronize(), "nothing was launched");
 }
 
 // Which kernel runs where (host-side dispatch, no device needed): the wgmma kernel serves

@@ -119,21 +119,16 @@ TEST(Nccl, DcpStepOverNcclEqualsDeviceGroup) {
     DcpStep step(step_config(c, t, g.B, g.qlen), comm);
     cudaStream_t stream = comm.stream();
     const RankInputs in = rank_inputs(g, 0, c.heads_local, step.row_capacity());
-    cuda_ok(cudaMemsetAsync(step.runner().cache(), 0xff, size_t(step.runner().cache_config().bytes()), stream),
-            "poison");
-    const BatchDesc desc{g.lens, g.qlen, t.tables[0], t.widths[0]};
-    {
-      DeviceBuffer<bf16> lat(in.prefix_latents.size());
-      upload_on(lat, in.prefix_latents, stream);
-      step.runner().write(lat.get(), in.prefix_positions, in.prefix_requests, desc, stream);
-      comm.synchronize();
-    }
+    DeviceCache cache(t.num_blocks, c.block_size, c.dtype, stream);
+    const BatchDesc desc{g.lens, g.qlen, t.tables[0], t.widths[0], c.mode};
+    device_write(in.prefix_positions, in.prefix_requests, in.prefix_latents, desc, Layout{1, 0, c.interleave}, cache,
+                 c.kv_scale, stream);
     step.plan(desc);
     DeviceBuffer<bf16> q(in.q_local.size()), lat(in.new_latents.size()), out(size_t(step.row_capacity()) * c.heads_local * kR);
     DeviceBuffer<float> lse(size_t(step.row_capacity()) * c.heads_local);
     upload_on(q, in.q_local, stream);
     upload_on(lat, in.new_latents, stream);
-    step.run(q.get(), lat.get(), out.get(), lse.get());
+    step.run(q.get(), lat.get(), cache.view, KvScale{c.kv_scale}, out.get(), lse.get());
     comm.synchronize();
     Result eager;
     eager.out.assign(group.out.size(), bf16{});
@@ -146,7 +141,7 @@ TEST(Nccl, DcpStepOverNcclEqualsDeviceGroup) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
-    step.run(q.get(), lat.get(), out.get(), lse.get());
+    step.run(q.get(), lat.get(), cache.view, KvScale{c.kv_scale}, out.get(), lse.get());
     cuda_ok(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
     cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
     poison_on(out, stream);

@@ -244,6 +244,7 @@ __global__ void __launch_bounds__(256) block_attention_kernel(const BlockParams 
   constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
   const int lane = threadIdx.x & 31;
   const int batch = p.plan_header[1], qlen = p.plan_header[2];
+  const float kv_scale = p.kv_scale_dev != nullptr ? *p.kv_scale_dev : p.kv_scale;
   const int64_t live = int64_t(batch) * qlen;
   const int64_t rows = (live < p.row_capacity ? live : p.row_capacity) * p.heads;
   for (int64_t item = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5); item < rows; item += int64_t(gridDim.x) * 8) {
@@ -260,7 +261,7 @@ __global__ void __launch_bounds__(256) block_attention_kernel(const BlockParams 
     auto score = [&](int i) {
       const bf16* k = p.block + (int64_t(b) * qlen + i) * p.dim;
       float s = 0.0f;
-      for (int j = lane; j < p.dim; j += 32) s += bf16f(q[j]) * read_as_cache<DT>(k[j], p.kv_scale);
+      for (int j = lane; j < p.dim; j += 32) s += bf16f(q[j]) * read_as_cache<DT>(k[j], kv_scale);
 #pragma unroll
       for (int d = 16; d; d >>= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
       return s * p.softmax_scale * kLog2e;
@@ -278,7 +279,7 @@ __global__ void __launch_bounds__(256) block_attention_kernel(const BlockParams 
 #pragma unroll
       for (int kk = 0; kk < 16; ++kk) {
         const int col = lane + 32 * kk;
-        if (col < p.width) acc[kk] += w * read_as_cache<DT>(k[col], p.kv_scale);
+        if (col < p.width) acc[kk] += w * read_as_cache<DT>(k[col], kv_scale);
       }
     }
 #pragma unroll

@@ -1,0 +1,39 @@
+// Host entry points of the device write path (write_kv.cu): validation before any launch.
+#include "dcpmla/cuda.h"
+#include "dcpmla/error.h"
+#include "../params.h"
+
+namespace dcpmla::cuda {
+
+void write_kv(const KvCache& cache, const bf16* latents, const int64_t* slots, int64_t n, const KvScale& scale,
+              cudaStream_t stream, int* errors) {
+  cache.validate();
+  scale.validate(cache.dtype);
+  require(n >= 0, "n", n, ">= 0");
+  require(cache.dim % 8 == 0, "dim", cache.dim, "a multiple of 8 on the CUDA backend");
+  if (n == 0) return;
+  require(latents != nullptr && slots != nullptr, "latents/slot_mapping", "null", "device pointers");
+  cuda_detail::launch_write_kv(cuda_detail::WriteKvParams{latents, slots, n, cache.num_slots(), cache.dim, cache.dtype,
+                                                          scale.value, scale.device, errors,
+                                                          static_cast<uint8_t*>(cache.data)},
+                               stream);
+}
+
+void slot_mapping(const int64_t* positions, const int32_t* requests, int64_t n, const int32_t* block_tables,
+                  int batch, int table_width, int block_size, int64_t num_blocks, const Layout& layout,
+                  int64_t* slots, cudaStream_t stream, int* errors) {
+  layout.validate_with_block_size(block_size);
+  require(n >= 0, "n", n, ">= 0");
+  require(batch >= 0, "batch", batch, ">= 0");
+  require(table_width >= 0, "table_width", table_width, ">= 0");
+  require(num_blocks >= 1, "num_blocks", num_blocks, ">= 1");
+  if (n == 0) return;
+  require(positions && requests && slots && (block_tables || batch * int64_t(table_width) == 0),
+          "positions/requests/block_tables/slots", "null", "device pointers");
+  cuda_detail::launch_slot_mapping(
+      cuda_detail::SlotMappingParams{positions, requests, n, block_tables, batch, table_width, block_size, num_blocks,
+                                     layout.world_size, layout.rank, layout.interleave, slots, errors},
+      stream);
+}
+
+}  // namespace dcpmla::cuda
