@@ -100,15 +100,9 @@ void PagedCache::write(std::span<const bf16> latents, std::span<const int64_t> s
   write_kv(view(), latents.data(), slots.data(), int64_t(slots.size()), config_.scale);
 }
 
-void PagedCache::poison() {
-  if (config_.dtype == KvDtype::bf16) {
-    const bf16 nan = float_to_bf16(std::numeric_limits<float>::quiet_NaN());
-    auto* p = reinterpret_cast<bf16*>(bytes_.data());
-    std::fill(p, p + bytes_.size() / 2, nan);
-  } else {
-    std::fill(bytes_.begin(), bytes_.end(), float_to_fp8(std::numeric_limits<float>::quiet_NaN(), config_.dtype));
-  }
-}
+// 0xff bytes are NaN in bf16, e4m3 and e5m2 alike: the pattern the CUDA caches use too, so a
+// host and a device cache poisoned and written alike are equal byte for byte.
+void PagedCache::poison() { std::fill(bytes_.begin(), bytes_.end(), uint8_t(0xff)); }
 
 float PagedCache::read(int64_t slot, int j) const {
   require(slot >= 0 && slot < config_.num_slots(), "slot", slot,

@@ -50,7 +50,7 @@ void validate_run(const PlannerConfig& c, const Plan& plan, const KvCache& cache
 }
 
 Attention::Attention(const AttentionConfig& config)
-    : planner_(planner_config(config, Backend::cpu, 132)),
+    : planner_(planner_config(config, Backend::cpu, kCpuWorkers)),
       plan_(planner_.make_plan()),
       softmax_scale_(softmax_scale_of(config)) {}
 

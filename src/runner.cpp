@@ -329,7 +329,7 @@ AttentionResult mla_attention(std::span<const float> q, std::span<const float> k
   // workspaces in device memory; their host copies of q and the partials are counted.
   const int N = options.world_size;
   const AttentionConfig config = rank_config(in, options, 0);
-  const PlannerConfig sizing_config = planner_config(config, options.backend, 132);
+  const PlannerConfig sizing_config = planner_config(config, options.backend, kCpuWorkers);
   const Planner sizing(sizing_config);
   const double cells = double(batch) * qlen * heads, R = options.kv_lora_rank;
   const double merge = (N + 3) * cells * (R * 2 + 4) + cells * R * 4;

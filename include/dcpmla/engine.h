@@ -18,6 +18,10 @@
 
 namespace dcpmla {
 
+// Parallel units the CPU backend's plans spread work over (the planner's num_workers): the
+// H200's SM count, so that a CPU plan is the plan a GPU of that size runs (tests compare them).
+inline constexpr int kCpuWorkers = 132;
+
 // Fixed for an Attention's life (one per model and rank); checked at construction.
 struct AttentionConfig {
   int heads = 16;                      // query heads this rank computes (all the group's under DCP)
@@ -60,7 +64,8 @@ class Attention {
 
   // This rank's partial over `cache` (this layer's) with the current plan:
   // q [B, qlen, H, D] bf16 -> out [B, qlen, H, R] bf16, lse [B, qlen, H] natural log (-inf where
-  // the rank holds no key of the row's window). Allocates nothing.
+  // the rank holds no key of the row's window). Takes no cache or workspace memory (the CPU
+  // kernels use per-call scratch of their own; the CUDA backend allocates nothing).
   void run(const bf16* q, const KvCache& cache, const KvScale& scale, bf16* out, float* lse);
 
   // The parameters run() computes with (tests).
