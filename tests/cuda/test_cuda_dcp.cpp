@@ -337,15 +337,24 @@ TEST(DcpStepBadInput, RanksDisagreeOnThePlanShape) {
   for (const auto& e : errors) EXPECT_NE(e.find("expected the same on every rank"), std::string::npos) << e;
 }
 
-TEST(DcpStepBadInput, BatchRefusedAlikeOnEveryRank) {
+// The tables name block 999; each rank's 64-block cache is too small for them: every rank
+// refuses the run before any launch or collective, naming the cache and the block.
+TEST(DcpStepBadInput, CacheTooSmallForTheTablesRefusedAlikeOnEveryRank) {
   DCPMLA_REQUIRE_GPU();
   const auto errors = errors_per_rank(4, [](int, DeviceCommunicator& comm) {
     DcpStep step(small_config(4), comm);
     const std::vector<int32_t> lens{41, 8};
-    const std::vector<int32_t> tables{999, 1, 2, 3};  // a block id out of range, in a used entry
+    const std::vector<int32_t> tables{999, 1, 2, 3};  // used entries
     step.plan(BatchDesc{lens, 1, tables, 2});
+    DeviceCache cache(64, 16, KvDtype::bf16, comm.stream());
+    DeviceBuffer<bf16> q(size_t(step.row_capacity()) * 4 * kD), out(size_t(step.row_capacity()) * 4 * kR);
+    DeviceBuffer<float> lse(size_t(step.row_capacity()) * 4);
+    step.run(q.get(), nullptr, cache.view, KvScale{}, out.get(), lse.get());
   });
-  for (const auto& e : errors) EXPECT_NE(e.find("999"), std::string::npos) << e;
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("num_blocks"), std::string::npos) << e;
+    EXPECT_NE(e.find("999"), std::string::npos) << e;
+  }
 }
 
 TEST(DcpStepBadInput, FailedRankAbortsTheOthers) {
