@@ -62,7 +62,7 @@ dcpmla::Backend backend_of(const std::string& device) {
 std::tuple<NumpyArray<float>, NumpyArray<float>, std::vector<std::string>> mla_attention(
     HostArray<float, 4> q, HostArray<float, 3> kv, HostArray<int32_t, 1> seq_lens,
     const std::string& mode, int world_size, int interleave, int block_size,
-    const std::string& kv_dtype, float kv_scale, float softmax_scale, int kv_lora_rank,
+    const std::string& kv_dtype, double kv_scale, double softmax_scale, int kv_lora_rank,
     const std::string& route, const std::string& merge, const std::string& device,
     uint64_t seed) {
   dcpmla::AttentionOptions options;
@@ -71,8 +71,9 @@ std::tuple<NumpyArray<float>, NumpyArray<float>, std::vector<std::string>> mla_a
   options.interleave = interleave;
   options.block_size = block_size;
   options.kv_dtype = dcpmla::parse_kv_dtype(kv_dtype);
-  options.kv_scale = kv_scale;
-  options.softmax_scale = softmax_scale;
+  // Doubles narrowed here, after the check: 1e-46 must not become 0 ("use the default").
+  options.kv_scale = dcpmla::checked_scale("kv_scale", kv_scale);
+  options.softmax_scale = dcpmla::checked_scale("softmax_scale", softmax_scale);
   options.kv_lora_rank = kv_lora_rank;
   options.route = dcpmla::parse_route(route);
   options.merge = dcpmla::parse_merge_form(merge);

@@ -27,7 +27,7 @@ void CacheConfig::validate() const {
   if (dtype == KvDtype::bf16)
     require(scale == 1.0f, "kv_scale", scale, "1.0 for a bf16 cache (the scale is for fp8)");
   else
-    require(scale > 0.0f && std::isfinite(scale), "kv_scale", scale, "a finite value > 0");
+    require_scale("kv_scale", scale);
 }
 
 PagedCache::PagedCache(const CacheConfig& config) : config_(config) {

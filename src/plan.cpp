@@ -25,6 +25,13 @@ constexpr std::array<Capability, 6> kCapabilities{{
     {Backend::cuda, Route::split_k, kAllModes, kAllDtypes, 1, 128},
 }};
 
+int max_heads(Backend backend) {
+  int most = 0;
+  for (const Capability& c : kCapabilities)
+    if (c.backend == backend) most = std::max(most, c.max_heads);
+  return most;
+}
+
 constexpr int64_t kMaxArenaInts = int64_t(1) << 30;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -76,14 +83,17 @@ Planner::Planner(const PlannerConfig& config) : config_(config) {
   require(c.dims.rope_dim <= INT32_MAX - c.dims.kv_lora_rank, "rope_dim", c.dims.rope_dim,
           fmt::format("<= {} so that D = kv_lora_rank + rope_dim fits int32", INT32_MAX - c.dims.kv_lora_rank));
   require(c.limits.max_batch >= 1, "limits.max_batch", c.limits.max_batch, ">= 1");
-  require(c.limits.max_qlen >= 1, "limits.max_qlen", c.limits.max_qlen, ">= 1");
+  require(c.limits.max_qlen >= 1 && c.limits.max_qlen <= kMaxQlen, "limits.max_qlen", c.limits.max_qlen,
+          fmt::format("in [1, {}]", kMaxQlen));
   // Row lengths are int32 in the plan (and seq_lens are int32), so a longer limit means nothing
   // and would overflow the table-stride arithmetic (found by fuzz_planner).
   require(c.limits.max_local_kv_len >= 1 && c.limits.max_local_kv_len <= INT32_MAX, "limits.max_local_kv_len",
           c.limits.max_local_kv_len, fmt::format("in [1, {}]", INT32_MAX));
   require(c.num_workers >= 1, "num_workers", c.num_workers, ">= 1");
   require(c.min_segment_tokens >= 1, "min_segment_tokens", c.min_segment_tokens, ">= 1");
-  require(c.heads >= 1, "heads", c.heads, ">= 1");
+  // Heads beyond what any route serves are the heads' fault, not the route's.
+  require(c.heads >= 1 && c.heads <= max_heads(c.backend), "heads", c.heads,
+          fmt::format("in [1, {}] on the {} backend", max_heads(c.backend), to_string(c.backend)));
   // Auto may take one_stage or split_k; a forced route must itself be served.
   const Route checked = c.route == Route::automatic ? Route::one_stage : c.route;
   if (!is_supported(c.backend, checked, c.mode, c.kv_dtype, c.heads))

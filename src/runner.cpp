@@ -76,8 +76,7 @@ RankRunner::RankRunner(const PlannerConfig& config, float kv_scale, float softma
       softmax_scale_(softmax_scale) {
   require(config.backend == Backend::cpu, "backend", to_string(config.backend),
           "cpu for RankRunner (the CUDA backend has its own engine)");
-  require(std::isfinite(softmax_scale) && softmax_scale > 0.0f, "softmax_scale", softmax_scale,
-          "a finite value > 0");
+  require_scale("softmax_scale", softmax_scale);
 }
 
 void RankRunner::write(std::span<const bf16> latents, std::span<const int64_t> positions,
@@ -145,7 +144,7 @@ Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<co
   require(o.backend == Backend::cpu || bool(engines), "device", to_string(o.backend),
           "cpu: the default engines are the CPU kernels (the CUDA backend passes its own)");
   require(batch >= 1, "batch", batch, ">= 1");
-  require(qlen >= 1, "qlen", qlen, ">= 1");
+  require(qlen >= 1 && qlen <= kMaxQlen, "qlen", qlen, fmt::format("in [1, {}]", kMaxQlen));
   require(heads >= 1, "heads", heads, ">= 1");
   require(max_len >= 0, "max_len", max_len, ">= 0");
   require(o.kv_lora_rank >= 1 && o.kv_lora_rank < dim, "kv_lora_rank", o.kv_lora_rank,
@@ -170,7 +169,7 @@ Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<co
   Inputs in;
   in.batch = batch, in.qlen = qlen, in.heads = heads, in.dim = dim, in.max_len = max_len;
   in.seq_lens = seq_lens;
-  in.softmax_scale = o.softmax_scale == 0.0f ? 1.0f / std::sqrt(float(dim)) : o.softmax_scale;
+  in.softmax_scale = o.softmax_scale == 0.0f && !std::signbit(o.softmax_scale) ? 1.0f / std::sqrt(float(dim)) : o.softmax_scale;
   // The model's numbers are bf16: round once on entry.
   in.q16.resize(q.size());
   in.kv16.resize(kv.size());
@@ -311,10 +310,15 @@ AttentionResult mla_attention_on_rank(std::span<const float> q, std::span<const 
                                       std::span<const int32_t> seq_lens, int batch, int qlen, int heads,
                                       int64_t max_len, int dim, const AttentionOptions& options,
                                       Communicator& comm, const RankEngineFactory& engines) {
-  require(comm.world_size() == options.world_size, "world_size", options.world_size,
-          fmt::format("the communicator's size ({})", comm.world_size()));
-  const Inputs in = prepare(q, kv, seq_lens, batch, qlen, heads, max_len, dim, options, engines);
-  return run_rank(in, options, comm, engines);
+  try {
+    require(comm.world_size() == options.world_size, "world_size", options.world_size,
+            fmt::format("the communicator's size ({})", comm.world_size()));
+    const Inputs in = prepare(q, kv, seq_lens, batch, qlen, heads, max_len, dim, options, engines);
+    return run_rank(in, options, comm, engines);
+  } catch (...) {
+    comm.abort();  // the peers' collectives raise instead of waiting for this rank
+    throw;
+  }
 }
 
 AttentionResult mla_attention(std::span<const float> q, std::span<const float> kv,
