@@ -1,5 +1,5 @@
 # dcpmla: one entry point for a fresh Debian 12 machine.
-#   make demo    install what is missing, build, run the CLI demo
+#   make demo    install what is missing, build, run the CLI demo (also on the GPU, where there is one)
 #   make test    install what is missing, build, run C++ tests, Python tests, install check
 #   make sanitize / make fuzz / make fresh-check: the reliability checks (docs/reliability.md)
 # BUILD_DIR picks the CMake build folder (default build/). CMake cache variables such
@@ -43,8 +43,13 @@ pytest: build
 
 test: ctest pytest install-check
 
+# The GPU run is checked against the same references; exit 3 means no usable GPU (or no
+# CUDA backend) and skips it.
 demo: build
 	./$(BUILD_DIR)/apps/dcpmla demo
+	@rc=0; ./$(BUILD_DIR)/apps/dcpmla demo --device cuda || rc=$$?; \
+	if [ $$rc -eq 3 ]; then echo "make demo: no usable CUDA GPU here: the GPU demo (dcpmla demo --device cuda) is skipped"; \
+	else exit $$rc; fi
 
 # On a GPU machine: ceilings, baseline and dcpmla at the issue's shapes (docs/perf.md);
 # the table is printed last and the rows are written as JSON.
