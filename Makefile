@@ -2,6 +2,7 @@
 #   make demo    install what is missing, build, run the CLI demo (also on the GPU, where there is one)
 #   make test    install what is missing, build, run C++ tests, Python tests, install check
 #   make sanitize / make fuzz / make fresh-check: the reliability checks (docs/reliability.md)
+#   make perf-table / make plots: docs/perf.md's table and SVGs from bench/results/
 # BUILD_DIR picks the CMake build folder (default build/). CMake cache variables such
 # as DCPMLA_CUDA (AUTO/ON/OFF) can be passed through CMAKE_ARGS.
 
@@ -15,7 +16,7 @@ INSTALL_PREFIX := $(abspath $(BUILD_DIR))/_install
 # build runs cmake with -j itself; the steps of `test` must run one after another.
 .NOTPARALLEL:
 
-.PHONY: all setup configure build test ctest pytest demo bench install-check sanitize fuzz fresh-check clean distclean
+.PHONY: all setup configure build test ctest pytest demo bench perf-table plots install-check sanitize fuzz fresh-check clean distclean
 
 all: build
 
@@ -57,6 +58,13 @@ BENCH_JSON ?= bench/results/latest.json
 bench: build
 	@test -x $(BUILD_DIR)/bench/dcpmla_bench || { echo "make bench: the CUDA backend is not built (nvcc not found?)"; exit 1; }
 	./$(BUILD_DIR)/bench/dcpmla_bench --json $(BENCH_JSON)
+
+# docs/perf.md's current table and the SVG plots (docs/img/), from bench/results/*.json.
+perf-table: setup
+	$(PY) scripts/perf_record.py table
+
+plots: setup
+	$(PY) scripts/perf_record.py plots
 
 # Install into a scratch prefix and build a separate project against it with
 # find_package(dcpmla): proves the exported targets and dependencies are complete.
