@@ -74,14 +74,23 @@ has_cmake_pkg() {  # name: is a CMake package config findable in the usual place
   ls /usr/lib/x86_64-linux-gnu/cmake/"$1" /usr/lib/cmake/"$1" /usr/local/lib/cmake/"$1" \
      /usr/share/cmake/"$1" /usr/local/lib64/cmake/"$1" >/dev/null 2>&1
 }
-if has_cmake_pkg fmt; then
-  say "fmt: system"
-elif [[ -d .devdeps/fmt ]]; then
-  say "fmt: carried header-only copy"
-  PREFIXES+=("$ROOT/.devdeps/fmt")
-else
-  say "fmt: MISSING (no system package and no .devdeps/fmt)"
-fi
+header_only() {  # label, carried prefix, CMake packages: the system's when all are found, else the carried copy
+  local label=$1 carried=$2 pkg
+  shift 2
+  for pkg in "$@"; do
+    has_cmake_pkg "$pkg" && continue
+    if [[ -d "$carried" ]]; then
+      say "$label: carried header-only copy"
+      PREFIXES+=("$ROOT/$carried")
+    else
+      say "$label: MISSING (no system package and no $carried)"
+    fi
+    return
+  done
+  say "$label: system"
+}
+header_only fmt .devdeps/fmt fmt
+header_only "CLI11, nlohmann-json" .devdeps/headers CLI11 nlohmann_json
 if has_cmake_pkg GTest; then
   say "googletest: system"
 elif [[ -d .devdeps/googletest ]]; then
@@ -95,14 +104,6 @@ elif [[ -d .devdeps/googletest ]]; then
   PREFIXES+=("/tmp/dcpmla-gtest")
 else
   say "googletest: MISSING"
-fi
-if has_cmake_pkg CLI11 && has_cmake_pkg nlohmann_json; then
-  say "CLI11, nlohmann-json: system"
-elif [[ -d .devdeps/headers ]]; then
-  say "CLI11, nlohmann-json: carried headers"
-  PREFIXES+=("$ROOT/.devdeps/headers")
-else
-  say "CLI11, nlohmann-json: MISSING (no system package and no .devdeps/headers)"
 fi
 prefix_path="$(IFS=';'; echo "${PREFIXES[*]:-}")"
 
