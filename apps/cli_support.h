@@ -8,9 +8,14 @@
 #include <string>
 
 #include <CLI/CLI.hpp>
-#include <fmt/format.h>
 
 namespace dcpmla::cli {
+
+// No fmt: bench.cu includes this, and fmt's constexpr code does not compile in nvcc's host pass.
+template <class T>
+std::string range(T lo, T hi) {
+  return "[" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+}
 
 template <class T>
 CLI::Validator integer_in(T lo, T hi) {
@@ -20,9 +25,9 @@ CLI::Validator integer_in(T lo, T hi) {
         const char* end = text.data() + text.size();
         const auto [stop, ec] = std::from_chars(text.data(), end, value);
         if (ec == std::errc() && stop == end && value >= lo && value <= hi) return {};
-        return fmt::format("'{}': expected a decimal integer in [{}, {}]", text, lo, hi);
+        return "'" + text + "': expected a decimal integer in " + range(lo, hi);
       },
-      fmt::format("INT in [{}, {}]", lo, hi));
+      "INT in " + range(lo, hi));
 }
 
 }  // namespace dcpmla::cli

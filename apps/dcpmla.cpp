@@ -33,7 +33,7 @@
 #include "dcpmla/comm_mpi.h"
 #endif
 #ifdef DCPMLA_HAS_CUDA
-#include "../bench/results_json.h"
+#include "../bench/dcp_results.h"
 #include "dcpmla/cuda.h"
 #include "dcpmla/dcp.h"
 #endif

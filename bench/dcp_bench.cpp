@@ -10,7 +10,7 @@
 
 #include "../apps/cli_support.h"
 #include "dcpmla/dcp.h"
-#include "results_json.h"
+#include "dcp_results.h"
 
 int main(int argc, char** argv) {
   using dcpmla::cli::integer_in;

@@ -3,22 +3,21 @@
 // when, from which commit, on which GPU at which clocks and by which command the rows were
 // measured. A value that is not a finite number (a ratio against a ceiling that was not
 // measured) is written as null: JSON has no inf or nan (nlohmann-json writes them as null).
+// No fmt here (nor the library headers that include it): bench.cu includes this, and fmt's
+// constexpr code does not compile in nvcc's host pass. The DCP rows: dcp_results.h.
 #pragma once
 
 #include <chrono>
 #include <cstdio>
 #include <ctime>
 #include <fstream>
+#include <stdexcept>
 #include <string>
-#include <vector>
 
 #include <cuda_runtime.h>
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "dcpmla/build_info.h"
-#include "dcpmla/dcp.h"
-#include "dcpmla/error.h"
 
 namespace dcpmla::results {
 
@@ -30,7 +29,8 @@ inline nlohmann::json cuda_attribute_mhz(cudaDeviceAttr attr, int device) {
 
 // The SM clock nvidia-smi reports as the run starts (null where nvidia-smi is absent).
 inline nlohmann::json sm_clock_now_mhz(int device) {
-  const std::string cmd = fmt::format("nvidia-smi -i {} --query-gpu=clocks.sm --format=csv,noheader,nounits 2>/dev/null", device);
+  const std::string cmd =
+      "nvidia-smi -i " + std::to_string(device) + " --query-gpu=clocks.sm --format=csv,noheader,nounits 2>/dev/null";
   FILE* pipe = popen(cmd.c_str(), "r");
   if (!pipe) return nullptr;
   int mhz = 0;
@@ -67,38 +67,7 @@ inline nlohmann::json metadata(int device, int argc, char** argv) {
 inline void write(const std::string& path, const nlohmann::json& meta, const nlohmann::json& rows) {
   std::ofstream f(path);
   if (f) f << nlohmann::json{{"meta", meta}, {"rows", rows}}.dump(1) << "\n";
-  if (!f) fail("--json", path, "a file that can be written");
-}
-
-inline nlohmann::json dcp_rows(const std::vector<cuda::DcpBenchRow>& rows, const cuda::DcpBenchOptions& o) {
-  nlohmann::json out = nlohmann::json::array();
-  for (const auto& r : rows)
-    out.push_back({{"name", fmt::format("dcp_rank_h{}_q{}_n{}", r.heads_local, r.qlen, r.world_size)},
-                   {"batch", o.batch},
-                   {"context", o.context},
-                   {"heads_local", r.heads_local},
-                   {"qlen", r.qlen},
-                   {"world_size", r.world_size},
-                   {"heads_total", r.heads_total},
-                   {"launches", r.groups},
-                   {"local_tokens", r.local_tokens},
-                   {"kv_dtype", "bf16"},
-                   {"route", r.route},
-                   {"attention_us", r.attention_us},
-                   {"kv_TBps", r.attention_tbps},
-                   {"correct_us", r.correct_us},
-                   {"correct_GBps", r.correct_gbps},
-                   {"reduce_us", r.reduce_us},
-                   {"reduce_GBps", r.reduce_gbps},
-                   {"pack_us", r.pack_us},
-                   {"combine_us", r.combine_us},
-                   {"combine_GBps", r.combine_gbps},
-                   {"q_bytes", r.q_bytes},
-                   {"sent_q_all_gather", r.traffic.q_all_gather},
-                   {"sent_lse_all_gather", r.traffic.lse_all_gather},
-                   {"sent_reduce_scatter_bf16", r.traffic.reduce_scatter},
-                   {"sent_all_to_all", r.traffic.all_to_all}});
-  return out;
+  if (!f) throw std::runtime_error("dcpmla: field '--json' = " + path + ": expected a file that can be written");
 }
 
 }  // namespace dcpmla::results
