@@ -1,7 +1,8 @@
 # dcpmla: one entry point for a fresh Debian 12 machine.
-#   make demo    install what is missing, build, run the CLI demo
+#   make demo    install what is missing, build, run the CLI demo (also on the GPU, where there is one)
 #   make test    install what is missing, build, run C++ tests, Python tests, install check
 #   make sanitize / make fuzz / make fresh-check: the reliability checks (docs/reliability.md)
+#   make perf-table / make plots: docs/perf.md's table and SVGs from bench/results/
 # BUILD_DIR picks the CMake build folder (default build/). CMake cache variables such
 # as DCPMLA_CUDA (AUTO/ON/OFF) can be passed through CMAKE_ARGS.
 
@@ -15,7 +16,7 @@ INSTALL_PREFIX := $(abspath $(BUILD_DIR))/_install
 # build runs cmake with -j itself; the steps of `test` must run one after another.
 .NOTPARALLEL:
 
-.PHONY: all setup configure build test ctest pytest demo bench bench-plan install-check sanitize fuzz fresh-check clean distclean
+.PHONY: all setup configure build test ctest pytest demo bench bench-plan perf-table plots install-check sanitize fuzz fresh-check clean distclean
 
 all: build
 
@@ -43,8 +44,13 @@ pytest: build
 
 test: ctest pytest install-check
 
+# The GPU run is checked against the same references; exit 3 means no usable GPU (or no
+# CUDA backend) and skips it.
 demo: build
 	./$(BUILD_DIR)/apps/dcpmla demo
+	@rc=0; ./$(BUILD_DIR)/apps/dcpmla demo --device cuda || rc=$$?; \
+	if [ $$rc -eq 3 ]; then echo "make demo: no usable CUDA GPU here: the GPU demo (dcpmla demo --device cuda) is skipped"; \
+	else exit $$rc; fi
 
 # On a GPU machine: ceilings, baseline and dcpmla at the issue's shapes (docs/perf.md);
 # the table is printed last and the rows are written as JSON.
@@ -59,6 +65,13 @@ BENCH_PLAN_JSON ?=
 bench-plan: configure
 	cmake --build $(BUILD_DIR) --target dcpmla_plan_bench -j$(JOBS)
 	./$(BUILD_DIR)/bench/dcpmla_plan_bench $(if $(BENCH_PLAN_JSON),--benchmark_out=$(BENCH_PLAN_JSON) --benchmark_out_format=json)
+
+# docs/perf.md's current table and the SVG plots (docs/img/), from bench/results/*.json.
+perf-table: setup
+	$(PY) scripts/perf_record.py table
+
+plots: setup
+	$(PY) scripts/perf_record.py plots
 
 # Install into a scratch prefix and build a separate project against it with
 # find_package(dcpmla): proves the exported targets and dependencies are complete.

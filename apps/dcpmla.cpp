@@ -3,7 +3,8 @@
 //   dcpmla demo   runs a mixed batch through the whole DCP path (shard -> page -> write
 //                 -> plan -> per-rank attention -> merge) for decode, verify and draft in
 //                 bf16 and fp8, and checks every answer twice: against the same batch on
-//                 one rank (DCP1) and against the float64 reference.
+//                 one rank (DCP1) and against the float64 reference; --device cuda runs the
+//                 ranks' attention on the GPU (CUDA builds).
 //   dcpmla bench  (CUDA builds) what each of --ranks N ranks does per DCP step on this GPU:
 //                 attention over its share, merge kernels, bytes sent (src/cuda/dcp_bench.cpp).
 #include <algorithm>
@@ -22,6 +23,8 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include "cli_support.h"
+#include "dcpmla/build_info.h"
 #include "dcpmla/error.h"
 #include "dcpmla/reference.h"
 #include "dcpmla/runner.h"
@@ -30,6 +33,8 @@
 #include "dcpmla/comm_mpi.h"
 #endif
 #ifdef DCPMLA_HAS_CUDA
+#include "../bench/dcp_results.h"
+#include "dcpmla/cuda.h"
 #include "dcpmla/dcp.h"
 #endif
 
@@ -38,6 +43,7 @@ namespace {
 constexpr double kBound = 1e-2;  // rel L2 of out and absolute lse error
 constexpr int kExitExceeded = 1;
 constexpr int kExitError = 2;
+constexpr int kExitNoDevice = 3;  // --device cuda where no GPU is usable (make demo skips on it)
 
 struct DemoOptions {
   bool json = false;
@@ -45,6 +51,8 @@ struct DemoOptions {
   uint64_t seed = 2024;
   int heads = 16;
   bool quick = false;
+  std::string device = "cpu";
+  dcpmla::RankEngineFactory engines;  // empty: the CPU engines; --device cuda: the GPU's
   // Set when started by mpirun: this process is one rank of the group and the DCP run
   // goes over MPI; otherwise the ranks are threads of this process.
   dcpmla::Communicator* comm = nullptr;
@@ -128,18 +136,20 @@ Row run_case(int index, const Case& c, const DemoOptions& opt, std::mt19937_64& 
   o.kv_dtype = c.dtype;
   o.kv_scale = c.kv_scale;
   o.kv_lora_rank = rank_dim;
+  o.backend = dcpmla::parse_backend(opt.device);
   o.seed = opt.seed + uint64_t(index);  // block tables: a random permutation per case
 
   o.world_size = opt.ranks;
   const auto t0 = std::chrono::steady_clock::now();
   const dcpmla::AttentionResult dcp =
-      opt.comm ? dcpmla::mla_attention_on_rank(q, kv, seq_lens, batch, c.qlen, opt.heads, max_len, dim, o, *opt.comm)
-               : dcpmla::mla_attention(q, kv, seq_lens, batch, c.qlen, opt.heads, max_len, dim, o);
+      opt.comm ? dcpmla::mla_attention_on_rank(q, kv, seq_lens, batch, c.qlen, opt.heads, max_len, dim, o, *opt.comm,
+                                               opt.engines)
+               : dcpmla::mla_attention(q, kv, seq_lens, batch, c.qlen, opt.heads, max_len, dim, o, opt.engines);
   const auto t1 = std::chrono::steady_clock::now();
 
   o.world_size = 1;
   const dcpmla::AttentionResult single =
-      dcpmla::mla_attention(q, kv, seq_lens, batch, c.qlen, opt.heads, max_len, dim, o);
+      dcpmla::mla_attention(q, kv, seq_lens, batch, c.qlen, opt.heads, max_len, dim, o, opt.engines);
 
   const double softmax_scale = 1.0 / std::sqrt(double(dim));
   const dcpmla::ReferenceResult ref =
@@ -194,8 +204,8 @@ void print_table(const std::vector<Row>& rows, const DemoOptions& opt) {
   const auto lens = batch_lengths(opt.quick, 1);
   fmt::print("dcpmla demo: seq_lens {} (L incl. the query block; 0 = padding), {} heads,\n", lens,
              opt.heads);
-  fmt::print("D = 576 (R 512 + P 64), block_size 64, seed {}; each case on {} ranks vs 1 rank (DCP1)\n",
-             opt.seed, opt.ranks);
+  fmt::print("D = 576 (R 512 + P 64), block_size 64, seed {}, device {}; each case on {} ranks vs 1 rank (DCP1)\n",
+             opt.seed, opt.device, opt.ranks);
   fmt::print("and vs the float64 reference; pass: rel L2 and |lse err| <= {:g}, no NaN.\n\n", kBound);
   fmt::print("{:>4}  {:<6} {:>4}  {:<8} {:>5} {:>3}  {:<20} {:>9} {:>9}  {:>9} {:>9}  {:>9}  {}\n", "case",
              "mode", "qlen", "dtype", "ranks", "I", "route(s)", "dcp1 L2", "dcp1 lse", "ref L2",
@@ -226,8 +236,15 @@ int run_demo(const DemoOptions& opt) {
   // Under MPI every rank holds the merged result; rank 0 speaks for the group.
   const bool speaker = !opt.comm || opt.comm->rank() == 0;
   if (speaker && opt.json) {
-    nlohmann::json out = nlohmann::json::array();
-    for (const Row& r : rows) out.push_back(row_json(r));
+    nlohmann::json out = {{"version", DCPMLA_VERSION_STRING},
+                          {"commit", DCPMLA_GIT_COMMIT},
+                          {"seed", opt.seed},
+                          {"seq_lens", batch_lengths(opt.quick, 1)},
+                          {"heads", opt.heads},
+                          {"ranks", opt.ranks},
+                          {"device", opt.device},
+                          {"rows", nlohmann::json::array()}};
+    for (const Row& r : rows) out["rows"].push_back(row_json(r));
     fmt::print("{}\n", out.dump(2));
   } else if (speaker) {
     print_table(rows, opt);
@@ -246,7 +263,7 @@ struct BenchOptions {
   std::string json;
 };
 
-int run_bench(const BenchOptions& b) {
+int run_bench(const BenchOptions& b, int argc, char** argv) {
 #ifdef DCPMLA_HAS_CUDA
   dcpmla::cuda::DcpBenchOptions o;
   o.world_sizes = b.ranks;
@@ -258,15 +275,11 @@ int run_bench(const BenchOptions& b) {
   const auto rows = dcpmla::cuda::run_dcp_bench(o);
   const std::string gpu = dcpmla::cuda::device_description(o.device);
   fmt::print("GPU: {}\n{}", gpu, dcpmla::cuda::format_dcp_bench_table(rows, o));
-  if (!b.json.empty()) {
-    std::FILE* f = std::fopen(b.json.c_str(), "w");
-    if (!f) throw dcpmla::Error(fmt::format("dcpmla: field '--json' = {}: expected a writable file", b.json));
-    std::fputs(dcpmla::cuda::format_dcp_bench_json(rows, o, "\"gpu\": \"" + gpu + "\"").c_str(), f);
-    std::fclose(f);
-  }
+  if (!b.json.empty())
+    dcpmla::results::write(b.json, dcpmla::results::metadata(o.device, argc, argv), dcpmla::results::dcp_rows(rows, o));
   return 0;
 #else
-  (void)b;
+  (void)b, (void)argc, (void)argv;
   throw dcpmla::Error("dcpmla: 'bench' needs the CUDA backend, and this dcpmla was built without it (no nvcc)");
 #endif
 }
@@ -275,11 +288,14 @@ int run_bench(const BenchOptions& b) {
 
 int main(int argc, char** argv) {
   CLI::App app{"dcpmla: MLA attention (DeepSeek-V3 style latent attention) for decoding with the\n"
-               "KV cache sharded across ranks (decode context parallelism). demo runs the CPU path;\n"
-               "bench times the GPU DCP step (CUDA builds)."};
-  app.require_subcommand(1);
+               "KV cache sharded across ranks (decode context parallelism). demo runs the whole path\n"
+               "(CPU, or the GPU with --device cuda); bench times the GPU DCP step (CUDA builds)."};
+  app.set_version_flag("--version", fmt::format("dcpmla {} (commit {})", DCPMLA_VERSION_STRING, DCPMLA_GIT_COMMIT));
+  // At most one subcommand; none is reported below (CLI11 would call an unknown one "required").
+  app.require_subcommand(0, 1);
   app.footer("Exit status: 0 every case passed, 1 a case exceeded the bound or gave NaN,\n"
-             "2 an error (bad option, or the library refused the input).");
+             "2 an error (bad option, or the library refused the input), 3 --device cuda without a usable GPU.");
+  using dcpmla::cli::integer_in;
 
   DemoOptions opt;
   CLI::App* demo = app.add_subcommand(
@@ -291,18 +307,24 @@ int main(int argc, char** argv) {
       "a live request holds at least qlen tokens) with random q, kv and block tables.\n"
       "Each case runs on --ranks ranks and on 1 rank (DCP1) and is compared with the float64\n"
       "reference: rel L2 of out and |lse error| must stay within 1e-2, with no NaN.\n"
-      "time ms is the whole N-rank call: shard, write, plan, attend, merge.\n\n"
+      "time ms is the whole N-rank call: shard, write, plan, attend, merge.\n"
+      "--json prints one object: version, commit, seed, seq_lens, heads, ranks, device and the rows.\n\n"
       "Exit status: 0 every case passed, 1 a case exceeded the bound or gave NaN,\n"
-      "2 an error (bad option, or the library refused the input).");
-  demo->add_flag("--json", opt.json, "Print the rows as a JSON array instead of a table");
+      "2 an error (bad option, or the library refused the input), 3 --device cuda without a usable GPU.");
+  demo->add_flag("--json", opt.json, "Print the run as JSON instead of a table");
   demo->add_option("--ranks", opt.ranks,
                    "DCP world size: ranks run as threads, or under mpirun one rank per process "
                    "(then it defaults to, and must equal, the number of processes)")
-      ->check(CLI::Range(1, 64))
+      ->check(integer_in(1, 64))
       ->capture_default_str();
-  demo->add_option("--seed", opt.seed, "Seed of q, kv and the block tables")->capture_default_str();
+  demo->add_option("--seed", opt.seed, "Seed of q, kv and the block tables")
+      ->check(integer_in<uint64_t>(0, UINT64_MAX))
+      ->capture_default_str();
   demo->add_option("--heads", opt.heads, "Query heads per request")
-      ->check(CLI::Range(1, 256))
+      ->check(integer_in(1, 256))
+      ->capture_default_str();
+  demo->add_option("--device", opt.device, "Where the ranks attend: cpu, or cuda (one GPU, CUDA builds)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   demo->add_flag("--quick", opt.quick, "Short requests (seq_lens 300, 157, 5, 2, 0, 77) for tests");
 
@@ -315,25 +337,48 @@ int main(int argc, char** argv) {
       "bandwidth, and the bytes each rank sends per step. Default: batch 8 x 131072, heads-local 16\n"
       "and 64, qlen 1 and 4, N = 1, 2, 4, 8. One process and one GPU; the whole step across GPUs\n"
       "(NCCL, threads or mpirun) is measured with the NCCL communicator (README).");
-  bench->add_option("--ranks", bopt.ranks, "World sizes N to measure")->check(CLI::Range(1, 64))->delimiter(',');
-  bench->add_option("--heads-local", bopt.heads_local, "Query heads per rank")->check(CLI::Range(1, 128))->delimiter(',');
-  bench->add_option("--qlen", bopt.qlens, "Query rows per request")->check(CLI::Range(1, 16))->delimiter(',');
-  bench->add_option("--batch", bopt.batch, "Requests")->check(CLI::Range(1, 1024))->capture_default_str();
-  bench->add_option("--context", bopt.context, "Tokens per request")->check(CLI::Range(1, 1 << 24))->capture_default_str();
-  bench->add_option("--runs", bopt.runs, "Timed runs per measurement (median)")->check(CLI::Range(1, 1000))->capture_default_str();
-  bench->add_option("--json", bopt.json, "Also write the rows as JSON to this file");
+  bench->add_option("--ranks", bopt.ranks, "World sizes N to measure")->check(integer_in(1, 64))->delimiter(',');
+  bench->add_option("--heads-local", bopt.heads_local, "Query heads per rank")->check(integer_in(1, 128))->delimiter(',');
+  bench->add_option("--qlen", bopt.qlens, "Query rows per request")->check(integer_in(1, 16))->delimiter(',');
+  bench->add_option("--batch", bopt.batch, "Requests")->check(integer_in(1, 1024))->capture_default_str();
+  bench->add_option("--context", bopt.context, "Tokens per request")
+      ->check(integer_in<int64_t>(1, 1 << 24))
+      ->capture_default_str();
+  bench->add_option("--runs", bopt.runs, "Timed runs per measurement (median)")->check(integer_in(1, 1000))->capture_default_str();
+  bench->add_option("--json", bopt.json, "Also write the rows and their metadata (date, commit, GPU, clocks, command) as JSON");
 
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    // --help exits 0; a bad option exits 2 (CLI11 reports it), as the footer says.
+    // An unknown word where the subcommand goes is named as such, with the valid ones.
+    if (dynamic_cast<const CLI::ExtrasError*>(&e) && app.get_subcommands().empty() && !app.remaining().empty()) {
+      fmt::print(stderr, "dcpmla: unknown subcommand '{}': expected demo or bench (dcpmla --help)\n", app.remaining()[0]);
+      return kExitError;
+    }
+    // --help and --version exit 0; a bad option exits 2 (CLI11 reports it), as the footer says.
     const int rc = app.exit(e);
     return rc == 0 ? 0 : kExitError;
+  }
+  if (app.get_subcommands().empty()) {
+    fmt::print(stderr, "dcpmla: a subcommand is required: demo or bench (dcpmla --help)\n");
+    return kExitError;
+  }
+  if (opt.device == "cuda") {
+#ifdef DCPMLA_HAS_CUDA
+    if (!dcpmla::cuda_device_available()) {
+      fmt::print(stderr, "dcpmla: demo --device cuda: no usable CUDA device on this machine\n");
+      return kExitNoDevice;
+    }
+    opt.engines = dcpmla::cuda::rank_engine_factory();
+#else
+    fmt::print(stderr, "dcpmla: demo --device cuda: this dcpmla was built without the CUDA backend (no nvcc)\n");
+    return kExitNoDevice;
+#endif
   }
 
   if (*bench) {
     try {
-      return run_bench(bopt);
+      return run_bench(bopt, argc, argv);
     } catch (const std::exception& e) {
       fmt::print(stderr, "dcpmla: error: {}\n", e.what());
       return kExitError;

@@ -2,8 +2,8 @@
 // baseline (gather pages -> cuBLAS batched GEMMs -> softmax kernel -> GEMM), and dcpmla's
 // attention at the shapes of issue #3. Per shape: median of CUDA-event-timed calls
 // (kernel + split-K merge, the whole call an engine makes) after warm-up, with several KV
-// caches rotated so that L2 does not flatter; a table on stdout and JSON rows.
-//   dcpmla_bench [--json FILE] [--runs N] [--quick] [--no-baseline] [--sweep] [--no-ceilings] [--only SHAPE]
+// caches rotated so that L2 does not flatter; a table on stdout and, with --json, the rows
+// and their metadata (bench/results_json.h). `dcpmla_bench --help` lists the options.
 // --sweep also times every other kernel variant (AttentionTuning) at each shape and gives
 // its rel L2 against the default variant's output, "variant:us(relL2)".
 #include <algorithm>
@@ -21,8 +21,13 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "../apps/cli_support.h"
 #include "dcpmla/cuda.h"
 #include "dcpmla/layout.h"
+#include "results_json.h"
 
 using namespace dcpmla;
 
@@ -452,23 +457,21 @@ Shape uniform(const char* name, int batch, int ctx, int heads, int qlen, KvDtype
 int main(int argc, char** argv) {
   std::string json_path;
   int runs = 30;
-  bool quick = false, baseline = true, sweep = false, ceilings = true;
+  bool quick = false, no_baseline = false, sweep = false, no_ceilings = false;
   std::string only;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--json" && i + 1 < argc) json_path = argv[++i];
-    else if (a == "--runs" && i + 1 < argc) runs = std::max(3, std::atoi(argv[++i]));
-    else if (a == "--quick") quick = true;
-    else if (a == "--no-baseline") baseline = false;
-    else if (a == "--sweep") sweep = true;
-    else if (a == "--no-ceilings") ceilings = false;
-    else if (a == "--only" && i + 1 < argc) only = argv[++i];
-    else {
-      std::fprintf(stderr, "usage: dcpmla_bench [--json FILE] [--runs N] [--quick] [--no-baseline] [--sweep] [--no-ceilings] "
-                   "[--only SHAPE]\n");
-      return 1;
-    }
-  }
+  CLI::App app{"dcpmla_bench: the copy and GEMM ceilings, a plain baseline (gather + cuBLAS + softmax) and\n"
+               "dcpmla's attention at the shapes of issue 3, on GPU 0. Needs a CUDA GPU."};
+  app.add_option("--json", json_path, "Also write the rows and their metadata as JSON to this file");
+  app.add_option("--runs", runs, "Timed calls per measurement (median)")
+      ->check(dcpmla::cli::integer_in(3, 100000))
+      ->capture_default_str();
+  app.add_flag("--quick", quick, "Only the four headline shapes");
+  app.add_flag("--no-baseline", no_baseline, "Skip the baseline (its columns are null in the JSON)");
+  app.add_flag("--sweep", sweep, "Also time every other kernel variant at each shape");
+  app.add_flag("--no-ceilings", no_ceilings, "Skip the ceilings (the ratios to them are null in the JSON)");
+  app.add_option("--only", only, "Run this one shape");
+  CLI11_PARSE(app, argc, argv);
+  const bool baseline = !no_baseline, ceilings = !no_ceilings;
   cudaDeviceProp prop;
   ck(cudaGetDeviceProperties(&prop, 0), "props");
   std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
@@ -497,6 +500,13 @@ int main(int argc, char** argv) {
     };
     shapes.insert(shapes.end(), more.begin(), more.end());
   }
+  if (!only.empty() && std::none_of(shapes.begin(), shapes.end(), [&](const Shape& s) { return s.name == only; })) {
+    std::string names;
+    for (const Shape& s : shapes) names += " " + s.name;
+    std::fprintf(stderr, "dcpmla_bench: --only %s: expected one of the%s shapes:%s\n", only.c_str(),
+                 quick ? " --quick" : "", names.c_str());
+    return 2;
+  }
   cublasHandle_t blas;
   ckb(cublasCreate(&blas), "cublasCreate");
   std::vector<Row> rows;
@@ -509,29 +519,40 @@ int main(int argc, char** argv) {
   }
   cublasDestroy(blas);
 
-  std::string json = "[\n";
-  for (size_t i = 0; i < rows.size(); ++i) {
-    const Row& r = rows[i];
-    char buf[1024];
-    const int ctx = *std::max_element(r.s.lens.begin(), r.s.lens.end());
-    std::snprintf(buf, sizeof buf,
-                  "  {\"name\": \"%s\", \"batch\": %d, \"context\": %d, \"heads\": %d, \"qlen\": %d, "
-                  "\"kv_dtype\": \"%s\", \"world\": %d, \"rank\": %d, \"route\": \"%s\", \"variant\": \"%s\", \"work_items\": %d, "
-                  "\"us\": %.2f, \"kv_GBps\": %.1f, \"TFLOPs\": %.2f, \"copy_ratio\": %.3f, \"gemm_ratio\": %.3f, "
-                  "\"baseline_us\": %.2f, \"speedup\": %.2f, \"rel_l2_vs_baseline\": %.5f, "
-                  "\"copy_GBps\": %.0f, \"gemm_TFLOPs\": %.0f, \"sweep_us\": \"%s\"}%s\n",
-                  r.s.name.c_str(), r.s.batch, ctx, r.s.heads, r.s.qlen, std::string(to_string(r.s.dtype)).c_str(),
-                  r.s.world, r.s.rank, r.route.c_str(), r.variant.c_str(), r.work_items, r.us, r.kv_GBps, r.tflops, r.kv_GBps / copy_GBps,
-                  r.tflops / gemm_TFLOPs, r.base_us, r.base_us > 0 ? r.base_us / r.us : 0.0, r.check, copy_GBps,
-                  gemm_TFLOPs, r.sweep.c_str(), i + 1 < rows.size() ? "," : "");
-    json += buf;
+  // Ratios to a ceiling that was not measured, and baseline columns without a baseline, are null.
+  const auto measured = [](bool ok, double v) { return ok ? nlohmann::json(v) : nlohmann::json(nullptr); };
+  nlohmann::json json_rows = nlohmann::json::array();
+  for (const Row& r : rows) {
+    const bool base = r.base_us > 0;
+    json_rows.push_back({{"name", r.s.name},
+                         {"batch", r.s.batch},
+                         {"context", *std::max_element(r.s.lens.begin(), r.s.lens.end())},
+                         {"heads", r.s.heads},
+                         {"qlen", r.s.qlen},
+                         {"kv_dtype", std::string(to_string(r.s.dtype))},
+                         {"world", r.s.world},
+                         {"rank", r.s.rank},
+                         {"route", r.route},
+                         {"variant", r.variant},
+                         {"work_items", r.work_items},
+                         {"us", r.us},
+                         {"kv_GBps", r.kv_GBps},
+                         {"TFLOPs", r.tflops},
+                         {"copy_ratio", measured(copy_GBps > 0, r.kv_GBps / copy_GBps)},
+                         {"gemm_ratio", measured(gemm_TFLOPs > 0, r.tflops / gemm_TFLOPs)},
+                         {"baseline_us", measured(base, r.base_us)},
+                         {"speedup", measured(base, r.base_us / r.us)},
+                         {"rel_l2_vs_baseline", measured(base, r.check)},
+                         {"copy_GBps", measured(copy_GBps > 0, copy_GBps)},
+                         {"gemm_TFLOPs", measured(gemm_TFLOPs > 0, gemm_TFLOPs)},
+                         {"sweep_us", r.sweep}});
   }
-  json += "]\n";
   if (!json_path.empty()) {
-    FILE* f = std::fopen(json_path.c_str(), "w");
-    if (f) {
-      std::fputs(json.c_str(), f);
-      std::fclose(f);
+    try {
+      dcpmla::results::write(json_path, dcpmla::results::metadata(0, argc, argv), json_rows);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "dcpmla_bench: %s\n", e.what());
+      return 2;
     }
   }
 

@@ -1,65 +1,37 @@
 // dcpmla_dcp_bench: the single-GPU DCP benchmark of issue 4 (cuda::run_dcp_bench): per-rank
 // attention over each rank's share at N = 1, 2, 4, 8, the merge kernels' time and bandwidth,
-// and the bytes each rank would send per step in each merge form.
-//   dcpmla_dcp_bench [--json FILE] [--runs N] [--ranks N[,N...]] [--heads-local H[,H...]]
-//                    [--qlen Q[,Q...]] [--batch B] [--context L]
-// `dcpmla bench` runs the same thing.
+// and the bytes each rank would send per step in each merge form. `dcpmla bench` runs the
+// same thing; --json writes the rows with their metadata (bench/results_json.h).
 #include <cstdio>
-#include <cstdlib>
+#include <exception>
 #include <string>
-#include <vector>
 
+#include <CLI/CLI.hpp>
+
+#include "../apps/cli_support.h"
 #include "dcpmla/dcp.h"
-
-namespace {
-
-std::vector<int> ints(const std::string& s) {
-  std::vector<int> v;
-  size_t at = 0;
-  while (at <= s.size()) {
-    const size_t comma = s.find(',', at);
-    v.push_back(std::atoi(s.substr(at, comma == std::string::npos ? std::string::npos : comma - at).c_str()));
-    if (comma == std::string::npos) break;
-    at = comma + 1;
-  }
-  return v;
-}
-
-}  // namespace
+#include "dcp_results.h"
 
 int main(int argc, char** argv) {
+  using dcpmla::cli::integer_in;
   dcpmla::cuda::DcpBenchOptions o;
   std::string json;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const bool has = i + 1 < argc;
-    if (a == "--json" && has) json = argv[++i];
-    else if (a == "--runs" && has) o.runs = std::atoi(argv[++i]);
-    else if (a == "--ranks" && has) o.world_sizes = ints(argv[++i]);
-    else if (a == "--heads-local" && has) o.heads_local = ints(argv[++i]);
-    else if (a == "--qlen" && has) o.qlens = ints(argv[++i]);
-    else if (a == "--batch" && has) o.batch = std::atoi(argv[++i]);
-    else if (a == "--context" && has) o.context = std::atoll(argv[++i]);
-    else {
-      std::fprintf(stderr,
-                   "usage: dcpmla_dcp_bench [--json FILE] [--runs N] [--ranks N,...] [--heads-local H,...] "
-                   "[--qlen Q,...] [--batch B] [--context L]\n");
-      return 2;
-    }
-  }
+  CLI::App app{"dcpmla_dcp_bench: what each of N DCP ranks does per step on this GPU (attention over its share,\n"
+               "merge kernels, bytes sent). Needs a CUDA GPU."};
+  app.add_option("--json", json, "Also write the rows and their metadata as JSON to this file");
+  app.add_option("--runs", o.runs, "Timed runs per measurement (median)")->check(integer_in(1, 1000))->capture_default_str();
+  app.add_option("--ranks", o.world_sizes, "World sizes N to measure")->check(integer_in(1, 64))->delimiter(',');
+  app.add_option("--heads-local", o.heads_local, "Query heads per rank")->check(integer_in(1, 128))->delimiter(',');
+  app.add_option("--qlen", o.qlens, "Query rows per request")->check(integer_in(1, 16))->delimiter(',');
+  app.add_option("--batch", o.batch, "Requests")->check(integer_in(1, 1024))->capture_default_str();
+  app.add_option("--context", o.context, "Tokens per request")->check(integer_in<int64_t>(1, 1 << 24))->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
   try {
     const auto rows = dcpmla::cuda::run_dcp_bench(o);
-    const std::string gpu = dcpmla::cuda::device_description(o.device);
-    std::printf("GPU: %s\n%s", gpu.c_str(), dcpmla::cuda::format_dcp_bench_table(rows, o).c_str());
-    if (!json.empty()) {
-      FILE* f = std::fopen(json.c_str(), "w");
-      if (!f) {
-        std::fprintf(stderr, "cannot write %s\n", json.c_str());
-        return 2;
-      }
-      std::fputs(dcpmla::cuda::format_dcp_bench_json(rows, o, "\"gpu\": \"" + gpu + "\"").c_str(), f);
-      std::fclose(f);
-    }
+    std::printf("GPU: %s\n%s", dcpmla::cuda::device_description(o.device).c_str(),
+                dcpmla::cuda::format_dcp_bench_table(rows, o).c_str());
+    if (!json.empty())
+      dcpmla::results::write(json, dcpmla::results::metadata(o.device, argc, argv), dcpmla::results::dcp_rows(rows, o));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dcpmla_dcp_bench: error: %s\n", e.what());
     return 2;

@@ -76,5 +76,8 @@ if(DCPMLA_CUDA_TESTS)
   add_subdirectory(tests/cuda)
 endif()
 if(DCPMLA_BENCH)
+  # The bench binaries parse arguments with CLI11 and write results with nlohmann-json.
+  find_package(CLI11 REQUIRED)
+  find_package(nlohmann_json REQUIRED)
   add_subdirectory(bench)
 endif()

@@ -20,8 +20,9 @@ target_sources(dcpmla_cuda PRIVATE
 
 if(DCPMLA_BENCH)
   add_executable(dcpmla_dcp_bench bench/dcp_bench.cpp)
-  target_link_libraries(dcpmla_dcp_bench PRIVATE dcpmla::dcpmla_cuda)
+  target_link_libraries(dcpmla_dcp_bench PRIVATE dcpmla::dcpmla_cuda CLI11::CLI11 nlohmann_json::nlohmann_json)
   target_compile_options(dcpmla_dcp_bench PRIVATE -Wall -Wextra)
+  dcpmla_use_build_info(dcpmla_dcp_bench)
 endif()
 
 set(DCPMLA_NCCL "AUTO" CACHE STRING "Build the NCCL communicator: ON, OFF or AUTO (when NCCL is found)")

@@ -8,10 +8,14 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
+# Each line is used by the build: the toolchain; the Python module (nanobind) and its venv;
+# the C++ tests (GoogleTest) and CPU benchmark (Google Benchmark); the CLI, bench binaries and
+# the library (CLI11, nlohmann-json, fmt); the MPI communicator and its tests; `make fuzz`
+# (clang with libFuzzer and the sanitizer runtimes).
 PACKAGES=(
   build-essential cmake make git
   python3 python3-venv python3-dev
-  libgtest-dev libgmock-dev libbenchmark-dev
+  libgtest-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev libfmt-dev
   libopenmpi-dev openmpi-bin
   clang libclang-rt-14-dev

@@ -31,16 +31,11 @@ void validate_shape(int64_t num_blocks, int block_size, int dim, KvDtype dtype) 
           fmt::format("<= {} (the cache's byte count must fit int64)", std::numeric_limits<int64_t>::max() / row_bytes));
 }
 
-bool positive_normal(double v) {
-  return std::isfinite(v) && v >= double(std::numeric_limits<float>::min()) &&
-         v <= double(std::numeric_limits<float>::max());
-}
-
 }  // namespace
 
 void CacheConfig::validate() const {
   validate_shape(num_blocks, block_size, dim, dtype);
-  (void)checked_kv_scale(scale, dtype);
+  KvScale{scale}.validate(dtype);
 }
 
 void KvCache::validate() const {
@@ -53,21 +48,25 @@ void KvCache::validate() const {
 float checked_kv_scale(double value, KvDtype dtype) {
   if (dtype == KvDtype::bf16) {
     if (value != 1.0) fail("kv_scale", value, "1.0 for a bf16 cache (the scale is for fp8)");
-  } else if (!positive_normal(value)) {
-    fail("kv_scale", value, "a positive normal float32 (finite, in [1.18e-38, 3.4e38])");
+    return 1.0f;
   }
-  return float(value);
+  return checked_scale("kv_scale", value);
 }
 
 void KvScale::validate(KvDtype dtype) const {
-  (void)checked_kv_scale(value, dtype);
+  // As a float, so the message shows the value as the caller's float prints.
+  if (dtype == KvDtype::bf16) {
+    if (value != 1.0f) fail("kv_scale", value, "1.0 for a bf16 cache (the scale is for fp8)");
+  } else {
+    require_scale("kv_scale", value);
+  }
   if (device != nullptr && dtype == KvDtype::bf16)
     fail("kv_scale", "a device tensor", "a plain 1.0 for a bf16 cache (the scale is for fp8)");
 }
 
 void write_kv(const KvCache& cache, const bf16* latents, const int64_t* slots, int64_t n, float scale) {
   cache.validate();
-  (void)checked_kv_scale(scale, cache.dtype);
+  KvScale{scale}.validate(cache.dtype);
   if (n < 0) fail("n", n, ">= 0");
   if (n == 0) return;
   if (latents == nullptr || slots == nullptr) fail("latents/slot_mapping", "null", "host pointers");

@@ -1,7 +1,9 @@
 #include "dcpmla/comm.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <exception>
 #include <omp.h>
 #include <vector>
 
@@ -16,17 +18,35 @@ size_t size_of(DataType t) { return t == DataType::bf16 ? 2 : 4; }
 // Ranks meet at a generation barrier; each collective publishes its send buffer, lets every
 // rank read what it needs, and meets again before anyone reuses a buffer.
 struct InProcessGroup::State {
-  explicit State(int n) : world(n), sends(size_t(n), nullptr), rendezvous(n) {}
+  State(int n, std::chrono::milliseconds t) : world(n), timeout(t), sends(size_t(n), nullptr), rendezvous(n, t) {}
 
-  void barrier() {
-    if (rendezvous.arrive_and_wait() != RankBarrier::Outcome::passed)
-      throw Error("dcpmla: in-process collective aborted: another rank failed");
+  void barrier(int rank) {
+    switch (rendezvous.arrive_and_wait()) {
+      case RankBarrier::Outcome::passed:
+        return;
+      case RankBarrier::Outcome::timed_out:
+        throw Error(fmt::format("dcpmla: in-process collective (rank {}): the other ranks did not arrive within {} ms "
+                                "(a rank failed without aborting the group, or never called this collective); "
+                                "the group is aborted",
+                                rank, timeout.count()));
+      case RankBarrier::Outcome::aborted:
+        break;
+    }
+    const int failed = failed_rank.load();
+    throw Error(failed >= 0 ? fmt::format("dcpmla: in-process collective (rank {}) aborted: rank {} failed", rank, failed)
+                            : fmt::format("dcpmla: in-process collective (rank {}) aborted", rank));
   }
-  void abort() { rendezvous.abort(); }
+  void abort(int rank) {
+    int none = -1;
+    failed_rank.compare_exchange_strong(none, rank);  // the first failure is the cause
+    rendezvous.abort();
+  }
 
   const int world;
+  const std::chrono::milliseconds timeout;
   std::vector<const void*> sends;
   RankBarrier rendezvous;
+  std::atomic<int> failed_rank{-1};  // -1: aborted by InProcessGroup::abort(), or not at all
 };
 
 namespace {
@@ -55,7 +75,12 @@ void store_from(const float* acc, void* dst, size_t count, DataType t) {
 class InProcessComm final : public Communicator {
  public:
   InProcessComm(std::shared_ptr<InProcessGroup::State> state, int rank)
-      : state_(std::move(state)), rank_(rank) {}
+      : state_(std::move(state)), rank_(rank), unwinding_at_birth_(std::uncaught_exceptions()) {}
+  // Destroyed by an exception on its way out of the rank's code: that rank has failed, and
+  // no peer may wait for it.
+  ~InProcessComm() override {
+    if (std::uncaught_exceptions() > unwinding_at_birth_) abort();
+  }
 
   int rank() const override { return rank_; }
   int world_size() const override { return state_->world; }
@@ -82,31 +107,35 @@ class InProcessComm final : public Communicator {
     });
   }
 
-  void barrier() override { state_->barrier(); }
+  void barrier() override { state_->barrier(rank_); }
+  void abort() override { state_->abort(rank_); }
 
  private:
   template <class Read>
   void exchange(const void* send, Read read) {
     state_->sends[size_t(rank_)] = send;
-    state_->barrier();
+    state_->barrier(rank_);
     for (int p = 0; p < state_->world; ++p) read(p, state_->sends[size_t(p)]);
-    state_->barrier();
+    state_->barrier(rank_);
   }
 
   std::shared_ptr<InProcessGroup::State> state_;
   int rank_;
+  int unwinding_at_birth_;
 };
 
 }  // namespace
 
-InProcessGroup::InProcessGroup(int world_size) {
+InProcessGroup::InProcessGroup(int world_size, std::chrono::milliseconds timeout) {
   require(world_size >= 1 && world_size <= kMaxInProcessRanks, "world_size", world_size,
           fmt::format("in [1, {}] for in-process ranks (threads)", kMaxInProcessRanks));
-  state_ = std::make_shared<State>(world_size);
+  require(timeout.count() > 0, "timeout", fmt::format("{} ms", timeout.count()), "> 0 (a bound on every wait)");
+  state_ = std::make_shared<State>(world_size, timeout);
 }
 InProcessGroup::~InProcessGroup() = default;
 int InProcessGroup::world_size() const { return state_->world; }
-void InProcessGroup::abort() { state_->abort(); }
+void InProcessGroup::abort() { state_->rendezvous.abort(); }
+int InProcessGroup::failed_rank() const { return state_->failed_rank.load(); }
 
 std::unique_ptr<Communicator> InProcessGroup::communicator(int rank) {
   require(rank >= 0 && rank < state_->world, "rank", rank,
@@ -116,17 +145,27 @@ std::unique_ptr<Communicator> InProcessGroup::communicator(int rank) {
 
 void run_ranks(int world_size, const std::function<void(int, Communicator&)>& fn) {
   InProcessGroup group(world_size);
-  const std::exception_ptr failed = run_rank_threads(
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(world_size));
+  const std::exception_ptr first = run_rank_threads(
       world_size,
       [&](int r) {
         // Ranks share the cores: each rank's kernels get its share, so threads do not
         // oversubscribe the machine and spin against each other.
         omp_set_num_threads(std::max(1, omp_get_max_threads() / world_size));
-        auto comm = group.communicator(r);
-        fn(r, *comm);
+        try {
+          auto comm = group.communicator(r);
+          fn(r, *comm);
+        } catch (...) {
+          errors[size_t(r)] = std::current_exception();
+          throw;
+        }
       },
       [&] { group.abort(); });
-  if (failed) std::rethrow_exception(failed);
+  // The rank that aborted the group holds the cause; the others only report the abort, and
+  // one of them may have been recorded first.
+  const int cause = group.failed_rank();
+  if (cause >= 0 && errors[size_t(cause)]) std::rethrow_exception(errors[size_t(cause)]);
+  if (first) std::rethrow_exception(first);
 }
 
 }  // namespace dcpmla

@@ -22,15 +22,13 @@ PlannerConfig planner_config(const AttentionConfig& c, Backend backend, int work
   return p;
 }
 
-float checked_softmax_scale(double value) {
-  if (!(std::isfinite(value) && value >= double(std::numeric_limits<float>::min()) &&
-        value <= double(std::numeric_limits<float>::max())))
-    fail("softmax_scale", value, "a positive normal float32 (finite, in [1.18e-38, 3.4e38])");
-  return float(value);
-}
+float checked_softmax_scale(double value) { return checked_scale("softmax_scale", value); }
 
 float softmax_scale_of(const AttentionConfig& c) {
-  if (c.softmax_scale) return checked_softmax_scale(*c.softmax_scale);
+  if (c.softmax_scale) {
+    require_scale("softmax_scale", *c.softmax_scale);
+    return *c.softmax_scale;
+  }
   return 1.0f / std::sqrt(float(c.dims.dim()));
 }
 

@@ -34,7 +34,7 @@ void validate_seq_len(Mode mode, int64_t seq_len, int qlen, int request) {
 
 std::vector<int64_t> row_local_lengths(Mode mode, int64_t seq_len, int qlen, const Layout& layout) {
   layout.validate();
-  require(qlen >= 1, "qlen", qlen, ">= 1");
+  require(qlen >= 1 && qlen <= kMaxQlen, "qlen", qlen, fmt::format("in [1, {}]", kMaxQlen));
   if (mode == Mode::decode) require(qlen == 1, "qlen", qlen, "1 in decode mode");
   validate_seq_len(mode, seq_len, qlen, 0);
   std::vector<int64_t> lens(static_cast<size_t>(qlen));

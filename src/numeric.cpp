@@ -4,6 +4,8 @@
 #include <cmath>
 #include <limits>
 
+#include "dcpmla/error.h"
+
 namespace dcpmla {
 namespace {
 
@@ -66,6 +68,26 @@ float fp8_to_float(uint8_t bits, KvDtype d) {
   if (exp_field == 0) return sign * std::ldexp(float(mant), 1 - f.bias - f.mantissa_bits);
   return sign * std::ldexp(float(mant + (1u << f.mantissa_bits)),
                            int(exp_field) - f.bias - f.mantissa_bits);
+}
+
+namespace {
+
+// Compared as doubles: narrowing a value outside float's range is undefined behaviour.
+// `value` is printed in the caller's type (a float's 1e-45 is not a double's 1.4e-45).
+template <class T>
+void check_scale(std::string_view field, T value) {
+  constexpr float lo = std::numeric_limits<float>::min(), hi = std::numeric_limits<float>::max();
+  require(double(value) >= double(lo) && double(value) <= double(hi), field, value,
+          fmt::format("a positive normal float32, in [{}, {}]", lo, hi));
+}
+
+}  // namespace
+
+void require_scale(std::string_view field, float value) { check_scale(field, value); }
+
+float checked_scale(std::string_view field, double value) {
+  check_scale(field, value);
+  return float(value);
 }
 
 float quantize_roundtrip(float x, KvDtype d, float scale) {

@@ -26,6 +26,13 @@ constexpr std::array<Capability, 6> kCapabilities{{
     {Backend::cuda, Route::split_k, kAllModes, kAllDtypes, 1, kCudaMaxHeads},
 }};
 
+int max_heads(Backend backend) {
+  int most = 0;
+  for (const Capability& c : kCapabilities)
+    if (c.backend == backend) most = std::max(most, c.max_heads);
+  return most;
+}
+
 constexpr int64_t kMaxArenaInts = int64_t(1) << 30;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -45,8 +52,6 @@ ArenaOffsets arena_offsets(const PlanLimits& limits, int64_t table_capacity, int
   o.total = o.subpages + size_t(limits.max_batch) * size_t(table_capacity);
   return o;
 }
-
-int max_heads(Backend backend) { return backend == Backend::cuda ? kCudaMaxHeads : kCpuMaxHeads; }
 
 }  // namespace
 
@@ -107,15 +112,17 @@ Planner::Planner(const PlannerConfig& config) : config_(config) {
   require(c.dims.rope_dim <= INT32_MAX - c.dims.kv_lora_rank, "rope_dim", c.dims.rope_dim,
           fmt::format("<= {} so that D = kv_lora_rank + rope_dim fits int32", INT32_MAX - c.dims.kv_lora_rank));
   require(c.limits.max_batch >= 1, "limits.max_batch", c.limits.max_batch, ">= 1");
-  require(c.limits.max_qlen >= 1, "limits.max_qlen", c.limits.max_qlen, ">= 1");
+  require(c.limits.max_qlen >= 1 && c.limits.max_qlen <= kMaxQlen, "limits.max_qlen", c.limits.max_qlen,
+          fmt::format("in [1, {}]", kMaxQlen));
   // Row lengths are int32 in the plan (and seq_lens are int32), so a longer limit means nothing
   // and would overflow the table arithmetic (found by fuzz_planner).
   require(c.limits.max_local_kv_len >= 1 && c.limits.max_local_kv_len <= INT32_MAX, "limits.max_local_kv_len",
           c.limits.max_local_kv_len, fmt::format("in [1, {}]", INT32_MAX));
   require(c.num_workers >= 1, "num_workers", c.num_workers, ">= 1");
   require(c.min_segment_tokens >= 1, "min_segment_tokens", c.min_segment_tokens, ">= 1");
+  // Heads beyond what any route serves are the heads' fault, not the route's.
   require(c.heads >= 1 && c.heads <= max_heads(c.backend), "heads", c.heads,
-          fmt::format("1..{} on the {} backend", max_heads(c.backend), to_string(c.backend)));
+          fmt::format("in [1, {}] on the {} backend", max_heads(c.backend), to_string(c.backend)));
   require(c.kv_dtype == KvDtype::bf16 || c.kv_dtype == KvDtype::fp8_e4m3 || c.kv_dtype == KvDtype::fp8_e5m2,
           "kv_dtype", int(c.kv_dtype), "bf16, fp8_e4m3 or fp8_e5m2");
   // Auto may take one_stage or split_k; a forced route must be served for some mode (the

@@ -42,7 +42,9 @@ class RankBarrier {
       cv_.notify_all();
       return Outcome::timed_out;
     }
-    return aborted_ ? Outcome::aborted : Outcome::passed;
+    // A generation that completed has passed, even if a rank aborted right after leaving it
+    // (a rank that finished its last collective and then failed must not fail this one).
+    return generation_ != gen ? Outcome::passed : Outcome::aborted;
   }
 
   void abort() {

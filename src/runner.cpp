@@ -149,7 +149,7 @@ Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<co
   require(o.backend == Backend::cpu || bool(engines), "device", to_string(o.backend),
           "cpu: the default engines are the CPU kernels (the CUDA backend passes its own)");
   require(batch >= 1, "batch", batch, ">= 1");
-  require(qlen >= 1, "qlen", qlen, ">= 1");
+  require(qlen >= 1 && qlen <= kMaxQlen, "qlen", qlen, fmt::format("in [1, {}]", kMaxQlen));
   require(heads >= 1, "heads", heads, ">= 1");
   require(max_len >= 0, "max_len", max_len, ">= 0");
   require(o.kv_lora_rank >= 1 && o.kv_lora_rank < dim, "kv_lora_rank", o.kv_lora_rank,
@@ -174,8 +174,9 @@ Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<co
   Inputs in;
   in.batch = batch, in.qlen = qlen, in.heads = heads, in.dim = dim, in.max_len = max_len, in.mode = o.mode;
   in.seq_lens = seq_lens;
-  in.softmax_scale = o.softmax_scale ? checked_softmax_scale(*o.softmax_scale) : 1.0f / std::sqrt(float(dim));
-  (void)checked_kv_scale(o.kv_scale, o.kv_dtype);
+  if (o.softmax_scale) require_scale("softmax_scale", *o.softmax_scale);
+  in.softmax_scale = o.softmax_scale ? *o.softmax_scale : 1.0f / std::sqrt(float(dim));
+  KvScale{o.kv_scale}.validate(o.kv_dtype);
   // The model's numbers are bf16: round once on entry.
   in.q16.resize(q.size());
   in.kv16.resize(kv.size());
@@ -312,10 +313,15 @@ AttentionResult mla_attention_on_rank(std::span<const float> q, std::span<const 
                                       std::span<const int32_t> seq_lens, int batch, int qlen, int heads,
                                       int64_t max_len, int dim, const AttentionOptions& options,
                                       Communicator& comm, const RankEngineFactory& engines) {
-  require(comm.world_size() == options.world_size, "world_size", options.world_size,
-          fmt::format("the communicator's size ({})", comm.world_size()));
-  const Inputs in = prepare(q, kv, seq_lens, batch, qlen, heads, max_len, dim, options, engines);
-  return run_rank(in, options, comm, engines);
+  try {
+    require(comm.world_size() == options.world_size, "world_size", options.world_size,
+            fmt::format("the communicator's size ({})", comm.world_size()));
+    const Inputs in = prepare(q, kv, seq_lens, batch, qlen, heads, max_len, dim, options, engines);
+    return run_rank(in, options, comm, engines);
+  } catch (...) {
+    comm.abort();  // the peers' collectives raise instead of waiting for this rank
+    throw;
+  }
 }
 
 AttentionResult mla_attention(std::span<const float> q, std::span<const float> kv,

@@ -2,6 +2,7 @@
 // ranks as threads; NCCL and MPI implementations plug in behind the same interface.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -24,6 +25,10 @@ class Communicator {
   // recv[p * count ..] = rank p's send[rank * count ..], for every peer p.
   virtual void all_to_all(const void* send, void* recv, size_t count, DataType t) = 0;
   virtual void barrier() = 0;
+  // Tells the peers that this rank failed, so that their pending and later collectives raise
+  // instead of waiting for it. In-process and device groups abort; the default does nothing
+  // (under MPI the abort path ends the job: MpiSession::abort).
+  virtual void abort() {}
 };
 
 // Most in-process ranks a group may have. In-process ranks are threads, each with its own
@@ -31,15 +36,26 @@ class Communicator {
 // before any thread starts (world_size = 10**6 must not try to spawn a million threads).
 inline constexpr int kMaxInProcessRanks = 256;
 
-// Ranks as threads of one process over host memory. A rank that fails aborts the group:
-// the others leave their collective with an error instead of waiting forever.
+// Longest an in-process collective waits for its peers by default. It bounds a wait on a
+// rank that failed without saying so or never calls the collective; it must exceed the
+// longest computation between two collectives (a large CPU attention step takes minutes).
+inline constexpr std::chrono::milliseconds kDefaultCollectiveTimeout = std::chrono::minutes(10);
+
+// Ranks as threads of one process over host memory, whoever drives them (run_ranks or the
+// caller's own threads). A rank that fails aborts the group, and the others' collectives
+// raise dcpmla::Error instead of waiting forever: a rank fails when its communicator's
+// abort() is called (the library's entry points do this when they throw), when its
+// communicator is destroyed by an exception unwinding past it, or when a collective waits
+// longer than `timeout` for it.
 class InProcessGroup {
  public:
-  explicit InProcessGroup(int world_size);
+  explicit InProcessGroup(int world_size, std::chrono::milliseconds timeout = kDefaultCollectiveTimeout);
   ~InProcessGroup();
   int world_size() const;
   std::unique_ptr<Communicator> communicator(int rank);
   void abort();
+  // The rank whose failure aborted the group first, or -1.
+  int failed_rank() const;
 
   struct State;
 

@@ -176,11 +176,8 @@ struct DcpBenchRow {
   int64_t q_bytes;                      // this rank's q (H_local heads)
 };
 std::vector<DcpBenchRow> run_dcp_bench(const DcpBenchOptions& options);
-// A text table of the rows (with a legend), and the rows as a JSON array (one object per
-// line; `extra` is spliced into each object, e.g. "\"gpu\": \"H200\"").
+// A text table of the rows (with a legend). Their JSON: bench/results_json.h.
 std::string format_dcp_bench_table(const std::vector<DcpBenchRow>& rows, const DcpBenchOptions& options);
-std::string format_dcp_bench_json(const std::vector<DcpBenchRow>& rows, const DcpBenchOptions& options,
-                                  const std::string& extra = "");
 // The device's name and SM count, for the records.
 std::string device_description(int device = 0);
 

@@ -18,6 +18,11 @@ inline constexpr int64_t kPadSlot = -1;
 // every rank -- and a block_size near 2^31 would make a cache of terabytes.
 inline constexpr int kMaxBlockSize = 1 << 16;
 
+// Largest query block (rows per request) accepted: a verify block is 1 + a few draft
+// tokens. Bounds every allocation sized by qlen (row_local_lengths, a plan's rows) before it
+// is made; qlen = 2^31 - 1 would otherwise ask for 16 GiB.
+inline constexpr int kMaxQlen = 1 << 12;
+
 struct Layout {
   int world_size = 1;  // N
   int rank = 0;        // r

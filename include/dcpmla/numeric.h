@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string_view>
 
 #include "dcpmla/types.h"
 
@@ -39,6 +40,14 @@ float fp8_max(KvDtype d);
 // the scale first, in float32). NaN -> NaN.
 uint8_t float_to_fp8(float x, KvDtype d);
 float fp8_to_float(uint8_t bits, KvDtype d);
+
+// A scale (softmax_scale, kv_scale) must be a positive normal float32: zero would silently
+// mean "default" where 0 is the default's marker, a subnormal loses its precision and makes
+// 1 / scale overflow, inf and NaN poison every score. Throws dcpmla::Error naming the field
+// and the value as the caller gave it (a double from Python is checked before it narrows).
+void require_scale(std::string_view field, float value);
+// A double (from Python) checked before it narrows, and reported as given.
+float checked_scale(std::string_view field, double value);
 
 // One stored value of a cache of dtype d with the given scale, read back as float.
 float quantize_roundtrip(float x, KvDtype d, float scale);

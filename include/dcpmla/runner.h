@@ -88,7 +88,8 @@ struct AttentionResult {
 // (in-process threads, MPI processes): this rank writes only the tokens it owns, attends
 // its shard and merges with the others. Every rank returns the whole merged result
 // (with scatter_heads the kept heads are all-gathered at the end). comm.world_size()
-// must equal options.world_size.
+// must equal options.world_size. A rank that throws calls comm.abort() first, so that its
+// peers raise instead of waiting for it.
 // `engines` makes each rank's engine; empty = make_cpu_rank (options.backend must
 // then be cpu). The CUDA backend passes its own (dcpmla::cuda::rank_engine_factory).
 AttentionResult mla_attention_on_rank(std::span<const float> q, std::span<const float> kv,

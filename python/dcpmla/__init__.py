@@ -51,16 +51,37 @@ def _int(field, value, lo=_INT32_MIN, hi=_INT32_MAX):
     return value
 
 
-def _float(field, value):
+_FLOAT32 = np.finfo(np.float32)
+
+
+def _scale(field, value, default_hint=""):
+    """A positive normal float32 (the library's rule, numeric.h: require_scale), checked on the
+    value as given so that nothing narrows silently: 1e-46 would become 0.0 in float32."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating)):
         raise _error(field, repr(value), "a real number")
-    return float(value)
+    try:
+        as_double = float(value)
+    except OverflowError:  # an int beyond double's range
+        as_double = math.inf
+    if not float(_FLOAT32.tiny) <= as_double <= float(_FLOAT32.max):
+        raise _error(field, value, f"a positive normal float32, in [{_FLOAT32.tiny}, {_FLOAT32.max}]{default_hint}")
+    return as_double
 
 
 def _str(field, value):
     if not isinstance(value, str):
         raise _error(field, repr(value), "a string")
     return value
+
+
+def _device(device):
+    device = _str("device", device)
+    # Refused here, before the CUDA runtime answers with its own error (e.g. "driver version
+    # is insufficient"). A module built without CUDA says so itself (the library's check).
+    if device == "cuda" and cuda_available and not cuda_device_available():
+        raise _error("device", "'cuda'", "'cpu': no usable CUDA device on this machine "
+                     "(dcpmla.cuda_device_available() is False)")
+    return device
 
 
 def _host_array(field, x):
@@ -126,12 +147,10 @@ def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_
         b = int(np.argmax(seq_lens > max_len))
         raise _error(f"seq_lens[{b}]", int(seq_lens[b]), f"<= {max_len} (Lmax = kv.shape[1])")
 
+    # None is resolved here, so the library's "0 means default" is never reached from Python.
     if softmax_scale is None:
-        softmax_scale = D ** -0.5 if D > 0 else 1.0
-    else:
-        softmax_scale = _float("softmax_scale", softmax_scale)
-        if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-            raise _error("softmax_scale", softmax_scale, "a finite value > 0, or None for D ** -0.5")
+        softmax_scale = D ** -0.5 if D > 0 else 1.0  # D = 0 is refused below, naming kv_lora_rank
+    softmax_scale = _scale("softmax_scale", softmax_scale, ", or None for D ** -0.5")
 
     out, lse, routes = _dcpmla._mla_attention(
         q, kv, seq_lens,
@@ -140,12 +159,12 @@ def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_
         interleave=_int("interleave", interleave),
         block_size=_int("block_size", block_size),
         kv_dtype=_str("kv_dtype", kv_dtype),
-        kv_scale=_float("kv_scale", kv_scale),
+        kv_scale=_scale("kv_scale", kv_scale),
         softmax_scale=softmax_scale,
         kv_lora_rank=_int("kv_lora_rank", kv_lora_rank),
         route=_str("route", route),
         merge=_str("merge", merge),
-        device=_str("device", device),
+        device=_device(device),
         seed=_int("seed", seed, 0, 2**64 - 1),
     )
     return out, lse, list(routes)
@@ -176,8 +195,8 @@ def mla_attention(q, kv, seq_lens, *, mode="verify", world_size=1, interleave=1,
         block_size: tokens per cache block, >= 1.
         kv_dtype: ``"bf16"``, ``"fp8_e4m3"`` or ``"fp8_e5m2"``; fp8 stores
             ``rne(sat(bf16(x) / kv_scale))`` and reads ``stored * kv_scale``.
-        kv_scale: the fp8 cache scale (finite, > 0); must stay 1.0 for a bf16 cache.
-        softmax_scale: score scale; ``None`` means ``D ** -0.5``.
+        kv_scale: the fp8 cache scale, a positive normal float32; must stay 1.0 for a bf16 cache.
+        softmax_scale: score scale, a positive normal float32; ``None`` means ``D ** -0.5``.
         kv_lora_rank: R, the value width (``R < D``; the rest of D is the rope part).
         route: ``"auto"`` (the planner decides), or force ``"one_stage"``,
             ``"two_stage"`` (verify only) or ``"split_k"``.

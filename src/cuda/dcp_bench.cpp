@@ -182,27 +182,6 @@ std::string format_dcp_bench_table(const std::vector<DcpBenchRow>& rows, const D
   return t;
 }
 
-std::string format_dcp_bench_json(const std::vector<DcpBenchRow>& rows, const DcpBenchOptions& o,
-                                  const std::string& extra) {
-  std::string j = "[\n";
-  for (size_t i = 0; i < rows.size(); ++i) {
-    const auto& r = rows[i];
-    j += fmt::format(
-        "  {{\"name\": \"dcp_rank_h{}_q{}_n{}\", \"batch\": {}, \"context\": {}, \"heads_local\": {}, \"qlen\": {}, "
-        "\"world_size\": {}, \"heads_total\": {}, \"launches\": {}, \"local_tokens\": {}, \"kv_dtype\": \"bf16\", "
-        "\"route\": \"{}\", \"attention_us\": {:.2f}, \"kv_TBps\": {:.3f}, \"correct_us\": {:.2f}, "
-        "\"correct_GBps\": {:.0f}, \"reduce_us\": {:.2f}, \"reduce_GBps\": {:.0f}, \"pack_us\": {:.2f}, "
-        "\"combine_us\": {:.2f}, \"combine_GBps\": {:.0f}, \"q_bytes\": {}, \"sent_q_all_gather\": {}, "
-        "\"sent_lse_all_gather\": {}, \"sent_reduce_scatter_bf16\": {}, \"sent_all_to_all\": {}{}{}}}{}\n",
-        r.heads_local, r.qlen, r.world_size, o.batch, o.context, r.heads_local, r.qlen, r.world_size, r.heads_total,
-        r.groups, r.local_tokens, r.route, r.attention_us, r.attention_tbps, r.correct_us, r.correct_gbps,
-        r.reduce_us, r.reduce_gbps, r.pack_us, r.combine_us, r.combine_gbps, r.q_bytes, r.traffic.q_all_gather,
-        r.traffic.lse_all_gather, r.traffic.reduce_scatter, r.traffic.all_to_all, extra.empty() ? "" : ", ", extra,
-        i + 1 < rows.size() ? "," : "");
-  }
-  return j + "]\n";
-}
-
 std::string device_description(int device) {
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");

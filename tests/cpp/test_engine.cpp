@@ -350,14 +350,14 @@ TEST_F(Refusals, BadScales) {
   att.plan(batch);
   const float denormal = 1e-40f;
   for (float bad : {0.0f, -1.0f, NAN, INFINITY, denormal})
-    EXPECT_REFUSED(run(att, cache.view(), KvScale{bad}), field("kv_scale", fmt::format("{}", double(bad))));
+    EXPECT_REFUSED(run(att, cache.view(), KvScale{bad}), field("kv_scale", fmt::format("{}", bad)));
   const float device_scale = 0.05f;
   EXPECT_REFUSED(run(att, cache.view(), KvScale{0.05f, &device_scale}), field("kv_scale", "a device pointer"));
   EXPECT_TRUE(untouched());
   for (float bad : {0.0f, -1.0f, NAN, INFINITY, denormal}) {
     AttentionConfig c = config;
     c.softmax_scale = bad;
-    EXPECT_REFUSED(Attention{c}, field("softmax_scale", fmt::format("{}", double(bad))));
+    EXPECT_REFUSED(Attention{c}, field("softmax_scale", fmt::format("{}", bad)));
   }
 }
 

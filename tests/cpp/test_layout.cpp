@@ -113,6 +113,11 @@ TEST(Layout, RefusesBadInput) {
   expect_error([] { row_local_lengths(Mode::verify, -1, 1, Layout{}); }, "seq_lens[0]");
   expect_error([] { row_local_lengths(Mode::verify, 4, 0, Layout{}); }, "qlen");
   expect_error([] { row_local_lengths(Mode::decode, 4, 2, Layout{}); }, "qlen");
+  // Refused before allocating qlen values (16 GiB here), in every mode.
+  expect_error([] { row_local_lengths(Mode::verify, INT32_MAX, INT32_MAX, Layout{}); }, "'qlen' = 2147483647");
+  expect_error([] { row_local_lengths(Mode::draft, 5, kMaxQlen + 1, Layout{}); }, "'qlen'");
+  expect_error([] { row_local_lengths(Mode::verify, 0, INT32_MAX, Layout{}); }, "'qlen'");
+  EXPECT_EQ(row_local_lengths(Mode::draft, 5, kMaxQlen, Layout{}).size(), size_t(kMaxQlen));
   const std::vector<int32_t> table{0, 1};
   const std::vector<int64_t> far{100};
   expect_error([&] { slot_mapping(far, table, 16, 2, Layout{}); }, "block_table");

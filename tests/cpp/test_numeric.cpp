@@ -4,6 +4,9 @@
 
 #include <cmath>
 #include <limits>
+#include <string>
+
+#include "dcpmla/error.h"
 
 namespace dcpmla {
 
@@ -51,6 +54,25 @@ TEST_P(Fp8, RoundTripIsWithinHalfAQuantum) {
   for (float x = -3.0f; x <= 3.0f; x += 0.01f) {
     const float y = quantize_roundtrip(x, d, 0.05f);
     EXPECT_LE(std::fabs(y - round_to_bf16(x)), rel * std::fabs(x) + 0.05f * 0.02f) << x;
+  }
+}
+
+TEST(Numeric, ScalesArePositiveNormalFloat32sReportedAsGiven) {
+  for (double ok : {double(std::numeric_limits<float>::min()), 1.0, 0.0417, double(std::numeric_limits<float>::max())})
+    EXPECT_EQ(checked_scale("kv_scale", ok), float(ok));
+  // Each of these would narrow to 0, a subnormal or inf; the message shows the caller's value.
+  const std::pair<double, const char*> bad[] = {
+      {1e-50, "= 1e-50:"}, {1e-46, "= 1e-46:"}, {1e-40, "= 1e-40:"}, {1e39, "= 1e+39:"}, {0.0, "= 0:"},
+      {-0.5, "= -0.5:"},   {std::nan(""), "= nan:"},   {INFINITY, "= inf:"}};
+  for (const auto& [value, shown] : bad) {
+    try {
+      checked_scale("softmax_scale", value);
+      ADD_FAILURE() << "accepted " << value;
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(std::string("'softmax_scale' ") + shown), std::string::npos) << what;
+      EXPECT_NE(what.find("positive normal float32"), std::string::npos) << what;
+    }
   }
 }
 

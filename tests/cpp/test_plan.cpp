@@ -164,7 +164,11 @@ TEST(Plan, ForcedRoutesAndCapabilities) {
   auto c = config();
   c.backend = Backend::cuda;
   c.heads = 129;
-  expect_error([&] { Planner p(c); }, "'heads' = 129");
+  expect_error([&] { Planner p(c); }, "'heads' = 129: expected in [1, 128] on the cuda backend");
+  // More heads than any route serves is the heads' fault, not the route's.
+  c = config();
+  c.heads = 4097;
+  expect_error([&] { Planner p(c); }, "'heads' = 4097");
   EXPECT_TRUE(is_supported(Backend::cpu, Route::split_k, Mode::draft, KvDtype::fp8_e5m2, 1));
   EXPECT_FALSE(is_supported(Backend::cpu, Route::two_stage, Mode::draft, KvDtype::bf16, 1));
 }
@@ -185,6 +189,8 @@ TEST(Plan, RefusesBadConfigurations) {
   c = config();
   c.limits.max_qlen = 0;
   expect_error([&] { Planner p(c); }, "max_qlen");
+  c.limits.max_qlen = kMaxQlen + 1;
+  expect_error([&] { Planner p(c); }, "'limits.max_qlen' = 4097");
   c = config();
   c.limits.max_batch = 1 << 20;
   c.limits.max_local_kv_len = int64_t(1) << 40;

@@ -88,6 +88,19 @@ TEST(Runner, EntryPointRefusesBadInput) {
   o.kv_dtype = KvDtype::fp8_e4m3;
   o.kv_scale = -1.0f;
   expect_error([&] { call(o); }, "kv_scale");
+  // Scales must be positive normal float32s: a subnormal one is refused, never run.
+  o.kv_scale = 1e-40f;
+  expect_error([&] { call(o); }, "'kv_scale' = 1e-40: expected a positive normal float32");
+  o = {};
+  o.softmax_scale = 1e-45f;
+  expect_error([&] { call(o); }, "'softmax_scale' = 1e-45");
+  o.softmax_scale = -0.0f;  // only +0 means "the default"
+  expect_error([&] { call(o); }, "'softmax_scale' = -0");
+  o = {};
+  expect_error([&] { call(o, {8, 3}, 8, kMaxQlen + 1); }, "'qlen' = 4097");
+  o = {};
+  expect_error([&] { mla_attention(std::vector<float>(size_t(2) * 4097 * 576), kv, lens, 2, 1, 4097, 8, 576, o); },
+               "'heads' = 4097");
   o = {};
   o.mode = Mode::draft;
   o.route = Route::two_stage;

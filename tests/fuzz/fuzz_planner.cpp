@@ -70,7 +70,7 @@ bool config_is_valid(const PlannerConfig& c) {
   if (c.block_size < 1 || c.block_size > kMaxBlockSize || c.block_size % l.interleave) return false;
   if (c.num_blocks < 1 || c.dims.kv_lora_rank < 1 || c.dims.rope_dim < 1) return false;
   if (int64_t(c.dims.kv_lora_rank) + c.dims.rope_dim > INT32_MAX) return false;
-  if (c.limits.max_batch < 1 || c.limits.max_qlen < 1) return false;
+  if (c.limits.max_batch < 1 || c.limits.max_qlen < 1 || c.limits.max_qlen > kMaxQlen) return false;
   if (c.limits.max_local_kv_len < 1 || c.limits.max_local_kv_len > INT32_MAX) return false;
   if (c.num_workers < 1 || c.min_segment_tokens < 1 || c.heads < 1) return false;
   const Route checked = c.route == Route::automatic ? Route::one_stage : c.route;

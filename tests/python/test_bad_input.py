@@ -125,6 +125,35 @@ def test_softmax_scale(value):
     raises(r"softmax_scale", call, softmax_scale=value)
 
 
+# Probe finding 1: a scale that is not a positive normal float32 was narrowed silently (1e-46
+# became 0.0, which the library reads as "use D ** -0.5"); the messages showed the narrowed
+# value. Each is refused, and the message shows the value as the caller gave it.
+BAD_SCALES = [(1e-46, "1e-46"), (1e-50, "1e-50"), (1e-40, "1e-40"), (1e39, "1e+39"), (-0.0, "-0.0"),
+              (10**400, "1" + "0" * 400), (np.float64(1e-45), "1e-45")]
+
+
+@pytest.mark.parametrize("value,shown", BAD_SCALES)
+def test_softmax_scale_outside_float32_normals(value, shown):
+    msg = raises(r"field 'softmax_scale'", call, softmax_scale=value)
+    assert f"= {shown}: expected a positive normal float32" in msg
+
+
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("value,shown", BAD_SCALES)
+def test_kv_scale_outside_float32_normals(dtype, value, shown):
+    msg = raises(r"field 'kv_scale'", call, kv_dtype=dtype, kv_scale=value)
+    assert f"= {shown}: expected a positive normal float32" in msg
+
+
+def test_smallest_and_largest_normal_scales_run():
+    tiny, big = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+    _, lse_tiny = call(softmax_scale=tiny)
+    _, lse_default = call()
+    assert not np.array_equal(lse_tiny, lse_default), "a tiny scale is not the default scale"
+    call(kv_dtype="fp8_e5m2", kv_scale=big)
+    call(kv_dtype="fp8_e4m3", kv_scale=tiny)
+
+
 def test_scatter_heads_needs_divisible_heads():
     # H = 2 heads over 3 ranks cannot be reduce-scattered.
     raises(r"heads|merge|world_size", call, world_size=3, merge="scatter_heads")
@@ -137,11 +166,31 @@ def test_cuda_device_refused_when_not_built():
     assert "CUDA" in msg
 
 
-def test_cuda_without_a_gpu_is_an_error_not_a_result():
+def test_cuda_without_a_gpu_is_refused_plainly(monkeypatch):
+    # Probe finding 4: the CUDA runtime's own error (cudaErrorInsufficientDriver) came back
+    # although cuda_device_available() was already False. The Python layer refuses first, and
+    # never calls into the library. Simulated here so that the check runs on every machine.
+    monkeypatch.setattr(dcpmla, "cuda_available", True)
+    monkeypatch.setattr(dcpmla, "cuda_device_available", lambda: False)
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("called into the library")
+
+    monkeypatch.setattr(dcpmla._dcpmla, "_mla_attention", must_not_run)
+    msg = raises(r"field 'device' = 'cuda'", call, device="cuda")
+    assert "no usable CUDA device" in msg
+
+
+def test_cuda_on_this_machine_without_a_gpu():
     if not dcpmla.cuda_available or dcpmla.cuda_device_available():
         pytest.skip("needs the CUDA backend built in and no usable GPU")
-    with pytest.raises(RuntimeError, match="cuda"):
-        call(device="cuda")
+    raises(r"no usable CUDA device", call, device="cuda")
+
+
+def test_too_many_heads_names_heads():
+    # Probe finding 7: 4097 heads was reported as "field 'route' = auto".
+    q, kv, s = inputs(H=4097)
+    raises(r"field 'heads' = 4097: expected in \[1, 4096\] on the cpu backend", dcpmla.mla_attention, q, kv, s)
 
 
 def test_seed_out_of_range():

@@ -169,3 +169,10 @@ def test_slot_mapping_accepts_lists_and_subsets():
 def test_padding_request_has_no_rows():
     for r in range(3):
         assert list(dcpmla.row_local_lengths("verify", 0, 4, 3, r, 2)) == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("mode,seq_len", [("verify", 2**31 - 1), ("draft", 5), ("verify", 0)])
+def test_row_local_lengths_bounds_qlen_before_allocating(mode, seq_len):
+    # Probe finding 6: qlen = 2**31 - 1 asked for 16 GiB; it is refused before any allocation.
+    with pytest.raises(ValueError, match=r"field 'qlen' = 2147483647: expected in \[1, 4096\]"):
+        dcpmla.row_local_lengths(mode, seq_len, 2**31 - 1, 1, 0)

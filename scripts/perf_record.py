@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""The performance record, generated from the results files (bench/results/*.json, written by
+dcpmla_bench and dcpmla_dcp_bench: {"meta": {...}, "rows": [...]}, null = not measured).
+
+    scripts/perf_record.py table [--check]   the current table in docs/perf.md (between its markers)
+    scripts/perf_record.py plots             docs/img/roofline.svg and docs/img/dcp_scaling.svg
+
+The current table holds, for every shape, the row of the newest file (meta.date) that measured
+it, with a link to that file. Files from before the metadata wrote 0 (baseline_us, speedup) or
+-1 (rel_l2_vs_baseline) for a baseline that was not run; those count as not measured too.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+PERF_MD = ROOT / "docs" / "perf.md"
+IMG = ROOT / "docs" / "img"
+BEGIN, END = "<!-- perf_record.py table: begin -->", "<!-- perf_record.py table: end -->"
+
+
+def load():
+    """(attention files, dcp files), each a list of (path, meta, rows), oldest first."""
+    runs = []
+    for path in sorted(RESULTS.glob("*.json")):
+        data = json.loads(path.read_text(), parse_constant=lambda c: sys.exit(f"{path}: not strict JSON ({c})"))
+        if "benchmarks" in data:  # Google Benchmark's own format (make bench-plan): its own section
+            continue
+        runs.append((path, data["meta"], data["rows"]))
+    runs.sort(key=lambda run: (run[1]["date"], run[0].name))
+    dcp = [run for run in runs if run[2] and "attention_us" in run[2][0]]
+    return [run for run in runs if run not in dcp], dcp
+
+
+def measured(row, key):
+    value = row.get(key)
+    legacy_unset = key in ("baseline_us", "speedup") and value == 0 or key == "rel_l2_vs_baseline" and value == -1
+    return None if value is None or legacy_unset else value
+
+
+def current_rows(runs):
+    """{shape: (row, path, meta)} from the newest run that measured each shape, in first-seen order."""
+    newest = {}
+    for path, meta, rows in runs:
+        for row in rows:
+            newest[row["name"]] = (row, path, meta)
+    return newest
+
+
+def fmt(value, spec):
+    return "–" if value is None else format(value, spec)
+
+
+def table(runs):
+    lines = ["| shape | batch | context | heads | qlen | kv | route | variant | µs | KV GB/s | TFLOP/s | ×copy "
+             "| ×GEMM | baseline µs | speedup | measured | results |",
+             "|" + "---|" * 17]
+    for name, (r, path, meta) in current_rows(runs).items():
+        lines.append("| " + " | ".join([
+            name, str(r["batch"]), str(r["context"]), str(r["heads"]), str(r["qlen"]), r["kv_dtype"], r["route"],
+            r["variant"], fmt(r["us"], ".1f"), fmt(r["kv_GBps"], ".0f"), fmt(r["TFLOPs"], ".1f"),
+            fmt(measured(r, "copy_ratio"), ".2f"), fmt(measured(r, "gemm_ratio"), ".2f"),
+            fmt(measured(r, "baseline_us"), ".1f"), fmt(measured(r, "speedup"), ".2f"),
+            meta["date"][:16].replace("T", " "), f"[{path.name}](../bench/results/{path.name})"]) + " |")
+    return "\n".join(lines)
+
+
+def dcp_note(dcp):
+    path, meta, _ = dcp[-1]
+    return (f"DCP scaling (plot below): [{path.name}](../bench/results/{path.name}), {meta['gpu']}, "
+            f"{meta['date'][:16].replace('T', ' ')}.")
+
+
+def write_table(check):
+    attention, dcp = load()
+    text = PERF_MD.read_text()
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    new = f"{head}{BEGIN}\n{table(attention)}\n\n{dcp_note(dcp)}\n{END}{tail}"
+    if check:
+        if new != text:
+            sys.exit("docs/perf.md: the current table is not what bench/results/ holds; run `make perf-table`")
+        return
+    PERF_MD.write_text(new)
+
+
+def plots():
+    import matplotlib
+
+    matplotlib.use("svg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams["svg.hashsalt"] = "dcpmla"  # the same SVG for the same data
+    IMG.mkdir(exist_ok=True)
+    attention, dcp = load()
+    shapes = list(current_rows(attention).items())
+
+    # Roofline per shape: achieved TFLOP/s at its arithmetic intensity (FLOP per KV byte)
+    # under the ceilings its own run measured (device copy rate, cuBLAS bf16 GEMM).
+    cols = 4
+    fig, axes = plt.subplots((len(shapes) + cols - 1) // cols, cols, figsize=(4 * cols, 3.2 * ((len(shapes) + cols - 1) // cols)),
+                             squeeze=False)
+    for ax, (name, (r, path, meta)) in zip(axes.flat, shapes):
+        intensity = r["TFLOPs"] * 1e3 / r["kv_GBps"]  # FLOP / byte
+        copy, gemm = measured(r, "copy_GBps"), measured(r, "gemm_TFLOPs")
+        if copy and gemm:
+            xs = [intensity / 16, copy and gemm * 1e3 / copy, intensity * 16]
+            xs = sorted(x for x in xs if x)
+            ax.plot(xs, [min(copy * x / 1e3, gemm) for x in xs], color="grey", label="roof (copy, GEMM)")
+        ax.plot([intensity], [r["TFLOPs"]], "o", color="C0", label="dcpmla")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"{name} ({r['kv_dtype']})", fontsize=9)
+        ax.set_xlabel("FLOP per KV byte", fontsize=8)
+        ax.set_ylabel("TFLOP/s", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.annotate(f"{r['us']:.0f} µs", (intensity, r["TFLOPs"]), fontsize=7, xytext=(4, -10), textcoords="offset points")
+    for ax in axes.flat[len(shapes):]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle("Roofline per shape (the current table of docs/perf.md)")
+    fig.tight_layout()
+    fig.savefig(IMG / "roofline.svg", metadata={"Date": None})
+    plt.close(fig)
+
+    # DCP scaling: one rank's attention over its 1/N share, against 1/N of the N = 1 time.
+    path, meta, rows = dcp[-1]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    series = sorted({(r["heads_local"], r["qlen"]) for r in rows})
+    for i, (h, q) in enumerate(series):
+        pts = sorted((r["world_size"], r["attention_us"]) for r in rows if (r["heads_local"], r["qlen"]) == (h, q))
+        ax.plot([n for n, _ in pts], [us for _, us in pts], "o-", color=f"C{i}", label=f"{h} heads/rank, qlen {q}")
+        ax.plot([n for n, _ in pts], [pts[0][1] / n for n, _ in pts], ":", color=f"C{i}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("world size N")
+    ax.set_ylabel("per-rank attention µs")
+    ax.set_title(f"DCP: one rank's share (dotted: 1/N of N = 1)\n{path.name}, {meta['gpu']}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(IMG / "dcp_scaling.svg", metadata={"Date": None})
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["table", "plots"])
+    parser.add_argument("--check", action="store_true", help="table: fail if docs/perf.md is not current")
+    args = parser.parse_args()
+    write_table(args.check) if args.what == "table" else plots()
