@@ -6,7 +6,7 @@
 //                 one rank (DCP1) and against the float64 reference; --device cuda runs the
 //                 ranks' attention on the GPU (CUDA builds).
 //   dcpmla bench  (CUDA builds) what each of --ranks N ranks does per DCP step on this GPU:
-//                 attention over its share, merge kernels, bytes sent (src/cuda/dcp_bench.cpp).
+//                 attention over its share, merge kernels, bytes sent (bench/dcp_bench_core.cpp).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -35,7 +35,7 @@
 #ifdef DCPMLA_HAS_CUDA
 #include "../bench/dcp_results.h"
 #include "dcpmla/cuda.h"
-#include "dcpmla/dcp.h"
+#include "dcp_bench_core.h"
 #endif
 
 namespace {
@@ -265,16 +265,16 @@ struct BenchOptions {
 
 int run_bench(const BenchOptions& b, int argc, char** argv) {
 #ifdef DCPMLA_HAS_CUDA
-  dcpmla::cuda::DcpBenchOptions o;
+  dcpmla::bench::DcpBenchOptions o;
   o.world_sizes = b.ranks;
   o.heads_local = b.heads_local;
   o.qlens = b.qlens;
   o.batch = b.batch;
   o.context = b.context;
   o.runs = b.runs;
-  const auto rows = dcpmla::cuda::run_dcp_bench(o);
-  const std::string gpu = dcpmla::cuda::device_description(o.device);
-  fmt::print("GPU: {}\n{}", gpu, dcpmla::cuda::format_dcp_bench_table(rows, o));
+  const auto rows = dcpmla::bench::run_dcp_bench(o);
+  const std::string gpu = dcpmla::bench::device_description(o.device);
+  fmt::print("GPU: {}\n{}", gpu, dcpmla::bench::format_dcp_bench_table(rows, o));
   if (!b.json.empty())
     dcpmla::results::write(b.json, dcpmla::results::metadata(o.device, argc, argv), dcpmla::results::dcp_rows(rows, o));
   return 0;

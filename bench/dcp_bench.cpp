@@ -1,4 +1,4 @@
-// dcpmla_dcp_bench: the single-GPU DCP benchmark of issue 4 (cuda::run_dcp_bench): per-rank
+// dcpmla_dcp_bench: the single-GPU DCP benchmark of issue 4 (bench::run_dcp_bench): per-rank
 // attention over each rank's share at N = 1, 2, 4, 8, the merge kernels' time and bandwidth,
 // and the bytes each rank would send per step in each merge form. `dcpmla bench` runs the
 // same thing; --json writes the rows with their metadata (bench/results_json.h).
@@ -9,12 +9,12 @@
 #include <CLI/CLI.hpp>
 
 #include "../apps/cli_support.h"
-#include "dcpmla/dcp.h"
+#include "dcp_bench_core.h"
 #include "dcp_results.h"
 
 int main(int argc, char** argv) {
   using dcpmla::cli::integer_in;
-  dcpmla::cuda::DcpBenchOptions o;
+  dcpmla::bench::DcpBenchOptions o;
   std::string json;
   CLI::App app{"dcpmla_dcp_bench: what each of N DCP ranks does per step on this GPU (attention over its share,\n"
                "merge kernels, bytes sent). Needs a CUDA GPU."};
@@ -27,9 +27,9 @@ int main(int argc, char** argv) {
   app.add_option("--context", o.context, "Tokens per request")->check(integer_in<int64_t>(1, 1 << 24))->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
-    const auto rows = dcpmla::cuda::run_dcp_bench(o);
-    std::printf("GPU: %s\n%s", dcpmla::cuda::device_description(o.device).c_str(),
-                dcpmla::cuda::format_dcp_bench_table(rows, o).c_str());
+    const auto rows = dcpmla::bench::run_dcp_bench(o);
+    std::printf("GPU: %s\n%s", dcpmla::bench::device_description(o.device).c_str(),
+                dcpmla::bench::format_dcp_bench_table(rows, o).c_str());
     if (!json.empty())
       dcpmla::results::write(json, dcpmla::results::metadata(o.device, argc, argv), dcpmla::results::dcp_rows(rows, o));
   } catch (const std::exception& e) {

@@ -1,4 +1,4 @@
-// The rows of the single-GPU DCP benchmark (cuda::run_dcp_bench) as results-file JSON
+// The rows of the single-GPU DCP benchmark (bench::run_dcp_bench) as results-file JSON
 // (results_json.h), for dcpmla_dcp_bench and `dcpmla bench`.
 #pragma once
 
@@ -7,12 +7,12 @@
 
 #include <nlohmann/json.hpp>
 
-#include "dcpmla/dcp.h"
+#include "dcp_bench_core.h"
 #include "results_json.h"
 
 namespace dcpmla::results {
 
-inline nlohmann::json dcp_rows(const std::vector<cuda::DcpBenchRow>& rows, const cuda::DcpBenchOptions& o) {
+inline nlohmann::json dcp_rows(const std::vector<bench::DcpBenchRow>& rows, const bench::DcpBenchOptions& o) {
   nlohmann::json out = nlohmann::json::array();
   for (const auto& r : rows)
     out.push_back({{"name", "dcp_rank_h" + std::to_string(r.heads_local) + "_q" + std::to_string(r.qlen) + "_n" +

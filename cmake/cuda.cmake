@@ -49,15 +49,23 @@ set(DCPMLA_CUDA_GENCODE "-gencode=arch=compute_90a,code=sm_90a" CACHE STRING
 # One attention variant per file (rows per CTA x tile tokens x CTAs per SM x dtype).
 file(GLOB _dcpmla_attention_variants CONFIGURE_DEPENDS
   ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda/attention/instantiations/*.cu)
+# src/cuda by role: common (checks, device queries, RAII owners, launch-side params),
+# attention, write, merge, comm (the device communicators), dcp (the DCP step), conformance
+# (the CUDA rank of mla_attention). The NCCL communicator is its own library (cmake/nccl.cmake).
 add_library(dcpmla_cuda STATIC
-  src/cuda/runner.cpp
-  src/cuda/engine.cpp
+  src/cuda/common/device.cpp
+  src/cuda/attention/attention.cpp
   src/cuda/attention/launch.cu
   ${_dcpmla_attention_variants}
+  src/cuda/write/write_kv.cu
+  src/cuda/write/write.cpp
   src/cuda/merge/merge.cu
   src/cuda/merge/merge.cpp
-  src/cuda/write/write_kv.cu
-  src/cuda/write/write.cpp)
+  src/cuda/comm/comm_device.cpp
+  src/cuda/dcp/dcp_step.cpp
+  src/cuda/dcp/dcp_kernels.cu
+  src/cuda/conformance/rank_engine.cpp)
+target_include_directories(dcpmla_cuda PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda)
 add_library(dcpmla::dcpmla_cuda ALIAS dcpmla_cuda)
 set_target_properties(dcpmla_cuda PROPERTIES
   CUDA_ARCHITECTURES OFF
@@ -75,9 +83,5 @@ if(DCPMLA_CUDA_TESTS)
   enable_testing()
   add_subdirectory(tests/cuda)
 endif()
-if(DCPMLA_BENCH)
-  # The bench binaries parse arguments with CLI11 and write results with nlohmann-json.
-  find_package(CLI11 REQUIRED)
-  find_package(nlohmann_json REQUIRED)
-  add_subdirectory(bench)
-endif()
+# bench/ (the DCP benchmark's core, which `dcpmla bench` links too, and the bench binaries)
+# is added by the top-level CMakeLists.txt once the NCCL part below is configured.

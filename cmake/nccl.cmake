@@ -12,19 +12,6 @@ if(NOT TARGET dcpmla_cuda)
   return()
 endif()
 
-target_sources(dcpmla_cuda PRIVATE
-  src/cuda/comm_device.cpp
-  src/cuda/dcp_step.cpp
-  src/cuda/dcp_bench.cpp
-  src/cuda/merge/dcp_kernels.cu)
-
-if(DCPMLA_BENCH)
-  add_executable(dcpmla_dcp_bench bench/dcp_bench.cpp)
-  target_link_libraries(dcpmla_dcp_bench PRIVATE dcpmla::dcpmla_cuda CLI11::CLI11 nlohmann_json::nlohmann_json)
-  target_compile_options(dcpmla_dcp_bench PRIVATE -Wall -Wextra)
-  dcpmla_use_build_info(dcpmla_dcp_bench)
-endif()
-
 set(DCPMLA_NCCL "AUTO" CACHE STRING "Build the NCCL communicator: ON, OFF or AUTO (when NCCL is found)")
 string(TOUPPER "${DCPMLA_NCCL}" _dcpmla_nccl_mode)
 if(_dcpmla_nccl_mode STREQUAL "OFF")
@@ -46,10 +33,10 @@ if(NOT DCPMLA_NCCL_INCLUDE_DIR OR NOT DCPMLA_NCCL_LIBRARY)
 endif()
 message(STATUS "dcpmla: NCCL communicator on (${DCPMLA_NCCL_LIBRARY})")
 
-add_library(dcpmla_nccl STATIC src/cuda/comm_nccl.cpp)
+add_library(dcpmla_nccl STATIC src/cuda/comm/comm_nccl.cpp)
 add_library(dcpmla::dcpmla_nccl ALIAS dcpmla_nccl)
 set_target_properties(dcpmla_nccl PROPERTIES EXPORT_NAME dcpmla_nccl)
-target_include_directories(dcpmla_nccl PRIVATE ${DCPMLA_NCCL_INCLUDE_DIR})
+target_include_directories(dcpmla_nccl PRIVATE ${DCPMLA_NCCL_INCLUDE_DIR} ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda)
 # The library path itself (not an imported target) so that the installed package needs
 # no find module for NCCL.
 target_link_libraries(dcpmla_nccl PUBLIC dcpmla::dcpmla_cuda ${DCPMLA_NCCL_LIBRARY})

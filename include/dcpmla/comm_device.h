@@ -14,6 +14,10 @@
 
 namespace dcpmla {
 
+namespace cuda_detail {
+class DeviceBuffer;  // src/cuda/common/resources.h
+}
+
 // Communicator whose send/recv pointers are device pointers. Every collective is enqueued
 // on stream() and returns at once; ordering with the caller's kernels is stream order.
 class DeviceCommunicator : public Communicator {
@@ -51,8 +55,7 @@ class HostStagedCommunicator final : public Communicator {
   void staged(const void* send, size_t in_bytes, void* recv, size_t out_bytes,
               const std::function<void(const void*, void*)>& op);
   DeviceCommunicator& dev_;
-  void* buf_ = nullptr;
-  size_t bytes_ = 0;
+  std::unique_ptr<cuda_detail::DeviceBuffer> buf_;  // device scratch, grown by reserve()
 };
 
 // Most ranks a DeviceGroup simulates on one GPU (the reduce-scatter kernel takes every

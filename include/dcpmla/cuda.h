@@ -2,7 +2,7 @@
 // Every entry point validates like the CPU path before any launch (input errors throw
 // dcpmla::Error); a CUDA runtime or launch failure throws dcpmla::CudaError naming the call.
 // Kernels run asynchronously on the caller's stream and never synchronise with the host,
-// so attend() can be captured in a CUDA graph and replayed after every re-plan.
+// so run() can be captured in a CUDA graph and replayed after every re-plan.
 #pragma once
 
 #include <cstdint>

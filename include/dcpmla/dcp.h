@@ -6,7 +6,7 @@
 //   1. KV write: the step's new tokens (the last qlen positions of each request) go to the
 //      slots this rank owns; the others get PAD and are skipped.
 //   2. all-gather of q over heads: every rank then holds all H = N x H_local heads.
-//   3. attention over the local shard with this rank's plan (CudaRankRunner). The CUDA
+//   3. attention over the local shard with this rank's plan (cuda::Attention) over the layer's cache. The CUDA
 //      kernel serves at most 128 heads, so the H heads run as G groups of Hg heads (Hg = the
 //      largest multiple of H_local <= 128 that gives whole groups of ranks).
 //   4. merge, in one of two forms; either way rank k keeps its own heads [k Hl, (k+1) Hl):
@@ -147,40 +147,5 @@ class DcpStep {
   int32_t* lens_dev_ = nullptr;     // [max_batch]
   int next_staging_ = 0;
 };
-
-namespace cuda {
-
-// The single-GPU DCP benchmark (issue 4): per-rank attention time of each rank's share at
-// each world size, the merge kernels' time and bandwidth, and the bytes each rank would send
-// per step in each merge form. One row per (heads_local, qlen, world_size).
-struct DcpBenchOptions {
-  int batch = 8;
-  int64_t context = 131072;
-  std::vector<int> heads_local{16, 64};
-  std::vector<int> qlens{1, 4};
-  std::vector<int> world_sizes{1, 2, 4, 8};
-  int warmup = 3, runs = 20;
-  int device = 0;
-};
-struct DcpBenchRow {
-  int heads_local, qlen, world_size, heads_total, groups;
-  int64_t local_tokens;           // per request on rank 0
-  std::string route;
-  double attention_us;            // median, all G launches
-  double kv_bytes, attention_tbps;
-  double correct_us, correct_gbps;      // merge (i): correction kernel
-  double reduce_us, reduce_gbps;        // merge (i): local reduce of N chunks (device-group sum kernel)
-  double combine_us, combine_gbps;      // merge (ii): local combine of N partials
-  double pack_us;                       // merge (ii): packing for the all-to-all
-  DcpTraffic traffic;                   // bytes sent by one rank per step
-  int64_t q_bytes;                      // this rank's q (H_local heads)
-};
-std::vector<DcpBenchRow> run_dcp_bench(const DcpBenchOptions& options);
-// A text table of the rows (with a legend). Their JSON: bench/results_json.h.
-std::string format_dcp_bench_table(const std::vector<DcpBenchRow>& rows, const DcpBenchOptions& options);
-// The device's name and SM count, for the records.
-std::string device_description(int device = 0);
-
-}  // namespace cuda
 
 }  // namespace dcpmla

@@ -33,8 +33,8 @@
 
 #include <cstdint>
 
-#include "../params.h"
-#include "../utils.cuh"
+#include "common/params.h"
+#include "common/utils.cuh"
 #include "config.h"
 #include "unit.cuh"
 #include "wgmma.cuh"

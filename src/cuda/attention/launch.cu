@@ -1,8 +1,8 @@
 // Variant dispatch (in one place) and the split-K merge kernel.
 #include <cmath>
 
-#include "../params.h"
-#include "../utils.cuh"
+#include "common/params.h"
+#include "common/utils.cuh"
 #include "config.h"
 #include "dcpmla/cuda.h"
 #include "variants.h"
@@ -101,12 +101,6 @@ __global__ void __launch_bounds__(256) split_merge_kernel(const __grid_constant_
 void launch_split_merge(const AttentionParams& p, int grid, cudaStream_t stream) {
   split_merge_kernel<<<grid, 256, 0, stream>>>(p);
   check(cudaGetLastError(), "split_merge_kernel launch");
-}
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess)
-    throw CudaError(std::string("dcpmla: CUDA call ") + what + " failed: " + cudaGetErrorName(e) + " (" +
-                    cudaGetErrorString(e) + ")");
 }
 
 }  // namespace dcpmla::cuda_detail

@@ -8,8 +8,8 @@
 #include <cstdint>
 #include <string>
 
-#include "../params.h"
-#include "../utils.cuh"
+#include "common/params.h"
+#include "common/utils.cuh"
 #include "config.h"
 
 namespace dcpmla::cuda_detail {

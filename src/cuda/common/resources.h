@@ -7,7 +7,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "../params.h"
+#include "common/params.h"
 
 namespace dcpmla::cuda_detail {
 
@@ -42,69 +42,60 @@ struct FreePinned { void operator()(void* p) const { cudaFreeHost(p); } };
 struct DestroyStream { void operator()(cudaStream_t s) const { cudaStreamDestroy(s); } };
 struct DestroyEvent { void operator()(cudaEvent_t e) const { cudaEventDestroy(e); } };
 
+// A handle made by a CUDA call that writes it (cudaMalloc, cudaStreamCreate, ...), checked.
+template <class T, class Make>
+T made(Make make, const char* what) {
+  T h{};
+  check(make(&h), what);
+  return h;
+}
+
 // `bytes` of device memory (cudaMalloc: 256-byte aligned).
 class DeviceBuffer : public Owned<void*, FreeDevice> {
  public:
   DeviceBuffer() = default;
-  DeviceBuffer(size_t bytes, const char* what) : Owned(allocate(bytes, what)), bytes_(bytes) {}
+  DeviceBuffer(size_t bytes, const char* what)
+      : Owned(made<void*>([&](void** p) { return cudaMalloc(p, bytes == 0 ? 1 : bytes); }, what)), bytes_(bytes) {}
   template <class T>
   T* as() const { return static_cast<T*>(get()); }
   size_t bytes() const { return bytes_; }
 
  private:
-  static void* allocate(size_t bytes, const char* what) {
-    void* p = nullptr;
-    check(cudaMalloc(&p, bytes == 0 ? 1 : bytes), what);
-    return p;
-  }
   size_t bytes_ = 0;
 };
 
-// `bytes` of page-locked host memory, so that copies from it run asynchronously.
+// `bytes` of page-locked host memory, so that copies from it run asynchronously
+// (cudaHostAllocMapped: also addressable from the device).
 class PinnedBuffer : public Owned<void*, FreePinned> {
  public:
   PinnedBuffer() = default;
-  PinnedBuffer(size_t bytes, const char* what) : Owned(allocate(bytes, what)) {}
+  PinnedBuffer(size_t bytes, const char* what, unsigned flags = cudaHostAllocDefault)
+      : Owned(made<void*>([&](void** p) { return cudaHostAlloc(p, bytes == 0 ? 1 : bytes, flags); }, what)) {}
   template <class T>
   T* as() const { return static_cast<T*>(get()); }
-
- private:
-  static void* allocate(size_t bytes, const char* what) {
-    void* p = nullptr;
-    check(cudaMallocHost(&p, bytes == 0 ? 1 : bytes), what);
-    return p;
-  }
 };
 
 // A non-blocking stream (it does not wait for the legacy default stream).
 class Stream : public Owned<cudaStream_t, DestroyStream> {
  public:
-  explicit Stream(const char* what) : Owned(create(what)) {}
-
- private:
-  static cudaStream_t create(const char* what) {
-    cudaStream_t s = nullptr;
-    check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), what);
-    return s;
-  }
+  Stream() = default;
+  explicit Stream(const char* what)
+      : Owned(made<cudaStream_t>([](cudaStream_t* s) { return cudaStreamCreateWithFlags(s, cudaStreamNonBlocking); },
+                                 what)) {}
 };
 
-// An event for ordering only (no timing).
+// An event, for ordering only unless flags ask for timing (cudaEventDefault).
 class Event : public Owned<cudaEvent_t, DestroyEvent> {
  public:
   Event() = default;
-  explicit Event(const char* what) : Owned(create(what)) {}
-
- private:
-  static cudaEvent_t create(const char* what) {
-    cudaEvent_t e = nullptr;
-    check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), what);
-    return e;
-  }
+  explicit Event(const char* what, unsigned flags = cudaEventDisableTiming)
+      : Owned(made<cudaEvent_t>([&](cudaEvent_t* e) { return cudaEventCreateWithFlags(e, flags); }, what)) {}
 };
 
-// The device the calling thread works on, and the one-call helpers the host code shares.
+// The device the calling thread works on, and the device queries the host code shares
+// (common/device.cpp). device_count() is 0 where no usable device (or driver) is found.
 int current_device();
 int device_sms(int device);
+int device_count();
 
 }  // namespace dcpmla::cuda_detail

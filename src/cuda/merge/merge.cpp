@@ -1,7 +1,7 @@
 // Host entry points of the device merges (merge.cu): validation before any launch.
 #include "dcpmla/cuda.h"
 #include "dcpmla/error.h"
-#include "../params.h"
+#include "common/params.h"
 
 namespace dcpmla::cuda {
 

@@ -4,8 +4,8 @@
 // the output may alias a partial.
 #include <algorithm>
 
-#include "../params.h"
-#include "../utils.cuh"
+#include "common/params.h"
+#include "common/utils.cuh"
 
 namespace dcpmla::cuda_detail {
 

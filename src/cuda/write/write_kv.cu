@@ -4,8 +4,8 @@
 // in float32 (IEEE, as the host encoder), saturating at the format's max (NaN stays NaN).
 #include <algorithm>
 
-#include "../params.h"
-#include "../utils.cuh"
+#include "common/params.h"
+#include "common/utils.cuh"
 
 namespace dcpmla::cuda_detail {
 

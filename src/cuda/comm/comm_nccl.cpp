@@ -14,6 +14,7 @@
 
 #include "dcpmla/cuda.h"
 #include "dcpmla/error.h"
+#include "common/resources.h"
 
 #ifdef DCPMLA_NCCL_WITH_MPI
 #include <mpi.h>
@@ -25,11 +26,8 @@ namespace dcpmla {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-void cuda_check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess)
-    throw CudaError(fmt::format("dcpmla: CUDA call {} failed: {} ({})", what, cudaGetErrorName(e), cudaGetErrorString(e)));
-}
+using cuda_detail::check;
+using cuda_detail::device_count;
 
 [[noreturn]] void nccl_fail(ncclResult_t r, const char* call, ncclComm_t comm, int rank) {
   const char* last = comm ? ncclGetLastError(comm) : nullptr;
@@ -49,25 +47,17 @@ ncclDataType_t nccl_type(DataType t) {
 // NVLink multicast (NVLS) stays off unless the user set the variable (see the header).
 void keep_nvls_off() { setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0); }
 
-int device_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
 
 }  // namespace
 
 struct NcclCommunicator::Impl {
   ncclComm_t comm = nullptr;
-  cudaStream_t stream = nullptr;
-  bool owns_stream = false;
+  cudaStream_t stream = nullptr;  // the caller's, or owned_stream
+  cuda_detail::Stream owned_stream;
   int rank = 0, world = 1, device = 0;
   NcclOptions options;
   bool is_aborted = false;
-  int32_t* scratch = nullptr;  // [world + 1] for barrier()
+  cuda_detail::DeviceBuffer scratch;  // int32 [world + 1] for barrier()
 
   ~Impl() {
     if (comm && !is_aborted) {
@@ -85,11 +75,7 @@ struct NcclCommunicator::Impl {
       if (clean) ncclCommDestroy(comm);
       else do_abort();
     }
-    if (owns_stream && stream) {
-      cudaStreamSynchronize(stream);
-      cudaStreamDestroy(stream);
-    }
-    cudaFree(scratch);
+    if (owned_stream.get()) cudaStreamSynchronize(owned_stream.get());
   }
 
   void do_abort() {
@@ -146,7 +132,7 @@ struct NcclCommunicator::Impl {
                                 last.empty() ? "" : ": ", last));
   }
 
-  void set_device() const { cuda_check(cudaSetDevice(device), "cudaSetDevice(NCCL rank)"); }
+  void set_device() const { check(cudaSetDevice(device), "cudaSetDevice(NCCL rank)"); }
 };
 
 NcclCommunicator::NcclCommunicator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -197,7 +183,7 @@ void NcclCommunicator::all_to_all(const void* send, void* recv, size_t count, Da
 void NcclCommunicator::barrier() {
   // A one-word all-gather, then the bounded wait.
   impl_->require_usable("barrier");
-  all_gather(impl_->scratch, impl_->scratch + 1, 1, DataType::i32);
+  all_gather(impl_->scratch.as<int32_t>(), impl_->scratch.as<int32_t>() + 1, 1, DataType::i32);
   synchronize();
 }
 
@@ -207,7 +193,7 @@ void NcclCommunicator::synchronize() {
   for (;;) {
     const cudaError_t q = cudaStreamQuery(impl_->stream);
     if (q == cudaSuccess) return;
-    if (q != cudaErrorNotReady) cuda_check(q, "cudaStreamQuery(NCCL stream)");
+    if (q != cudaErrorNotReady) check(q, "cudaStreamQuery(NCCL stream)");
     ncclResult_t state = ncclSuccess;
     ncclCommGetAsyncError(impl_->comm, &state);
     if (state != ncclSuccess && state != ncclInProgress) {
@@ -259,11 +245,11 @@ std::unique_ptr<NcclCommunicator> make_nccl_communicator(const NcclId& id, int w
   if (stream) {
     impl->stream = stream;
   } else {
-    cuda_check(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking), "cudaStreamCreate(NCCL rank)");
-    impl->owns_stream = true;
+    impl->owned_stream = cuda_detail::Stream("cudaStreamCreate(NCCL rank)");
+    impl->stream = impl->owned_stream.get();
   }
-  cuda_check(cudaMalloc(&impl->scratch, sizeof(int32_t) * size_t(world_size + 1)), "cudaMalloc(NCCL barrier)");
-  cuda_check(cudaMemset(impl->scratch, 0, sizeof(int32_t) * size_t(world_size + 1)), "cudaMemset(NCCL barrier)");
+  impl->scratch = cuda_detail::DeviceBuffer(sizeof(int32_t) * size_t(world_size + 1), "cudaMalloc(NCCL barrier)");
+  check(cudaMemset(impl->scratch.get(), 0, sizeof(int32_t) * size_t(world_size + 1)), "cudaMemset(NCCL barrier)");
   ncclUniqueId nid;
   std::memcpy(&nid, id.data(), sizeof(nid));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;

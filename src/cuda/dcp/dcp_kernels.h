@@ -1,4 +1,4 @@
-// Launch-side declarations of the DCP step's small kernels (src/cuda/merge/dcp_kernels.cu)
+// Launch-side declarations of the DCP step's small kernels (dcp_kernels.cu)
 // and of the device group's barrier and reduce kernels. POD params only.
 #pragma once
 
@@ -122,7 +122,5 @@ void preload_dcp_kernels();
 // f32 -> bf16 (round to nearest even).
 void launch_to_bf16(const float* src, bf16* dst, int64_t n, cudaStream_t stream);
 
-// Deterministic pseudo-normal bf16 values (hash of the index and seed), for the bench.
-void launch_fill_random(bf16* dst, int64_t n, uint64_t seed, float stddev, cudaStream_t stream);
 
 }  // namespace dcpmla::cuda_detail

@@ -11,26 +11,9 @@
 #include "dcpmla/layout.h"
 #include "attention/variants.h"
 #include "common/resources.h"
-#include "params.h"
+#include "common/params.h"
 
 namespace dcpmla {
-
-namespace cuda_detail {
-
-int current_device() {
-  int device = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
-  return device;
-}
-
-int device_sms(int device) {
-  int sms = 0;
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-        "cudaDeviceGetAttribute(multiprocessor count)");
-  return sms;
-}
-
-}  // namespace cuda_detail
 
 namespace {
 
@@ -117,14 +100,6 @@ void validate_attention(const AttentionParams& p) {
 
 }  // namespace
 
-bool cuda_device_available() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();  // clear the sticky "no device" error
-    return false;
-  }
-  return n > 0;
-}
 
 namespace cuda {
 

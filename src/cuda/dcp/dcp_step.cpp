@@ -9,12 +9,12 @@
 
 #include <cuda_runtime.h>
 
-#include "dcp_kernels.h"
+#include "dcp/dcp_kernels.h"
 #include "dcpmla/error.h"
 #include "dcpmla/layout.h"
 #include "dcpmla/runner.h"
 #include "common/resources.h"
-#include "params.h"
+#include "common/params.h"
 
 namespace dcpmla {
 

@@ -8,11 +8,12 @@
 
 #include <cuda_runtime.h>
 
-#include "dcp_kernels.h"
+#include "dcp/dcp_kernels.h"
 #include "dcpmla/cuda.h"
 #include "dcpmla/error.h"
-#include "params.h"
-#include "../rank_threads.h"
+#include "common/params.h"
+#include "common/resources.h"
+#include "../../rank_threads.h"
 
 namespace dcpmla {
 
@@ -23,23 +24,20 @@ using cuda_detail::check;
 HostStagedCommunicator::HostStagedCommunicator(DeviceCommunicator& device, size_t capacity_bytes) : dev_(device) {
   reserve(capacity_bytes);
 }
-HostStagedCommunicator::~HostStagedCommunicator() { cudaFree(buf_); }
+HostStagedCommunicator::~HostStagedCommunicator() = default;
 int HostStagedCommunicator::rank() const { return dev_.rank(); }
 int HostStagedCommunicator::world_size() const { return dev_.world_size(); }
 
 void HostStagedCommunicator::reserve(size_t bytes) {
-  if (bytes <= bytes_) return;
-  cudaFree(buf_);
-  buf_ = nullptr;
-  bytes_ = 0;
-  check(cudaMalloc(&buf_, bytes), "cudaMalloc(host-staged scratch)");
-  bytes_ = bytes;
+  if (buf_ && bytes <= buf_->bytes()) return;
+  buf_.reset();
+  buf_ = std::make_unique<cuda_detail::DeviceBuffer>(bytes, "cudaMalloc(host-staged scratch)");
 }
 
 void HostStagedCommunicator::staged(const void* send, size_t in_bytes, void* recv, size_t out_bytes,
                                     const std::function<void(const void*, void*)>& op) {
   reserve(in_bytes + out_bytes);
-  char* s = static_cast<char*>(buf_);
+  char* s = buf_->as<char>();
   check(cudaMemcpyAsync(s, send, in_bytes, cudaMemcpyHostToDevice, dev_.stream()), "cudaMemcpyAsync(staged send)");
   op(s, s + in_bytes);
   check(cudaMemcpyAsync(recv, s + in_bytes, out_bytes, cudaMemcpyDeviceToHost, dev_.stream()),
@@ -69,10 +67,6 @@ void HostStagedCommunicator::barrier() { dev_.barrier(); }
 
 struct DeviceGroup::State {
   State(int n, int dev, std::chrono::milliseconds t) : world(n), device(dev), timeout(t), sends(size_t(n)), rendezvous(n, t) {}
-  ~State() {
-    cudaFree(flags);
-    cudaFreeHost(const_cast<int*>(abort_host));
-  }
 
   // Host barrier with abort and timeout: only used while enqueueing, to exchange addresses.
   // Either failure also raises the device-side abort flag, so no device barrier waits on.
@@ -96,8 +90,9 @@ struct DeviceGroup::State {
   const std::chrono::milliseconds timeout;
   std::vector<const void*> sends;
   RankBarrier rendezvous;
-  unsigned long long* flags = nullptr;  // device [world]
-  volatile int* abort_host = nullptr;   // mapped pinned [2]: abort, status
+  cuda_detail::DeviceBuffer flags;       // device unsigned long long [world]
+  cuda_detail::PinnedBuffer abort_buffer;  // mapped
+  volatile int* abort_host = nullptr;   // mapped pinned [2]: abort, status, in abort_buffer
   int* abort_dev = nullptr;
 };
 
@@ -186,7 +181,7 @@ class DeviceGroupComm final : public DeviceCommunicator {
 
   void device_barrier() {
     cuda_detail::BarrierParams p{};
-    p.flags = s_->flags;
+    p.flags = s_->flags.as<unsigned long long>();
     p.abort = s_->abort_dev;
     p.status = s_->abort_dev + 1;
     p.me = rank_;
@@ -206,23 +201,19 @@ DeviceGroup::DeviceGroup(int world_size, int device, std::chrono::milliseconds t
   require(world_size >= 1 && world_size <= kMaxDeviceGroupRanks, "world_size", world_size,
           fmt::format("in [1, {}] for a device group (ranks simulated on one GPU)", kMaxDeviceGroupRanks));
   require(timeout.count() > 0, "timeout", fmt::format("{} ms", timeout.count()), "> 0");
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    (void)cudaGetLastError();
-    count = 0;
-  }
+  const int count = cuda_detail::device_count();
   require(device >= 0 && device < count, "device", device,
           fmt::format("a CUDA device in [0, {}) (this machine has {} GPU(s))", count, count));
   state_ = std::make_shared<State>(world_size, device, timeout);
   check(cudaSetDevice(device), "cudaSetDevice(device group)");
-  check(cudaMalloc(&state_->flags, sizeof(unsigned long long) * size_t(world_size)), "cudaMalloc(group flags)");
-  check(cudaMemset(state_->flags, 0, sizeof(unsigned long long) * size_t(world_size)), "cudaMemset(group flags)");
+  state_->flags = cuda_detail::DeviceBuffer(sizeof(unsigned long long) * size_t(world_size), "cudaMalloc(group flags)");
+  check(cudaMemset(state_->flags.get(), 0, sizeof(unsigned long long) * size_t(world_size)), "cudaMemset(group flags)");
   // The memset runs on the legacy stream, which the ranks' non-blocking streams do not wait
   // for: finish it here. And load the kernels now (see preload_dcp_kernels).
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(device group setup)");
   cuda_detail::preload_dcp_kernels();
-  int* host = nullptr;
-  check(cudaHostAlloc(&host, 2 * sizeof(int), cudaHostAllocMapped), "cudaHostAlloc(group abort flag)");
+  state_->abort_buffer = cuda_detail::PinnedBuffer(2 * sizeof(int), "cudaHostAlloc(group abort flag)", cudaHostAllocMapped);
+  int* host = state_->abort_buffer.as<int>();
   host[0] = host[1] = 0;
   state_->abort_host = host;
   check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&state_->abort_dev), host, 0),
@@ -242,22 +233,19 @@ std::unique_ptr<DeviceCommunicator> DeviceGroup::communicator(int rank, cudaStre
 void run_device_ranks(int world_size, int device, const std::function<void(int, DeviceCommunicator&)>& fn,
                       std::chrono::milliseconds timeout) {
   DeviceGroup group(world_size, device, timeout);
-  std::vector<cudaStream_t> streams(size_t(world_size), nullptr);
+  std::vector<cuda_detail::Stream> streams(static_cast<size_t>(world_size));
   const std::exception_ptr failed = run_rank_threads(
       world_size,
       [&](int r) {
         check(cudaSetDevice(device), "cudaSetDevice(rank thread)");
-        check(cudaStreamCreateWithFlags(&streams[size_t(r)], cudaStreamNonBlocking), "cudaStreamCreate(rank)");
-        auto comm = group.communicator(r, streams[size_t(r)]);
+        streams[size_t(r)] = cuda_detail::Stream("cudaStreamCreate(rank)");
+        auto comm = group.communicator(r, streams[size_t(r)].get());
         fn(r, *comm);
       },
       [&] { group.abort(); });
   // After the abort (if any): the device barrier kernels leave once it is raised.
-  for (cudaStream_t stream : streams)
-    if (stream) {
-      cudaStreamSynchronize(stream);
-      cudaStreamDestroy(stream);
-    }
+  for (const cuda_detail::Stream& stream : streams)
+    if (stream.get()) cudaStreamSynchronize(stream.get());
   if (failed) std::rethrow_exception(failed);
 }
 

@@ -1,4 +1,4 @@
-// The single-GPU DCP benchmark (dcp.h, cuda::run_dcp_bench): what one rank of an N-rank
+// The single-GPU DCP benchmark (dcp_bench_core.h): what one rank of an N-rank
 // group does per step, without the communication: attention of all N x H_local heads over
 // its 1/N share of every request, and the merge kernels on their real shapes.
 #include <algorithm>
@@ -10,43 +10,38 @@
 
 #include <cuda_runtime.h>
 
-#include "dcp_kernels.h"
+#include "dcp/dcp_kernels.h"
+#include "dcp_bench_core.h"
 #include "dcpmla/dcp.h"
 #include "dcpmla/error.h"
 #include "dcpmla/layout.h"
-#include "params.h"
+#include "common/params.h"
+#include "common/resources.h"
 
-namespace dcpmla::cuda {
+namespace dcpmla::bench {
 namespace {
 
 using cuda_detail::check;
 constexpr int kDim = 576, kRank = 512;
 
-struct Buffer {
-  void* p = nullptr;
-  explicit Buffer(size_t bytes) { check(cudaMalloc(&p, std::max<size_t>(bytes, 256)), "cudaMalloc(bench)"); }
-  ~Buffer() { cudaFree(p); }
-  template <class T>
-  T* as() const { return static_cast<T*>(p); }
+// Device memory for the bench (the library's RAII owner).
+struct Buffer : cuda_detail::DeviceBuffer {
+  explicit Buffer(size_t bytes) : DeviceBuffer(bytes, "cudaMalloc(bench)") {}
 };
 
 // Median time (us) of `runs` calls of fn after `warmup`, each between two events.
 template <class Fn>
 double time_us(cudaStream_t s, int warmup, int runs, Fn fn) {
-  cudaEvent_t a, b;
-  check(cudaEventCreate(&a), "cudaEventCreate");
-  check(cudaEventCreate(&b), "cudaEventCreate");
+  const cuda_detail::Event a("cudaEventCreate(bench)", cudaEventDefault), b("cudaEventCreate(bench)", cudaEventDefault);
   for (int i = 0; i < warmup; ++i) fn();
   std::vector<float> ms(size_t(std::max(runs, 1)));
   for (auto& m : ms) {
-    check(cudaEventRecord(a, s), "cudaEventRecord");
+    check(cudaEventRecord(a.get(), s), "cudaEventRecord");
     fn();
-    check(cudaEventRecord(b, s), "cudaEventRecord");
-    check(cudaEventSynchronize(b), "cudaEventSynchronize");
-    check(cudaEventElapsedTime(&m, a, b), "cudaEventElapsedTime");
+    check(cudaEventRecord(b.get(), s), "cudaEventRecord");
+    check(cudaEventSynchronize(b.get()), "cudaEventSynchronize");
+    check(cudaEventElapsedTime(&m, a.get(), b.get()), "cudaEventElapsedTime");
   }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
   std::nth_element(ms.begin(), ms.begin() + ptrdiff_t(ms.size() / 2), ms.end());
   return double(ms[ms.size() / 2]) * 1000.0;
 }
@@ -58,8 +53,8 @@ std::vector<DcpBenchRow> run_dcp_bench(const DcpBenchOptions& o) {
   require(o.context >= 1, "context", o.context, ">= 1");
   require(cuda_device_available(), "device", o.device, "a CUDA GPU (none is usable on this machine)");
   check(cudaSetDevice(o.device), "cudaSetDevice(bench)");
-  cudaStream_t stream;
-  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate(bench)");
+  const cuda_detail::Stream owned_stream("cudaStreamCreate(bench)");
+  cudaStream_t stream = owned_stream.get();
   std::vector<DcpBenchRow> rows;
   for (int hl : o.heads_local)
     for (int qlen : o.qlens)
@@ -83,10 +78,10 @@ std::vector<DcpBenchRow> run_dcp_bench(const DcpBenchOptions& o) {
         ac.layout = layout;
         ac.block_size = block;
         ac.limits = PlanLimits{o.batch, qlen, local};
-        Attention runner(ac, o.device);
+        cuda::Attention runner(ac, o.device);
         Buffer cache(size_t(num_blocks) * block * kDim * 2);
-        const KvCache cache_view{cache.p, num_blocks, block, kDim, KvDtype::bf16};
-        cuda_detail::launch_fill_random(cache.as<bf16>(), num_blocks * block * kDim, 11 + uint64_t(N), 1.0f, stream);
+        const KvCache cache_view{cache.get(), num_blocks, block, kDim, KvDtype::bf16};
+        fill_random(cache.as<bf16>(), num_blocks * block * kDim, 11 + uint64_t(N), 1.0f, stream);
         std::vector<int32_t> ids(static_cast<size_t>(num_blocks));
         std::iota(ids.begin(), ids.end(), 0);
         std::mt19937_64 rng(5);
@@ -98,7 +93,7 @@ std::vector<DcpBenchRow> run_dcp_bench(const DcpBenchOptions& o) {
 
         const int64_t rows_n = int64_t(o.batch) * qlen, cells_all = rows_n * N * hl, cells = rows_n * hl;
         Buffer q(size_t(cells_all) * kDim * 2), out(size_t(cells_all) * kRank * 2), lse(size_t(cells_all) * 4);
-        cuda_detail::launch_fill_random(q.as<bf16>(), cells_all * kDim, 7, 1.0f, stream);
+        fill_random(q.as<bf16>(), cells_all * kDim, 7, 1.0f, stream);
         row.attention_us = time_us(stream, o.warmup, o.runs, [&] {
           for (int g = 0; g < G; ++g)
             runner.run(q.as<bf16>() + int64_t(g) * rows_n * hg * kDim, cache_view, KvScale{},
@@ -111,11 +106,11 @@ std::vector<DcpBenchRow> run_dcp_bench(const DcpBenchOptions& o) {
         // Merge (i): correction on the gathered lse, and the receiving side's sum of N chunks.
         const cuda_detail::HeadGroups hgp{N, 0, rg, hl, hg, rows_n};
         Buffer lse_all(size_t(cells_all) * N * 4), send(size_t(cells_all) * kRank * 2);
-        check(cudaMemsetAsync(lse_all.p, 0, size_t(cells_all) * N * 4, stream), "cudaMemsetAsync(lse_all)");
+        check(cudaMemsetAsync(lse_all.get(), 0, size_t(cells_all) * N * 4, stream), "cudaMemsetAsync(lse_all)");
         Buffer out_lse(size_t(cells) * 4), mine(size_t(cells) * kRank * 2);
         row.correct_us = time_us(stream, o.warmup, o.runs, [&] {
           cuda_detail::launch_correct(
-              cuda_detail::CorrectParams{hgp, lse_all.as<float>(), out.as<bf16>(), send.p, false, out_lse.as<float>(), kRank},
+              cuda_detail::CorrectParams{hgp, lse_all.as<float>(), out.as<bf16>(), send.get(), false, out_lse.as<float>(), kRank},
               stream);
         });
         const double correct_bytes = double(cells_all) * (kRank * 2 * 2 + 4.0 * N);
@@ -124,10 +119,10 @@ std::vector<DcpBenchRow> run_dcp_bench(const DcpBenchOptions& o) {
         cuda_detail::ReduceParams rp{};
         for (int k = 0; k < N; ++k) {
           peers.push_back(std::make_unique<Buffer>(size_t(cells_all) * kRank * 2));
-          check(cudaMemsetAsync(peers.back()->p, 0, size_t(cells_all) * kRank * 2, stream), "cudaMemsetAsync(peer)");
-          rp.src[k] = peers.back()->p;
+          check(cudaMemsetAsync(peers.back()->get(), 0, size_t(cells_all) * kRank * 2, stream), "cudaMemsetAsync(peer)");
+          rp.src[k] = peers.back()->get();
         }
-        rp.dst = mine.p;
+        rp.dst = mine.get();
         rp.offset = 0;
         rp.count = cells * kRank;
         rp.n = N;
@@ -138,7 +133,7 @@ std::vector<DcpBenchRow> run_dcp_bench(const DcpBenchOptions& o) {
         // Merge (ii): packing per destination and the local combine of N received partials.
         const int64_t lse_off = (cells * kRank * 2 + 15) / 16 * 16, chunk = (lse_off + cells * 4 + 255) / 256 * 256;
         Buffer a2a(size_t(chunk) * N), recv(size_t(chunk) * N);
-        check(cudaMemsetAsync(recv.p, 0, size_t(chunk) * N, stream), "cudaMemsetAsync(recv)");
+        check(cudaMemsetAsync(recv.get(), 0, size_t(chunk) * N, stream), "cudaMemsetAsync(recv)");
         row.pack_us = time_us(stream, o.warmup, o.runs, [&] {
           cuda_detail::launch_pack(
               cuda_detail::PackParams{hgp, out.as<bf16>(), lse.as<float>(), a2a.as<uint8_t>(), chunk, lse_off, kRank},
@@ -156,7 +151,6 @@ std::vector<DcpBenchRow> run_dcp_bench(const DcpBenchOptions& o) {
         check(cudaStreamSynchronize(stream), "cudaStreamSynchronize(bench)");
         rows.push_back(row);
       }
-  cudaStreamDestroy(stream);
   return rows;
 }
 
@@ -188,4 +182,4 @@ std::string device_description(int device) {
   return fmt::format("{} ({} SMs)", prop.name, prop.multiProcessorCount);
 }
 
-}  // namespace dcpmla::cuda
+}  // namespace dcpmla::bench

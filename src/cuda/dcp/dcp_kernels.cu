@@ -4,9 +4,9 @@
 // row gives o = 0, lse = -inf (never NaN).
 #include <algorithm>
 
-#include "../dcp_kernels.h"
-#include "../params.h"
-#include "../utils.cuh"
+#include "dcp/dcp_kernels.h"
+#include "common/params.h"
+#include "common/utils.cuh"
 
 namespace dcpmla::cuda_detail {
 namespace {
@@ -329,30 +329,6 @@ void launch_to_bf16(const float* src, bf16* dst, int64_t n, cudaStream_t stream)
   if (n == 0) return;
   to_bf16_kernel<<<grid_for(n, 256, 4096), 256, 0, stream>>>(src, dst, n);
   check(cudaGetLastError(), "to_bf16_kernel launch");
-}
-
-__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-// Irwin-Hall of four uniforms, scaled to unit variance: close enough to normal for timing.
-__global__ void fill_random_kernel(bf16* dst, int64_t n, uint64_t seed, float stddev) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const uint64_t h = splitmix64(seed * 0x2545f4914f6cdd1dull + uint64_t(i));
-    float s = 0.0f;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) s += float((h >> (16 * k)) & 0xffffu) * (1.0f / 65536.0f);
-    dst[i] = to_bf16((s - 2.0f) * 1.7320508f * stddev);
-  }
-}
-
-void launch_fill_random(bf16* dst, int64_t n, uint64_t seed, float stddev, cudaStream_t stream) {
-  if (n == 0) return;
-  fill_random_kernel<<<grid_for(n, 256, 8192), 256, 0, stream>>>(dst, n, seed, stddev);
-  check(cudaGetLastError(), "fill_random_kernel launch");
 }
 
 }  // namespace dcpmla::cuda_detail

@@ -7,7 +7,7 @@
 #include "dcpmla/cuda.h"
 #include "dcpmla/error.h"
 #include "common/resources.h"
-#include "params.h"
+#include "common/params.h"
 
 namespace dcpmla::cuda {
 namespace {
@@ -30,8 +30,8 @@ class Scratch {
 class CudaRank final : public RankEngine {
  public:
   CudaRank(const AttentionConfig& config, const CacheConfig& cache, int device)
-      : device_((check(cudaSetDevice(device), "cudaSetDevice"), device)),
-        cache_config_((cache.validate(), cache)),
+      // The device is set first: every allocation below lands on it.
+      : cache_config_((cache.validate(), check(cudaSetDevice(device), "cudaSetDevice(rank)"), cache)),
         cache_(size_t(cache.bytes()), "cudaMalloc(rank cache)"),
         stream_("cudaStreamCreate(rank)"),
         attention_(config, device) {}
@@ -102,7 +102,6 @@ class CudaRank final : public RankEngine {
   }
 
  private:
-  int device_;
   CacheConfig cache_config_;
   DeviceBuffer cache_;
   Stream stream_;
