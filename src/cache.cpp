@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "dcpmla/error.h"
 #include "dcpmla/layout.h"
@@ -45,21 +46,30 @@ void KvCache::validate() const {
     fail("kv_cache", fmt::format("address {}", data), "16-byte aligned memory");
 }
 
-float checked_kv_scale(double value, KvDtype dtype) {
+namespace {
+
+// One rule for a cache scale given as a double (Python, CLI) or a float (C++): checked in the
+// caller's type, so the message shows the value as given.
+template <class T>
+float kv_scale_as_given(T value, KvDtype dtype) {
   if (dtype == KvDtype::bf16) {
-    if (value != 1.0) fail("kv_scale", value, "1.0 for a bf16 cache (the scale is for fp8)");
+    if (value != T(1)) fail("kv_scale", value, "1.0 for a bf16 cache (the scale is for fp8)");
     return 1.0f;
   }
-  return checked_scale("kv_scale", value);
+  if constexpr (std::is_same_v<T, float>) {
+    require_scale("kv_scale", value);
+    return value;
+  } else {
+    return checked_scale("kv_scale", value);
+  }
 }
 
+}  // namespace
+
+float checked_kv_scale(double value, KvDtype dtype) { return kv_scale_as_given(value, dtype); }
+
 void KvScale::validate(KvDtype dtype) const {
-  // As a float, so the message shows the value as the caller's float prints.
-  if (dtype == KvDtype::bf16) {
-    if (value != 1.0f) fail("kv_scale", value, "1.0 for a bf16 cache (the scale is for fp8)");
-  } else {
-    require_scale("kv_scale", value);
-  }
+  (void)kv_scale_as_given(value, dtype);
   if (device != nullptr && dtype == KvDtype::bf16)
     fail("kv_scale", "a device tensor", "a plain 1.0 for a bf16 cache (the scale is for fp8)");
 }

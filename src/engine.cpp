@@ -22,8 +22,6 @@ PlannerConfig planner_config(const AttentionConfig& c, Backend backend, int work
   return p;
 }
 
-float checked_softmax_scale(double value) { return checked_scale("softmax_scale", value); }
-
 float softmax_scale_of(const AttentionConfig& c) {
   if (c.softmax_scale) {
     require_scale("softmax_scale", *c.softmax_scale);

@@ -44,15 +44,18 @@ std::vector<int64_t> row_local_lengths(Mode mode, int64_t seq_len, int qlen, con
 
 int64_t slot_of(int64_t p, std::span<const int32_t> table, int block_size, int64_t num_blocks,
                 const Layout& layout) {
-  require(p >= 0, "position", p, ">= 0");
+  // Called per token of every step (the DCP step's plan, the conformance driver): format only
+  // when a check fails.
+  if (p < 0) fail("position", p, ">= 0");
   if (layout.owner(p) != layout.rank) return kPadSlot;
   const int64_t i = layout.local_index(p);
   const int64_t entry = i / block_size;
-  require(entry < int64_t(table.size()), "block_table", fmt::format("{} entries", table.size()),
-          fmt::format("> {} to hold position {} (local index {})", entry, p, i));
+  if (entry >= int64_t(table.size()))
+    fail("block_table", fmt::format("{} entries", table.size()),
+         fmt::format("> {} to hold position {} (local index {})", entry, p, i));
   const int32_t block = table[size_t(entry)];
-  require(block >= 0 && block < num_blocks, fmt::format("block_table[{}]", entry), block,
-          fmt::format("a block id in [0, {})", num_blocks));
+  if (block < 0 || block >= num_blocks)
+    fail(fmt::format("block_table[{}]", entry), block, fmt::format("a block id in [0, {})", num_blocks));
   return int64_t(block) * block_size + i % block_size;
 }
 

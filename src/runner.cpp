@@ -102,8 +102,8 @@ std::vector<int64_t> slots_of(std::span<const int64_t> positions, std::span<cons
   std::vector<int64_t> slots(positions.size());
   for (size_t n = 0; n < positions.size(); ++n) {
     const int32_t b = requests[n];
-    require(b >= 0 && size_t(b) < batch.seq_lens.size(), fmt::format("requests[{}]", n), b,
-            fmt::format("a request in [0, {})", batch.seq_lens.size()));
+    if (b < 0 || size_t(b) >= batch.seq_lens.size())
+      fail(fmt::format("requests[{}]", n), b, fmt::format("a request in [0, {})", batch.seq_lens.size()));
     const auto table = batch.block_tables.subspan(size_t(b) * size_t(batch.table_width), size_t(batch.table_width));
     slots[n] = slot_of(positions[n], table, block_size, num_blocks, layout);
   }
@@ -174,8 +174,10 @@ Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<co
   Inputs in;
   in.batch = batch, in.qlen = qlen, in.heads = heads, in.dim = dim, in.max_len = max_len, in.mode = o.mode;
   in.seq_lens = seq_lens;
-  if (o.softmax_scale) require_scale("softmax_scale", *o.softmax_scale);
-  in.softmax_scale = o.softmax_scale ? *o.softmax_scale : 1.0f / std::sqrt(float(dim));
+  AttentionConfig scale_config;
+  scale_config.softmax_scale = o.softmax_scale;
+  scale_config.dims = LatentDims{o.kv_lora_rank, dim - o.kv_lora_rank};
+  in.softmax_scale = softmax_scale_of(scale_config);  // checked; D^-0.5 by default
   KvScale{o.kv_scale}.validate(o.kv_dtype);
   // The model's numbers are bf16: round once on entry.
   in.q16.resize(q.size());

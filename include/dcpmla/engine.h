@@ -42,8 +42,6 @@ PlannerConfig planner_config(const AttentionConfig& config, Backend backend, int
 
 // The softmax scale a configuration asks for: D^-0.5 by default; throws unless positive normal.
 float softmax_scale_of(const AttentionConfig& config);
-// Checks a softmax scale given as a double (Python, CLI): a positive normal float32.
-float checked_softmax_scale(double value);
 
 // Checks a run's cache and scale against the planner and the current plan, before anything
 // runs: dtype, block size, D, and a cache that holds every block the plan's tables name.
