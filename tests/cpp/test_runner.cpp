@@ -120,4 +120,27 @@ TEST(Runner, EntryPointRefusesBadInput) {
   expect_error([] { parse_kv_dtype("fp16"); }, "kv_dtype");
 }
 
+// Each rank gathers every rank's partial to merge, so the merge buffers grow as N^2: 128
+// one-token requests x 16 heads on 64 ranks needs about 9 GiB of them alone, with tiny
+// caches. Refused up front (naming the merge buffers), never left to the allocator.
+TEST(Runner, MergeBuffersCountTowardTheMemoryBound) {
+  const int B = 128, H = 16;
+  const auto q = testing::random_normal(size_t(B) * H * 576, 3);
+  const auto kv = testing::random_normal(size_t(B) * 576, 4);
+  const std::vector<int32_t> lens(B, 1);
+  AttentionOptions o;
+  o.mode = Mode::decode;
+  o.world_size = 64;
+  try {
+    mla_attention(q, kv, lens, B, 1, H, 1, 576, o);
+    FAIL() << "no error: the merge buffers were not counted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("merge buffers"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("GiB"), std::string::npos) << e.what();
+  }
+  o.world_size = 8;  // a sixty-fourth of the merge term: runs
+  const AttentionResult r = mla_attention(q, kv, lens, B, 1, H, 1, 576, o);
+  EXPECT_EQ(r.lse.size(), size_t(B) * H);
+}
+
 }  // namespace dcpmla

@@ -169,7 +169,10 @@ void run_graph_case(const GraphCase& gc) {
   std::vector<std::string> routes(static_cast<size_t>(c.world));
   run_ranks_on_gpu(c.world, [&](int rank, DeviceCommunicator& comm) {
     cudaStream_t stream = comm.stream();
-    DcpStep step(step_config(c, t, max_batch, max_qlen), comm);
+    // The serving configuration: no per-step agreement exchange (plan() is host work only).
+    DcpConfig config = step_config(c, t, max_batch, max_qlen);
+    config.check_agreement = false;
+    DcpStep step(config, comm);
     DeviceCache cache(t.num_blocks, c.block_size, c.dtype, stream);
     const RankInputs in1 = rank_inputs(g1, rank, c.heads_local, step.row_capacity());
     const RankInputs in2 = rank_inputs(g2, rank, c.heads_local, step.row_capacity());
