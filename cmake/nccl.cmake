@@ -1,11 +1,8 @@
-# DCP across GPUs (issue 4), included by the top-level CMakeLists.txt right after
-# cmake/cuda.cmake:
-#  - the GPU DCP step, the device in-process communicator (DeviceGroup) and the single-GPU
-#    DCP benchmark join the CUDA backend library dcpmla_cuda;
-#  - the NCCL communicator is the static library dcpmla_nccl, built when NCCL is found
-#    (DCPMLA_NCCL = AUTO | ON | OFF); with the MPI communicator library it also has the
-#    mpirun start-up (the unique id shared with MPI_Bcast);
-#  - the benchmark binary dcpmla_dcp_bench and the NCCL tests.
+# The NCCL communicator, included by the top-level CMakeLists.txt right after
+# cmake/cuda.cmake (which builds the DCP step and the device in-process communicator into
+# dcpmla_cuda): the static library dcpmla_nccl, built when NCCL is found
+# (DCPMLA_NCCL = AUTO | ON | OFF); with the MPI communicator library it also has the
+# mpirun start-up (the unique id shared with MPI_Bcast); and the NCCL tests.
 # NCCL is looked for beside the CUDA toolkit (its headers and libnccl ship there on our
 # machines), then under NCCL_ROOT (a CMake or environment variable).
 if(NOT TARGET dcpmla_cuda)

@@ -177,7 +177,7 @@ fi
 if [[ "$MODE" == all || "$MODE" == bench ]]; then
   t0=$(date +%s)
   # shellcheck disable=SC2086
-  timeout 180 "$BUILD/dcpmla_dcp_bench" --json "$OUT/dcp_bench.json" $DCP_BENCH_ARGS >"$OUT/dcp_bench.log" 2>&1 || status=1
+  timeout 180 "$BUILD/bench/dcpmla_dcp_bench" --json "$OUT/dcp_bench.json" $DCP_BENCH_ARGS >"$OUT/dcp_bench.log" 2>&1 || status=1
   # shellcheck disable=SC2086
   timeout 180 "$BUILD/bench/dcpmla_bench" --json "$OUT/bench.json" $BENCH_ARGS >"$OUT/bench.log" 2>&1 || status=1
   say "bench: $(( $(date +%s) - t0 )) s"
