@@ -56,6 +56,8 @@ CFG
   done
   # The image has libnccl.so.2 but no nccl.h; the toolkit here ships the header.
   mkdir -p .devdeps/nccl/include && cp /usr/local/cuda/include/nccl.h .devdeps/nccl/include/ || exit 1
+  # The commit the copy is of (the GPU machine's copy of .git is not this checkout's).
+  git describe --always --dirty --abbrev=12 >.devdeps/commit
   mkdir -p .devdeps/vectors && cp ../shared/vectors/* .devdeps/vectors/ 2>/dev/null || true
   say ".devdeps ready ($(du -sh .devdeps | cut -f1)); pass carry=[\".devdeps\"] to the device call"
   exit 0
@@ -114,6 +116,7 @@ EXTRA=()
 if NB_DIR="$(python3 -m nanobind --cmake_dir 2>/dev/null)"; then
   EXTRA+=(-DDCPMLA_PYTHON=ON "-Dnanobind_DIR=$NB_DIR" "-DPython_EXECUTABLE=$(command -v python3)")
 fi
+[[ -f .devdeps/commit ]] && export DCPMLA_COMMIT="$(cat .devdeps/commit)"
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix_path" \
   -DDCPMLA_CUDA=ON -DDCPMLA_CUDA_TESTS=ON -DDCPMLA_BENCH=ON -DDCPMLA_TESTS=OFF -DDCPMLA_CLI=ON \
   -DDCPMLA_INSTALL=OFF "${EXTRA[@]}" >>"$OUT/build.log" 2>&1 &&
