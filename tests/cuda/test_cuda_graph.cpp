@@ -180,5 +180,46 @@ TEST(CudaGraph, ReplayAfterReplanDecode16Heads) {
   run_graph_case(gc);
 }
 
+// The engine path over the grid: every mode, dtype and route, N in {1, 2, 3, 4, 8} (a
+// random rank of each), interleave 1 and 2, block sizes 1 to 256, 5 to 128 heads; three
+// layers per step, each with its own cache, latents and scale, captured once and replayed
+// after a re-plan that changes lengths, qlen and padding. Lengths include padding, a
+// request of exactly qlen tokens and one shorter than N x interleave (ranks without a
+// token of it).
+TEST(CudaGraph, EnginePathOverTheGrid) {
+  DCPMLA_REQUIRE_GPU();
+  const Mode modes[] = {Mode::decode, Mode::verify, Mode::draft};
+  const KvDtype dtypes[] = {KvDtype::bf16, KvDtype::fp8_e4m3, KvDtype::fp8_e5m2};
+  const int worlds[] = {1, 2, 3, 4, 8}, blocks[] = {1, 16, 64, 256}, heads[] = {16, 128, 5};
+  const Route verify_routes[] = {Route::automatic, Route::one_stage, Route::two_stage, Route::split_k};
+  const Route other_routes[] = {Route::automatic, Route::one_stage, Route::split_k};
+  for (int k = 0; k < 15; ++k) {
+    GraphCase gc;
+    Scenario& s = gc.s;
+    s.name = "grid_" + std::to_string(k);
+    s.mode = modes[k % 3];
+    s.dtype = dtypes[(k / 3) % 3];
+    s.kv_scale = s.dtype == KvDtype::bf16 ? 1.0f : s.dtype == KvDtype::fp8_e4m3 ? 0.05f : 2.0f;
+    s.world = worlds[k % 5];
+    s.rank = (k * 7 + 3) % s.world;
+    s.block_size = blocks[k % 4];
+    s.interleave = s.block_size % 2 == 0 ? 1 + k % 2 : 1;
+    s.heads = heads[k % 3];
+    s.route = s.mode == Mode::verify ? verify_routes[k % 4] : other_routes[k % 3];
+    s.seed = 1000 + uint64_t(k);
+    gc.qlen1 = s.mode == Mode::decode ? 1 : 1 + k % 4;
+    gc.qlen2 = s.mode == Mode::decode ? 1 : 1 + (k + 2) % 4;
+    s.qlen = gc.qlen1;
+    s.max_qlen = std::max(gc.qlen1, gc.qlen2);
+    std::mt19937_64 rng(s.seed);
+    auto length = [&](int qlen) { return int32_t(qlen + rng() % 2000); };
+    const int span = s.world * s.interleave;
+    gc.lens1 = {length(gc.qlen1), 0, int32_t(gc.qlen1), length(gc.qlen1), int32_t(std::max(gc.qlen1, span - 1))};
+    gc.lens2 = {0, length(gc.qlen2), int32_t(gc.qlen2), 0, 0, length(gc.qlen2)};
+    SCOPED_TRACE(s.describe());
+    run_graph_case(gc);
+  }
+}
+
 }  // namespace
 }  // namespace dcpmla::testing
