@@ -1,12 +1,13 @@
 // Fuzzes the planner with the layout (SPEC §2, §4): arbitrary bytes become a planner
-// configuration and a batch (lengths, qlen, mode, world, rank, interleave, block size,
-// block tables, capture limits, num_blocks, heads, route, dtype). Every input must either
-// give a plan or raise dcpmla::Error -- any other exception, crash, sanitizer report or hang
-// is a bug. The planner must refuse exactly the configurations and batches the contract
+// configuration and a batch (lengths, qlen, mode, world, rank, interleave, block size, block
+// tables drawn mostly from a cache of num_blocks, capture limits, heads, route, dtype). Every
+// input must either give a plan or raise dcpmla::Error -- any other exception, crash,
+// sanitizer report or hang is a bug. The planner must refuse exactly the configurations and batches the contract
 // calls bad (an independent oracle below), and every plan it accepts must hold:
 //  - per-row local lengths are n_r(w_t), and summed over the ranks they equal the window;
 //  - every rank of the group accepts or refuses the same batch and takes the same route;
-//  - every sub-page id is the spec's expansion of the table and lies inside the cache;
+//  - every sub-page id is the spec's expansion of the table and fits int32; the plan's
+//    largest block id (which run() checks the engine's cache against) is the tables' own;
 //  - the work list covers each request's tiles exactly once, in order;
 //  - padding requests get zero rows and no work, and never change the route or the split.
 #include <algorithm>
@@ -46,7 +47,8 @@ int64_t spec_page(int64_t block_size) {
 struct Batch {
   std::vector<int32_t> lens, tables;
   int qlen = 1, width = 0;
-  BatchDesc desc() const { return BatchDesc{lens, qlen, tables, width}; }
+  Mode mode = Mode::verify;
+  BatchDesc desc() const { return BatchDesc{lens, qlen, tables, width, mode}; }
 };
 
 // Global window of row t (SPEC §1), or two_stage's sharded prefix.
@@ -68,34 +70,37 @@ bool config_is_valid(const PlannerConfig& c) {
   const Layout& l = c.layout;
   if (l.world_size < 1 || l.rank < 0 || l.rank >= l.world_size || l.interleave < 1) return false;
   if (c.block_size < 1 || c.block_size > kMaxBlockSize || c.block_size % l.interleave) return false;
-  if (c.num_blocks < 1 || c.dims.kv_lora_rank < 1 || c.dims.rope_dim < 1) return false;
+  if (c.dims.kv_lora_rank < 1 || c.dims.rope_dim < 1) return false;
   if (int64_t(c.dims.kv_lora_rank) + c.dims.rope_dim > INT32_MAX) return false;
   if (c.limits.max_batch < 1 || c.limits.max_qlen < 1 || c.limits.max_qlen > kMaxQlen) return false;
   if (c.limits.max_local_kv_len < 1 || c.limits.max_local_kv_len > INT32_MAX) return false;
   if (c.num_workers < 1 || c.min_segment_tokens < 1 || c.heads < 1) return false;
+  // A forced route must be served for some mode; the step's mode is checked per batch.
   const Route checked = c.route == Route::automatic ? Route::one_stage : c.route;
-  if (!is_supported(c.backend, checked, c.mode, c.kv_dtype, c.heads)) return false;
-  const int64_t page = spec_page(c.block_size);
-  if (__int128(c.num_blocks) * (c.block_size / page) > INT32_MAX) return false;  // int32 sub-page ids
-  return arena_ints(c, page) < (int64_t(1) << 30);
+  if (!is_supported(c.backend, checked, Mode::decode, c.kv_dtype, c.heads) &&
+      !is_supported(c.backend, checked, Mode::verify, c.kv_dtype, c.heads))
+    return false;
+  return arena_ints(c, spec_page(c.block_size)) < (int64_t(1) << 30);
 }
 
 bool batch_is_valid(const PlannerConfig& c, const Batch& b) {
   const int64_t n = int64_t(b.lens.size());
   if (n < 1 || n > c.limits.max_batch || b.qlen < 1 || b.qlen > c.limits.max_qlen) return false;
-  if (c.mode == Mode::decode && b.qlen != 1) return false;
+  if (b.mode == Mode::decode && b.qlen != 1) return false;
+  if (c.route != Route::automatic && !is_supported(c.backend, c.route, b.mode, c.kv_dtype, c.heads)) return false;
   if (b.width < 0 || int64_t(b.tables.size()) != n * b.width) return false;
   const Layout& l = c.layout;
+  const int64_t block_limit = INT32_MAX / (c.block_size / spec_page(c.block_size));  // int32 sub-page ids
   for (int64_t r = 0; r < n; ++r) {
     const int64_t len = b.lens[size_t(r)];
-    if (len < 0 || (c.mode != Mode::draft && len != 0 && len < b.qlen)) return false;
+    if (len < 0 || (b.mode != Mode::draft && len != 0 && len < b.qlen)) return false;
     const int64_t largest = spec_local_length(len, l.world_size, 0, l.interleave);
     if (largest > c.limits.max_local_kv_len) return false;
     const int64_t entries = ceil_div(largest, c.block_size);
     if (entries > b.width) return false;
     for (int64_t j = 0; j < entries; ++j) {
       const int32_t id = b.tables[size_t(r * b.width + j)];
-      if (id < 0 || id >= c.num_blocks) return false;
+      if (id < 0 || id >= block_limit) return false;
     }
   }
   return true;
@@ -124,7 +129,8 @@ void check_plan(const Planner& planner, const Batch& b, const Plan& plan) {
   const Route route = Route(h.route);
   FUZZ_CHECK(route == Route::one_stage || route == Route::two_stage || route == Route::split_k);
   FUZZ_CHECK(c.route == Route::automatic ? route != Route::two_stage : route == c.route);
-  FUZZ_CHECK(route != Route::two_stage || c.mode == Mode::verify);
+  FUZZ_CHECK(route != Route::two_stage || b.mode == Mode::verify);
+  FUZZ_CHECK(h.mode == int32_t(b.mode));
 
   // Rows: n_r of the row's global window, counted from the global window end.
   int active = 0;
@@ -132,12 +138,12 @@ void check_plan(const Planner& planner, const Batch& b, const Plan& plan) {
   for (int r = 0; r < n; ++r) {
     const int64_t len = b.lens[size_t(r)];
     for (int t = 0; t < qlen; ++t) {
-      const int64_t w = window(c.mode, route == Route::two_stage, len, qlen, t);
+      const int64_t w = window(b.mode, route == Route::two_stage, len, qlen, t);
       FUZZ_CHECK(v.row_local_len[r * qlen + t] == spec_local_length(w, l.world_size, l.rank, l.interleave));
       FUZZ_CHECK(v.row_local_len[r * qlen + t] <= c.limits.max_local_kv_len);
     }
     if (route != Route::two_stage) {  // the layout's own per-row rule agrees with the plan
-      const std::vector<int64_t> lens = row_local_lengths(c.mode, len, qlen, l);
+      const std::vector<int64_t> lens = row_local_lengths(b.mode, len, qlen, l);
       for (int t = 0; t < qlen; ++t) FUZZ_CHECK(lens[size_t(t)] == v.row_local_len[r * qlen + t]);
     }
     if (len == 0) continue;
@@ -149,19 +155,28 @@ void check_plan(const Planner& planner, const Batch& b, const Plan& plan) {
   FUZZ_CHECK(plan.stats().active_requests == active);
   FUZZ_CHECK(plan.stats().max_local_len == max_share && plan.stats().min_local_len == min_share);
 
-  // Sub-pages: sub-page k is table[k / per_block] * per_block + k % per_block, inside the cache.
+  // Sub-pages: sub-page k is table[k / per_block] * per_block + k % per_block, in rows of the
+  // step's widest request. The plan's largest block id is the largest the rows use (and the
+  // largest of the table entries the lengths need: run() checks the cache against it).
   const int64_t per_block = c.block_size / page;
-  const __int128 subpages_in_cache = __int128(c.num_blocks) * per_block;
+  const int64_t stride = h.table_stride;
+  int64_t widest = 0, max_block = -1;
   for (int r = 0; r < n; ++r) {
     const int64_t tiles = request_tiles(plan, r);
-    FUZZ_CHECK(tiles <= v.table_stride);
+    widest = std::max(widest, tiles);
+    FUZZ_CHECK(tiles <= stride && stride <= v.table_capacity);
     for (int64_t k = 0; k < tiles; ++k) {
       const int64_t want = int64_t(b.tables[size_t(r * b.width + k / per_block)]) * per_block + k % per_block;
-      const int32_t got = v.subpage_table[int64_t(r) * v.table_stride + k];
+      const int32_t got = v.subpage_table[int64_t(r) * stride + k];
       FUZZ_CHECK(got == want);
-      FUZZ_CHECK(got >= 0 && got < subpages_in_cache);
+      FUZZ_CHECK(got >= 0);
     }
+    const int64_t entries = ceil_div(spec_local_length(b.lens[size_t(r)], l.world_size, 0, l.interleave), c.block_size);
+    for (int64_t j = 0; j < entries; ++j) max_block = std::max<int64_t>(max_block, b.tables[size_t(r * b.width + j)]);
   }
+  FUZZ_CHECK(stride == widest);
+  FUZZ_CHECK(plan.stats().max_block == max_block);
+  FUZZ_CHECK(plan.used_ints() <= plan.arena().size());
 
   // Work: grouped by request in request order; each request's items cover [0, tiles) once, in
   // order. A request with no tile (padding, or no local token here) has no work: no item under
@@ -194,6 +209,7 @@ void check_padding_is_neutral(const Planner& planner, const Batch& b, Plan& plan
   Batch active;
   active.qlen = b.qlen;
   active.width = b.width;
+  active.mode = b.mode;
   std::vector<int> kept;
   for (size_t r = 0; r < b.lens.size(); ++r) {
     if (b.lens[r] == 0) continue;
@@ -214,10 +230,19 @@ void check_padding_is_neutral(const Planner& planner, const Batch& b, Plan& plan
     FUZZ_CHECK(plan.view().request_work[i + 1] - plan.view().request_work[i] == segments[i]);
 }
 
-PlannerConfig read_config(FuzzedDataProvider& in) {
-  PlannerConfig c;
+// The planner's configuration, the step's mode and the size of the cache the tables' ids are
+// mostly drawn from (read in this order, the order of the committed corpus).
+struct Fuzzed {
+  PlannerConfig config;
+  Mode mode;
+  int64_t num_blocks;
+};
+
+Fuzzed read_config(FuzzedDataProvider& in) {
+  Fuzzed f;
+  PlannerConfig& c = f.config;
   c.backend = in.ConsumeBool() ? Backend::cpu : Backend::cuda;
-  c.mode = Mode(in.ConsumeIntegralInRange<int>(0, 2));
+  f.mode = Mode(in.ConsumeIntegralInRange<int>(0, 2));
   c.kv_dtype = KvDtype(in.ConsumeIntegralInRange<int>(0, 2));
   c.route = Route(in.ConsumeIntegralInRange<int>(0, 3));
   c.heads = field<int32_t>(in, 1, 160);
@@ -228,15 +253,17 @@ PlannerConfig read_config(FuzzedDataProvider& in) {
   const int64_t blocks_of_runs = int64_t(c.layout.interleave) * in.ConsumeIntegralInRange<int>(1, 300);
   c.block_size = in.ConsumeIntegralInRange<int>(0, 3) && blocks_of_runs <= INT32_MAX ? int32_t(blocks_of_runs)
                                                                                        : pick<int32_t>(in);
-  c.num_blocks = field<int64_t>(in, 1, 1 << 16);
+  f.num_blocks = field<int64_t>(in, 1, 1 << 16);
   c.limits = PlanLimits{field<int32_t>(in, 1, kMaxBatch), field<int32_t>(in, 1, 16), field<int64_t>(in, 1, 1 << 16)};
   c.num_workers = field<int32_t>(in, 1, 300);
   c.min_segment_tokens = field<int32_t>(in, 1, 1024);
-  return c;
+  return f;
 }
 
-Batch read_batch(FuzzedDataProvider& in, const PlannerConfig& c) {
+Batch read_batch(FuzzedDataProvider& in, const Fuzzed& f) {
+  const PlannerConfig& c = f.config;
   Batch b;
+  b.mode = f.mode;
   const int n = in.ConsumeIntegralInRange<int>(0, kMaxBatch);
   b.qlen = field<int32_t>(in, 1, std::clamp(c.limits.max_qlen, 1, 16));
   b.width = in.ConsumeIntegralInRange<int>(-1, kMaxTableWidth);
@@ -252,7 +279,7 @@ Batch read_batch(FuzzedDataProvider& in, const PlannerConfig& c) {
   }
   // Table ids: mostly valid ids of the cache, sometimes anything.
   const bool any_id = in.ConsumeIntegralInRange<int>(0, 7) == 0;
-  const int64_t hi = std::clamp<int64_t>(c.num_blocks, 1, INT32_MAX) - 1;
+  const int64_t hi = std::clamp<int64_t>(f.num_blocks, 1, INT32_MAX) - 1;
   for (int64_t i = 0; i < int64_t(n) * std::max(b.width, 0); ++i)
     b.tables.push_back(any_id ? pick<int32_t>(in) : int32_t(in.ConsumeIntegralInRange<int64_t>(0, hi)));
   if (!b.tables.empty() && in.ConsumeIntegralInRange<int>(0, 15) == 0) b.tables.pop_back();  // wrong size
@@ -263,8 +290,9 @@ Batch read_batch(FuzzedDataProvider& in, const PlannerConfig& c) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzedDataProvider in(data, size);
-  const PlannerConfig config = read_config(in);
-  const Batch batch = read_batch(in, config);
+  const Fuzzed fuzzed = read_config(in);
+  const PlannerConfig& config = fuzzed.config;
+  const Batch batch = read_batch(in, fuzzed);
 
   std::optional<Planner> planner;
   try {
@@ -321,7 +349,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       for (int t = 0; t < batch.qlen; ++t) {
         int64_t sum = 0;
         for (const auto& per_rank : rows) sum += per_rank[r * size_t(batch.qlen) + size_t(t)];
-        FUZZ_CHECK(sum == window(config.mode, *route == Route::two_stage, batch.lens[r], batch.qlen, t));
+        FUZZ_CHECK(sum == window(batch.mode, *route == Route::two_stage, batch.lens[r], batch.qlen, t));
       }
   }
   return 0;
