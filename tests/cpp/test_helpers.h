@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
+
 #include "dcpmla/error.h"
 
 namespace dcpmla::testing {
@@ -26,6 +28,13 @@ inline std::string error_of(const std::function<void()>& fn) {
     return e.what();
   }
   return {};
+}
+
+// Fails the test unless fn throws a dcpmla::Error whose message holds `needle`.
+inline void expect_error(const std::function<void()>& fn, const std::string& needle) {
+  const std::string message = error_of(fn);
+  if (message.empty()) ADD_FAILURE() << "no error; expected one naming " << needle;
+  else EXPECT_NE(message.find(needle), std::string::npos) << message;
 }
 
 }  // namespace dcpmla::testing

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "dcpmla/error.h"
+#include "test_helpers.h"
 
 namespace dcpmla {
 
@@ -96,14 +97,7 @@ TEST(Layout, RowWindows) {
 }
 
 TEST(Layout, RefusesBadInput) {
-  auto expect_error = [](auto fn, const char* field) {
-    try {
-      fn();
-      FAIL() << "no error for " << field;
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
-    }
-  };
+  using testing::expect_error;
   expect_error([] { Layout{0, 0, 1}.validate(); }, "world_size");
   expect_error([] { Layout{2, 2, 1}.validate(); }, "'rank' = 2");
   expect_error([] { Layout{2, -1, 1}.validate(); }, "rank");

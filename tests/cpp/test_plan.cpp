@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "dcpmla/error.h"
+#include "test_helpers.h"
 
 namespace dcpmla {
 namespace {
@@ -35,14 +36,7 @@ Batch batch_of(std::vector<int32_t> lens, int qlen, int block_size = 64, int wid
   return b;
 }
 
-void expect_error(const std::function<void()>& fn, const std::string& needle) {
-  try {
-    fn();
-    FAIL() << "no error; expected one naming " << needle;
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using testing::expect_error;
 
 }  // namespace
 

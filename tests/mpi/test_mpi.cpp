@@ -39,8 +39,8 @@ int main(int argc, char** argv) {
           const int qlen = mode == Mode::decode ? 1 : 3;
           std::vector<int32_t> l = lens;
           for (auto& x : l) x = x == 0 ? 0 : std::max(x, qlen);
-          const auto q = testing::random_normal(size_t(B) * qlen * H * 576, 100 + uint64_t(index));
-          const auto kv = testing::random_normal(size_t(B) * L * 576, 200 + uint64_t(index));
+          const auto q = dcpmla::testing::random_normal(size_t(B) * qlen * H * 576, 100 + uint64_t(index));
+          const auto kv = dcpmla::testing::random_normal(size_t(B) * L * 576, 200 + uint64_t(index));
           AttentionOptions o;
           o.mode = mode;
           o.world_size = n;
@@ -73,8 +73,8 @@ int main(int argc, char** argv) {
       expect(std::string(e.what()).find(needle) != std::string::npos, what + ": " + e.what(), rank);
     }
   };
-  const auto q = testing::random_normal(size_t(1) * 1 * H * 576, 1);
-  const auto kv = testing::random_normal(size_t(1) * 20 * 576, 2);
+  const auto q = dcpmla::testing::random_normal(size_t(1) * 1 * H * 576, 1);
+  const auto kv = dcpmla::testing::random_normal(size_t(1) * 20 * 576, 2);
   AttentionOptions o;
   o.world_size = n + 1;
   const std::vector<int32_t> twenty{20};
