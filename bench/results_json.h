@@ -41,7 +41,12 @@ inline nlohmann::json sm_clock_now_mhz(int device) {
 
 inline nlohmann::json metadata(int device, int argc, char** argv) {
   std::string command;
-  for (int i = 0; i < argc; ++i) command += (i ? " " : "") + std::string(argv[i]);
+  // Each word by its file name: the record says what ran, not where this machine keeps it.
+  for (int i = 0; i < argc; ++i) {
+    const std::string word = argv[i];
+    const size_t slash = word.rfind('/');
+    command += (i ? " " : "") + (slash == std::string::npos ? word : word.substr(slash + 1));
+  }
   const std::time_t now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
   char date[32];
   std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
