@@ -7,7 +7,7 @@
 
 namespace dcpmla {
 
-PlannerConfig planner_config(const AttentionConfig& c, Backend backend, int workers) {
+PlannerConfig planner_config(const AttentionConfig& c, Backend backend, int workers, int rows_per_unit) {
   PlannerConfig p;
   p.backend = backend;
   p.kv_dtype = c.kv_dtype;
@@ -18,7 +18,9 @@ PlannerConfig planner_config(const AttentionConfig& c, Backend backend, int work
   p.route = c.route;
   p.limits = c.limits;
   p.num_workers = c.num_workers > 0 ? c.num_workers : workers;
+  p.rows_per_unit = rows_per_unit;
   p.min_segment_tokens = c.min_segment_tokens;
+  p.cost = c.schedule_cost;
   return p;
 }
 
@@ -46,14 +48,14 @@ void validate_run(const PlannerConfig& c, const Plan& plan, const KvCache& cache
 }
 
 Attention::Attention(const AttentionConfig& config)
-    : planner_(planner_config(config, Backend::cpu, kCpuWorkers)),
+    : planner_(planner_config(config, Backend::cpu, kCpuWorkers, kCpuRowsPerUnit)),
       plan_(planner_.make_plan()),
       softmax_scale_(softmax_scale_of(config)) {}
 
 void Attention::plan(const BatchDesc& batch) {
   planner_.plan(batch, plan_);
   planned_ = true;
-  if (plan_.route() == Route::split_k && workspace_.empty()) {
+  if (plan_.header().split_requests > 0 && workspace_.empty()) {
     const auto& c = planner_.config();
     workspace_.resize(
         size_t(split_workspace_floats(planner_.work_capacity(), c.limits.max_qlen, c.heads, c.dims.kv_lora_rank)));

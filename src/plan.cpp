@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <stdexcept>
 
 #include "dcpmla/cache.h"
@@ -34,6 +35,8 @@ int max_heads(Backend backend) {
 }
 
 constexpr int64_t kMaxArenaInts = int64_t(1) << 30;
+// More chunks than any GPU has SMs (times CTAs per SM) buy nothing and cost host time per step.
+constexpr int kMaxWorkers = 1 << 16;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -41,14 +44,17 @@ constexpr size_t kHeaderInts = sizeof(PlanHeader) / sizeof(int32_t);
 constexpr size_t kWorkInts = sizeof(WorkItem) / sizeof(int32_t);
 
 struct ArenaOffsets {
-  size_t rows, request_work, work, subpages, total;
+  size_t rows, q_start, chunk_work, work, split_request, split_slot, subpages, total;
 };
-ArenaOffsets arena_offsets(const PlanLimits& limits, int64_t table_capacity, int work_capacity) {
+ArenaOffsets arena_offsets(const PlanLimits& limits, int64_t table_capacity, int work_capacity, int chunk_capacity) {
   ArenaOffsets o;
   o.rows = kHeaderInts;
-  o.request_work = o.rows + size_t(limits.max_batch) * size_t(limits.max_qlen);
-  o.work = o.request_work + size_t(limits.max_batch) + 1;
-  o.subpages = o.work + size_t(work_capacity) * kWorkInts;
+  o.q_start = o.rows + size_t(limits.max_batch) * size_t(limits.max_qlen);
+  o.chunk_work = o.q_start + size_t(limits.max_batch) + 1;
+  o.work = o.chunk_work + size_t(chunk_capacity) + 1;
+  o.split_request = o.work + size_t(work_capacity) * kWorkInts;
+  o.split_slot = o.split_request + size_t(limits.max_batch);
+  o.subpages = o.split_slot + size_t(limits.max_batch) + 1;
   o.total = o.subpages + size_t(limits.max_batch) * size_t(table_capacity);
   return o;
 }
@@ -64,16 +70,20 @@ bool is_supported(Backend backend, Route route, Mode mode, KvDtype dtype, int he
   });
 }
 
-size_t Plan::ints(const PlanLimits& limits, int64_t table_capacity, int work_capacity) {
-  return arena_offsets(limits, table_capacity, work_capacity).total;
+size_t Plan::ints(const PlanLimits& limits, int64_t table_capacity, int work_capacity, int chunk_capacity) {
+  return arena_offsets(limits, table_capacity, work_capacity, chunk_capacity).total;
 }
 
-Plan::Plan(const PlanLimits& limits, int64_t table_capacity, int work_capacity, int32_t* storage)
-    : limits_(limits), table_capacity_(table_capacity), work_capacity_(work_capacity) {
-  const ArenaOffsets o = arena_offsets(limits, table_capacity, work_capacity);
+Plan::Plan(const PlanLimits& limits, int64_t table_capacity, int work_capacity, int chunk_capacity,
+           int32_t* storage)
+    : limits_(limits), table_capacity_(table_capacity), work_capacity_(work_capacity), chunk_capacity_(chunk_capacity) {
+  const ArenaOffsets o = arena_offsets(limits, table_capacity, work_capacity, chunk_capacity);
   off_rows_ = o.rows;
-  off_request_work_ = o.request_work;
+  off_q_start_ = o.q_start;
+  off_chunk_work_ = o.chunk_work;
   off_work_ = o.work;
+  off_split_request_ = o.split_request;
+  off_split_slot_ = o.split_slot;
   off_subpages_ = o.subpages;
   size_ = o.total;
   if (storage == nullptr) {
@@ -94,13 +104,17 @@ size_t Plan::used_ints() const {
 PlanView Plan::view_at(const int32_t* base) const {
   return PlanView{reinterpret_cast<const PlanHeader*>(base),
                   base + off_rows_,
+                  base + off_q_start_,
                   base + off_subpages_,
                   reinterpret_cast<const WorkItem*>(base + off_work_),
-                  base + off_request_work_,
+                  base + off_chunk_work_,
+                  base + off_split_request_,
+                  base + off_split_slot_,
                   int32_t(table_capacity_),
                   limits_.max_batch,
                   limits_.max_qlen,
-                  work_capacity_};
+                  work_capacity_,
+                  chunk_capacity_};
 }
 
 Planner::Planner(const PlannerConfig& config) : config_(config) {
@@ -118,8 +132,14 @@ Planner::Planner(const PlannerConfig& config) : config_(config) {
   // and would overflow the table arithmetic (found by fuzz_planner).
   require(c.limits.max_local_kv_len >= 1 && c.limits.max_local_kv_len <= INT32_MAX, "limits.max_local_kv_len",
           c.limits.max_local_kv_len, fmt::format("in [1, {}]", INT32_MAX));
-  require(c.num_workers >= 1, "num_workers", c.num_workers, ">= 1");
+  require(c.num_workers >= 1 && c.num_workers <= kMaxWorkers, "num_workers", c.num_workers,
+          fmt::format("in [1, {}]", kMaxWorkers));
+  require(c.rows_per_unit >= 1, "rows_per_unit", c.rows_per_unit, ">= 1");
   require(c.min_segment_tokens >= 1, "min_segment_tokens", c.min_segment_tokens, ">= 1");
+  require(std::isfinite(c.cost.piece) && c.cost.piece >= 0, "cost.piece", c.cost.piece, "a finite cost >= 0 (tiles)");
+  require(std::isfinite(c.cost.cut) && c.cost.cut >= 0, "cost.cut", c.cost.cut, "a finite cost >= 0 (tiles)");
+  require(std::isfinite(c.cost.slack) && c.cost.slack >= 0, "cost.slack", c.cost.slack,
+          "a finite fraction >= 0 of a chunk's share");
   // Heads beyond what any route serves are the heads' fault, not the route's.
   require(c.heads >= 1 && c.heads <= max_heads(c.backend), "heads", c.heads,
           fmt::format("in [1, {}] on the {} backend", max_heads(c.backend), to_string(c.backend)));
@@ -136,17 +156,26 @@ Planner::Planner(const PlannerConfig& config) : config_(config) {
                      to_string(c.backend), to_string(c.kv_dtype), c.heads));
   page_ = subpage_size(c.block_size);
   table_capacity_ = ceil_div(c.limits.max_local_kv_len, page_);
-  // In int64: max_batch + num_workers overflows int for absurd values (found by fuzz_planner);
-  // the arena limit keeps the capacity far inside int once it passes.
+  // Every chunk boundary cuts at most one request: pieces <= requests + chunks. In int64:
+  // the sum overflows int for absurd values (found by fuzz_planner); the arena limit keeps
+  // the capacity far inside int once it passes.
   const int64_t work_capacity = int64_t(c.limits.max_batch) + c.num_workers;
-  const int64_t ints = int64_t(c.limits.max_batch) * (c.limits.max_qlen + table_capacity_ + 1) +
-                       work_capacity * int64_t(kWorkInts);
+  const int64_t ints = int64_t(c.limits.max_batch) * (c.limits.max_qlen + table_capacity_ + 3) +
+                       work_capacity * int64_t(kWorkInts) + c.num_workers;
   require(ints < kMaxArenaInts, "limits", fmt::format("{} plan ints", ints),
           fmt::format("< {} (lower max_batch, max_local_kv_len or num_workers)", kMaxArenaInts));
   work_capacity_ = int(work_capacity);
 }
 
-Plan Planner::make_plan(int32_t* storage) const { return Plan(config_.limits, table_capacity_, work_capacity_, storage); }
+Plan Planner::make_plan(int32_t* storage) const {
+  return Plan(config_.limits, table_capacity_, work_capacity_, config_.num_workers, storage);
+}
+
+int Planner::groups_of(int64_t max_rows) const {
+  return int(std::max<int64_t>(1, ceil_div(max_rows, config_.rows_per_unit)));
+}
+
+int Planner::chunks_of(int64_t max_rows) const { return std::max(1, config_.num_workers / groups_of(max_rows)); }
 
 // Every check branches first and formats only when it fails: this runs every step over
 // every table entry.
@@ -160,6 +189,9 @@ int64_t Planner::validate(const BatchDesc& batch) const {
   if (batch.qlen < 1 || batch.qlen > c.limits.max_qlen)
     fail("qlen", batch.qlen, fmt::format("1..limits.max_qlen ({})", c.limits.max_qlen));
   if (batch.mode == Mode::decode && batch.qlen != 1) fail("qlen", batch.qlen, "1 in decode mode");
+  if (!batch.qlens.empty() && int64_t(batch.qlens.size()) != b_count)
+    fail("qlens", fmt::format("{} entries", batch.qlens.size()),
+         fmt::format("none (qlen rows per request) or one per request ({})", b_count));
   if (c.route != Route::automatic && !is_supported(c.backend, c.route, batch.mode, c.kv_dtype, c.heads))
     fail("route", to_string(c.route), fmt::format("a route that serves mode {} (two_stage is verify-only)",
                                                   to_string(batch.mode)));
@@ -173,7 +205,13 @@ int64_t Planner::validate(const BatchDesc& batch) const {
   int64_t max_block = -1;
   for (int b = 0; b < int(b_count); ++b) {
     const int64_t len = batch.seq_lens[size_t(b)];
-    validate_seq_len(batch.mode, len, batch.qlen, b);
+    const int qb = batch.qlens.empty() ? batch.qlen : batch.qlens[size_t(b)];
+    if (qb < 0 || qb > batch.qlen) fail(fmt::format("qlens[{}]", b), qb, fmt::format("in [0, qlen ({})]", batch.qlen));
+    // two_stage's stage B takes the verify block of every request at one shape.
+    if (qb != batch.qlen && c.route == Route::two_stage)
+      fail(fmt::format("qlens[{}]", b), qb,
+           fmt::format("qlen ({}) under route two_stage (stage B takes uniform query blocks)", batch.qlen));
+    validate_seq_len(batch.mode, len, qb, b);
     // Rank 0 holds the largest share; checking it makes every rank of the group agree.
     const int64_t largest = c.layout.local_length_of(len, 0);
     if (largest > c.limits.max_local_kv_len)
@@ -199,28 +237,131 @@ int64_t Planner::validate(const BatchDesc& batch) const {
   return max_block;
 }
 
-Route Planner::choose_route(const PlanStats& stats, int qlen) const {
-  if (config_.route != Route::automatic) return config_.route;
-  // one_stage takes as long as its longest request (one unit per request and head group);
-  // split_k spreads all tokens evenly over the workers and adds a merge. Split only when
-  // the longest request is well above that even share (idle workers or a ragged batch)
-  // and long enough to give each segment real work. Padding is not in the stats.
-  if (stats.active_requests == 0 || stats.max_local_len < 2 * int64_t(config_.min_segment_tokens))
-    return Route::one_stage;
-  const double head_groups = double(ceil_div(int64_t(qlen) * config_.heads, kRowsPerUnit));
-  const double even_share = double(stats.total_local_len) * head_groups / config_.num_workers;
-  return double(stats.max_local_len) > 1.25 * even_share ? Route::split_k : Route::one_stage;
+// The balanced schedule: the requests' tiles (plus a fixed cost per piece) are dealt in
+// request order into `chunks` chunks of about equal cost; each chunk's share is recomputed
+// from what is left, so overruns and short chunks even out. A request that does not fit the
+// rest of a chunk is cut there (its pieces write partials, combined afterwards), unless it
+// fits within the slack or its pieces would be shorter than min_segment_tokens. The longest
+// request may thus run over many chunks, and a chunk may hold many short requests.
+void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& plan, PlanStats& stats) const {
+  const auto& c = config_;
+  const ScheduleCost& cost = c.cost;
+  bool may_cut = c.route != Route::one_stage;
+  const double slack = c.route == Route::split_k ? 0.0 : cost.slack;
+  const int64_t min_tiles = ceil_div(c.min_segment_tokens, kCutTokens);
+  const int32_t* q_start = plan.at(plan.off_q_start_);
+  auto* work = reinterpret_cast<WorkItem*>(plan.at(plan.off_work_));
+  int32_t* chunk_work = plan.at(plan.off_chunk_work_);
+  // The cut requests' list overwrites `longest`: entry i is written while request b >= i is
+  // scheduled, after longest[b] was read.
+  int32_t* split_request = plan.at(plan.off_split_request_);
+  int32_t* split_slot = plan.at(plan.off_split_slot_);
+
+  // A chunk's share: the tiles not yet dealt and their pieces' costs over the chunks left.
+  // With fewer pieces than chunks, cuts must make one piece per chunk.
+  int64_t tiles_left = 0, parts_left = 0;
+  for (int b = 0; b < b_count; ++b)
+    if (q_start[b + 1] > q_start[b] && longest[b] > 0) {
+      tiles_left += ceil_div(longest[b], kCutTokens);
+      ++parts_left;
+    }
+  auto share = [&](int chunks_left) {
+    const double pieces = double(std::max<int64_t>(parts_left, chunks_left));
+    const double cuts = double(std::max<int64_t>(0, chunks_left - parts_left));
+    return (double(tiles_left) + cost.piece * pieces + cost.cut * cuts) / chunks_left;
+  };
+  // Whole requests, one per chunk, within the slack of the balanced share: no cut pays for
+  // its partials (a uniform batch a little smaller than the GPU).
+  if (may_cut && slack > 0.0 && parts_left <= chunks) {
+    int64_t most = 0;
+    for (int b = 0; b < b_count; ++b)
+      if (q_start[b + 1] > q_start[b]) most = std::max(most, ceil_div(longest[b], kCutTokens));
+    if (double(most) + cost.piece <= share(chunks) * (1.0 + slack)) may_cut = false;
+  }
+  int count = 0, k = 0, splits = 0, slots = 0;
+  double budget = share(chunks), used = 0.0;
+  chunk_work[0] = 0;
+  auto close_chunk = [&] {
+    chunk_work[++k] = count;
+    used = 0.0;
+    budget = share(chunks - k);
+  };
+  for (int b = 0; b < b_count; ++b) {
+    if (q_start[b + 1] == q_start[b]) continue;  // no query rows: nothing to compute or write
+    const int32_t len = longest[b];
+    const int64_t tiles = ceil_div(len, kCutTokens);
+    int64_t pos = 0;
+    bool cut = false;
+    const int first = count;
+    auto emit = [&](int64_t end, bool partial) {
+      if (count >= work_capacity_) throw std::logic_error("dcpmla: the schedule exceeds its work capacity");
+      if (partial && !cut) {
+        split_request[splits] = b;
+        split_slot[splits++] = slots;
+      }
+      const int32_t tok_end = end == tiles ? len : int32_t(end * kCutTokens);
+      work[count++] = WorkItem{b, int32_t(pos * kCutTokens), tok_end, partial ? slots++ : -1};
+    };
+    if (tiles == 0) {
+      // Padding, or no local token here: its rows get zeros, a cost the schedule ignores so
+      // that padding never moves a cut (seed 002).
+      emit(0, false);
+      continue;
+    }
+    for (;;) {
+      const int64_t rest = tiles - pos;
+      const double whole = double(rest) + cost.piece + (cut ? cost.cut : 0.0);
+      const double room = budget - used;
+      // The slack spares a whole request its cut; a cut one's rest has nothing to spare.
+      if (k == chunks - 1 || whole <= room + (cut ? 0.0 : slack * budget)) {
+        emit(tiles, cut);
+        used += whole;
+        tiles_left -= rest;
+        --parts_left;
+        break;
+      }
+      // It does not fit: cut it here (an empty chunk always takes a piece), or leave it to
+      // the next chunk. Rounded, not floored: the shares after it absorb the difference.
+      int64_t take = std::llround(room - cost.piece - cost.cut);
+      if (used == 0.0) take = std::max(take, min_tiles);
+      if (may_cut && take >= min_tiles && rest - take >= min_tiles) {
+        emit(pos + take, true);
+        cut = true;
+        used += double(take) + cost.piece + cost.cut;
+        tiles_left -= take;
+        pos += take;
+        close_chunk();
+        continue;
+      }
+      if (used == 0.0) {  // uncuttable (one_stage, or too short to cut): it takes this chunk
+        emit(tiles, cut);
+        used += whole;
+        tiles_left -= rest;
+        --parts_left;
+        break;
+      }
+      close_chunk();
+    }
+    stats.max_segments = std::max(stats.max_segments, count - first);
+    if (k < chunks - 1 && used >= budget) close_chunk();
+  }
+  for (int j = k + 1; j <= chunks; ++j) chunk_work[j] = count;
+  split_slot[splits] = slots;
+  PlanHeader& h = plan.mutable_header();
+  h.work_count = count;
+  h.chunks = chunks;
+  h.split_requests = splits;
 }
 
 void Planner::plan(const BatchDesc& batch, Plan& plan) const {
   const auto& c = config_;
   if (plan.work_capacity_ != work_capacity_ || plan.table_capacity_ != table_capacity_ ||
-      plan.limits_.max_batch != c.limits.max_batch || plan.limits_.max_qlen != c.limits.max_qlen)
+      plan.chunk_capacity_ != c.num_workers || plan.limits_.max_batch != c.limits.max_batch ||
+      plan.limits_.max_qlen != c.limits.max_qlen)
     fail("plan", "a plan of other capacities", "a plan made by this planner's make_plan()");
   const int64_t max_block = validate(batch);
 
   const int b_count = int(batch.seq_lens.size());
-  const int qlen = batch.qlen;
   const Layout& layout = c.layout;
 
   PlanStats stats;
@@ -234,33 +375,41 @@ void Planner::plan(const BatchDesc& batch, Plan& plan) const {
     stats.total_local_len += largest;
     ++stats.active_requests;
   }
-  const Route route = choose_route(stats, qlen);
 
   PlanHeader& h = plan.mutable_header();
-  h.route = int32_t(route);
   h.batch = b_count;
-  h.qlen = qlen;
+  h.qlen = batch.qlen;
   h.page = page_;
   h.mode = int32_t(batch.mode);
 
-  // Rows: what each row attends on this rank. two_stage's sharded stage sees the committed
-  // prefix [0, L - qlen) on every row; its causal block is stage B. The longest row of a
-  // request sets its tiles; they are kept in request_work until the work list replaces them.
+  // Rows: what each query row attends on this rank, packed request by request. two_stage's
+  // sharded stage sees the committed prefix [0, L - qlen) on every row; its causal block is
+  // stage B. A request's longest row sets its tokens (kept in the split list's place until
+  // the schedule replaces them).
   int32_t* rows = plan.at(plan.off_rows_);
-  int32_t* tiles = plan.at(plan.off_request_work_);
-  int32_t stride = 0;
+  int32_t* q_start = plan.at(plan.off_q_start_);
+  int32_t* longest = plan.at(plan.off_split_request_);
+  int32_t stride = 0, total_rows = 0, widest = 0, widest_active = 0;
   for (int b = 0; b < b_count; ++b) {
     const int64_t len = batch.seq_lens[size_t(b)];
-    int64_t longest = 0;
-    for (int t = 0; t < qlen; ++t) {
-      const int64_t n = route == Route::two_stage ? layout.local_length(len == 0 ? 0 : len - qlen)
-                                                  : layout.local_length(row_window(batch.mode, len, qlen, t));
-      rows[b * qlen + t] = int32_t(n);
-      longest = std::max(longest, n);
+    const int qb = batch.qlens.empty() ? batch.qlen : batch.qlens[size_t(b)];
+    int64_t most = 0;
+    for (int t = 0; t < qb; ++t) {
+      const int64_t n = c.route == Route::two_stage ? layout.local_length(len == 0 ? 0 : len - qb)
+                                                    : layout.local_length(row_window(batch.mode, len, qb, t));
+      rows[total_rows + t] = int32_t(n);
+      most = std::max(most, n);
     }
-    tiles[b] = int32_t(ceil_div(longest, page_));
-    stride = std::max(stride, tiles[b]);
+    q_start[b] = total_rows;
+    total_rows += qb;
+    widest = std::max(widest, qb);
+    if (most > 0) widest_active = std::max(widest_active, qb);
+    longest[b] = int32_t(most);
+    stride = std::max(stride, int32_t(ceil_div(most, page_)));
   }
+  q_start[b_count] = total_rows;
+  h.rows = total_rows;
+  h.widest_qlen = widest;
   h.table_stride = stride;
 
   // Sub-page table, rows of this step's widest request: local index i lives in block
@@ -270,47 +419,19 @@ void Planner::plan(const BatchDesc& batch, Plan& plan) const {
   for (int b = 0; b < b_count; ++b) {
     const int32_t* table = batch.block_tables.data() + size_t(b) * size_t(batch.table_width);
     int32_t* dst = subpages + int64_t(b) * stride;
+    const int32_t n = int32_t(ceil_div(longest[b], page_));
     if (per_block == 1) {
-      std::copy_n(table, tiles[b], dst);
+      std::copy_n(table, n, dst);
     } else {
-      for (int32_t k = 0; k < tiles[b]; ++k) dst[k] = table[k / per_block] * per_block + k % per_block;
+      for (int32_t k = 0; k < n; ++k) dst[k] = table[k / per_block] * per_block + k % per_block;
     }
   }
 
-  // Work: one item per request, or split_k's segments of whole tiles. Segments target an
-  // even share of this rank's tiles over the workers (per head group), so a ragged batch
-  // gives its long requests more segments.
-  auto* work = reinterpret_cast<WorkItem*>(plan.at(plan.off_work_));
-  int32_t* request_work = tiles;  // overwritten in order: entry b is read before it is replaced
-  int count = 0;
-  if (route == Route::split_k) {
-    const int64_t head_groups = ceil_div(int64_t(qlen) * c.heads, kRowsPerUnit);
-    const int64_t items_wanted = std::max<int64_t>(1, c.num_workers / head_groups);
-    int64_t total_tiles = 0;
-    for (int b = 0; b < b_count; ++b) total_tiles += tiles[b];
-    const int64_t target = std::max(ceil_div(total_tiles, items_wanted), ceil_div(c.min_segment_tokens, page_));
-    for (int b = 0; b < b_count; ++b) {
-      const int64_t n = tiles[b];
-      request_work[b] = count;
-      if (n == 0) continue;
-      const int64_t segments = ceil_div(n, target);
-      const int64_t per_segment = ceil_div(n, segments);
-      for (int64_t begin = 0; begin < n; begin += per_segment) {
-        if (count >= work_capacity_) throw std::logic_error("dcpmla: split_k work exceeds its capacity");
-        work[count++] = WorkItem{b, int32_t(begin), int32_t(std::min(n, begin + per_segment)), 0};
-      }
-      stats.max_segments = std::max(stats.max_segments, count - request_work[b]);
-    }
-  } else {
-    for (int b = 0; b < b_count; ++b) {
-      const int32_t n = tiles[b];
-      request_work[b] = count;
-      work[count++] = WorkItem{b, 0, n, 0};
-    }
-    stats.max_segments = 1;
-  }
-  request_work[b_count] = count;
-  h.work_count = count;
+  // Chunks follow the requests with work: a padding request's rows (the kernels' row groups
+  // count them, so that they get their zeros) never take parallelism away (seed 002).
+  schedule(longest, b_count, chunks_of(int64_t(widest_active) * c.heads), plan, stats);
+  // The route follows from the schedule: split_k when it cut a request.
+  h.route = int32_t(c.route != Route::automatic ? c.route : h.split_requests > 0 ? Route::split_k : Route::one_stage);
   plan.stats_ = stats;
 }
 

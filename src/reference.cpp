@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "dcpmla/layout.h"
 #include "dcpmla/numeric.h"
@@ -13,14 +15,19 @@ ReferenceResult reference_attention(std::span<const float> q, std::span<const fl
                                     std::span<const int32_t> seq_lens, int batch, int qlen,
                                     int heads, int64_t max_len, int dim, Mode mode,
                                     KvDtype kv_dtype, float kv_scale, double softmax_scale,
-                                    int rank_dim) {
+                                    int rank_dim, std::span<const int32_t> qlens) {
+  // Packed rows: (request, row in its block) of each.
+  std::vector<std::pair<int, int>> rows;
+  for (int b = 0; b < batch; ++b)
+    for (int t = 0; t < (qlens.empty() ? qlen : qlens[size_t(b)]); ++t) rows.emplace_back(b, t);
   ReferenceResult r;
-  r.out.assign(size_t(batch) * qlen * heads * rank_dim, 0.0);
-  r.lse.assign(size_t(batch) * qlen * heads, -std::numeric_limits<double>::infinity());
+  r.out.assign(rows.size() * heads * rank_dim, 0.0);
+  r.lse.assign(rows.size() * heads, -std::numeric_limits<double>::infinity());
 #pragma omp parallel for schedule(dynamic)
-  for (int64_t bt = 0; bt < int64_t(batch) * qlen; ++bt) {
-    const int b = int(bt / qlen), t = int(bt % qlen);
-    const int64_t w = row_window(mode, seq_lens[size_t(b)], qlen, t);
+  for (int64_t bt = 0; bt < int64_t(rows.size()); ++bt) {
+    const auto [b, t] = rows[size_t(bt)];
+    const int qb = qlens.empty() ? qlen : qlens[size_t(b)];
+    const int64_t w = row_window(mode, seq_lens[size_t(b)], qb, t);
     if (w <= 0) continue;
     std::vector<double> k(size_t(w) * dim);
     for (int64_t j = 0; j < w; ++j)

@@ -133,14 +133,15 @@ namespace {
 // identical on every rank (the tables come from options.seed).
 struct Inputs {
   int batch, qlen, heads, dim;
+  int64_t rows;  // query rows: batch x qlen, or sum(qlens)
   int64_t max_len, longest, num_blocks, width;
   float softmax_scale;
-  std::span<const int32_t> seq_lens;
+  std::span<const int32_t> seq_lens, qlens;
   std::vector<bf16> q16, kv16, latents;
   std::vector<int32_t> tables, requests;
   std::vector<int64_t> positions;
   Mode mode;
-  BatchDesc desc() const { return BatchDesc{seq_lens, qlen, tables, int(width), mode}; }
+  BatchDesc desc() const { return BatchDesc{seq_lens, qlen, tables, int(width), mode, qlens}; }
 };
 
 Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<const int32_t> seq_lens, int batch,
@@ -154,14 +155,26 @@ Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<co
   require(max_len >= 0, "max_len", max_len, ">= 0");
   require(o.kv_lora_rank >= 1 && o.kv_lora_rank < dim, "kv_lora_rank", o.kv_lora_rank,
           fmt::format("in [1, D) with D = {}", dim));
-  require(q.size() == size_t(batch) * qlen * heads * dim, "q", fmt::format("{} values", q.size()),
-          fmt::format("batch x qlen x heads x D = {}", size_t(batch) * qlen * heads * dim));
+  const std::span<const int32_t> qlens = o.qlens;
+  require(qlens.empty() || qlens.size() == size_t(batch), "qlens", fmt::format("{} entries", qlens.size()),
+          fmt::format("none or batch = {}", batch));
+  int64_t rows = int64_t(batch) * qlen;
+  if (!qlens.empty()) {
+    rows = 0;
+    for (int b = 0; b < batch; ++b) {
+      require(qlens[size_t(b)] >= 0 && qlens[size_t(b)] <= qlen, fmt::format("qlens[{}]", b), qlens[size_t(b)],
+              fmt::format("in [0, qlen ({})]", qlen));
+      rows += qlens[size_t(b)];
+    }
+  }
+  require(q.size() == size_t(rows) * heads * dim, "q", fmt::format("{} values", q.size()),
+          fmt::format("{} x heads x D = {}", qlens.empty() ? "batch x qlen" : "sum(qlens)", size_t(rows) * heads * dim));
   require(kv.size() == size_t(batch) * size_t(max_len) * dim, "kv", fmt::format("{} values", kv.size()),
           fmt::format("batch x max_len x D = {}", size_t(batch) * size_t(max_len) * dim));
   require(seq_lens.size() == size_t(batch), "seq_lens", fmt::format("{} entries", seq_lens.size()),
           fmt::format("batch = {}", batch));
   for (int b = 0; b < batch; ++b) {
-    validate_seq_len(o.mode, seq_lens[size_t(b)], qlen, b);
+    validate_seq_len(o.mode, seq_lens[size_t(b)], qlens.empty() ? qlen : qlens[size_t(b)], b);
     require(seq_lens[size_t(b)] <= max_len, fmt::format("seq_lens[{}]", b), seq_lens[size_t(b)],
             fmt::format("<= kv's length axis ({})", max_len));
   }
@@ -173,7 +186,9 @@ Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<co
 
   Inputs in;
   in.batch = batch, in.qlen = qlen, in.heads = heads, in.dim = dim, in.max_len = max_len, in.mode = o.mode;
+  in.rows = rows;
   in.seq_lens = seq_lens;
+  in.qlens = qlens;
   AttentionConfig scale_config;
   scale_config.softmax_scale = o.softmax_scale;
   scale_config.dims = LatentDims{o.kv_lora_rank, dim - o.kv_lora_rank};
@@ -241,7 +256,7 @@ CacheConfig cache_config(const Inputs& in, const AttentionOptions& o) {
 AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, Communicator& comm,
                          const RankEngineFactory& engines) {
   const int rank = comm.rank(), N = o.world_size, R = o.kv_lora_rank, heads = in.heads, qlen = in.qlen;
-  const int64_t rows = int64_t(in.batch) * qlen;
+  const int64_t rows = in.rows;
   const auto engine = (engines ? engines : RankEngineFactory(make_cpu_rank))(rank_config(in, o, rank), cache_config(in, o));
   if (o.poison) engine->poison();
   const BatchDesc desc = in.desc();
@@ -251,8 +266,10 @@ AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, Communicat
   // FNV-1a over the lengths: ranks handed different batches must not merge them.
   uint32_t lens_hash = 2166136261u;
   for (int32_t len : in.seq_lens) lens_hash = (lens_hash ^ uint32_t(len)) * 16777619u;
-  const int32_t signature[] = {in.batch, qlen, heads, R, int32_t(route), int32_t(o.merge), int32_t(lens_hash)};
-  check_ranks_agree(comm, signature, "batch, qlen, heads, R, route, merge, seq_lens hash");
+  // Whether stage B runs must agree; split_k or one_stage is each rank's own schedule.
+  const int32_t signature[] = {in.batch, qlen, heads, R, int32_t(route == Route::two_stage), int32_t(o.merge),
+                               int32_t(lens_hash)};
+  check_ranks_agree(comm, signature, "batch, qlen, heads, R, two_stage, merge, seq_lens hash");
 
   std::vector<bf16> part(size_t(rows * heads * R));
   std::vector<float> part_lse(size_t(rows * heads));
@@ -305,7 +322,10 @@ AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, Communicat
   result.out.resize(all_o.size());
   std::transform(all_o.begin(), all_o.end(), result.out.begin(), bf16_to_float);
   result.lse = std::move(all_lse);
-  result.routes.assign(size_t(N), route);  // every rank agreed (check_ranks_agree)
+  std::vector<int32_t> routes(static_cast<size_t>(N));
+  const int32_t mine = int32_t(route);
+  comm.all_gather(&mine, routes.data(), 1, DataType::i32);
+  for (int32_t r : routes) result.routes.push_back(Route(r));
   return result;
 }
 
@@ -337,9 +357,9 @@ AttentionResult mla_attention(std::span<const float> q, std::span<const float> k
   // workspaces in device memory; their host copies of q and the partials are counted.
   const int N = options.world_size;
   const AttentionConfig config = rank_config(in, options, 0);
-  const PlannerConfig sizing_config = planner_config(config, options.backend, kCpuWorkers);
+  const PlannerConfig sizing_config = planner_config(config, options.backend, kCpuWorkers, kCpuRowsPerUnit);
   const Planner sizing(sizing_config);
-  const double cells = double(batch) * qlen * heads, R = options.kv_lora_rank;
+  const double cells = double(in.rows) * heads, R = options.kv_lora_rank;
   const double merge = (N + 3) * cells * (R * 2 + 4) + cells * R * 4;
   double per_rank = merge;
   if (!engines)

@@ -21,6 +21,9 @@ namespace dcpmla {
 // Parallel units the CPU backend's plans spread work over (the planner's num_workers): the
 // H200's SM count, so that a CPU plan is the plan a GPU of that size runs (tests compare them).
 inline constexpr int kCpuWorkers = 132;
+// Query rows per unit of the CPU plans' schedule (PlannerConfig::rows_per_unit): the GPU's
+// 64-row kernels'.
+inline constexpr int kCpuRowsPerUnit = 64;
 
 // Fixed for an Attention's life (one per model and rank); checked at construction.
 struct AttentionConfig {
@@ -33,12 +36,13 @@ struct AttentionConfig {
   LatentDims dims;
   Route route = Route::automatic;      // forced for testing; automatic = the planner's policy
   int num_workers = 0;                 // parallel units a plan spreads over; 0: the backend's
-  int min_segment_tokens = 256;        // split_k granularity (PlannerConfig)
+  int min_segment_tokens = 256;        // shortest piece of a cut request (PlannerConfig)
+  ScheduleCost schedule_cost;          // the schedule's cost model (tuning: results do not depend on it)
 };
 
 // The one place an AttentionConfig becomes a planner configuration; workers = the backend's
-// parallel units where config.num_workers is 0.
-PlannerConfig planner_config(const AttentionConfig& config, Backend backend, int workers);
+// parallel units where config.num_workers is 0; rows_per_unit = its kernel's rows per CTA.
+PlannerConfig planner_config(const AttentionConfig& config, Backend backend, int workers, int rows_per_unit);
 
 // The softmax scale a configuration asks for: D^-0.5 by default; throws unless positive normal.
 float softmax_scale_of(const AttentionConfig& config);
@@ -57,12 +61,12 @@ class Attention {
 
   // Validates and plans the step's batch; no formatting unless it throws. The CPU backend's
   // split-K workspace (split_workspace_floats of the capacities) is taken here the first time
-  // a plan splits, so that a CPU engine that never splits does not hold it.
+  // a plan cuts a request, so that a CPU engine that never cuts does not hold it.
   void plan(const BatchDesc& batch);
 
   // This rank's partial over `cache` (this layer's) with the current plan:
-  // q [B, qlen, H, D] bf16 -> out [B, qlen, H, R] bf16, lse [B, qlen, H] natural log (-inf where
-  // the rank holds no key of the row's window). Takes no cache or workspace memory (the CPU
+  // q [rows, H, D] bf16 -> out [rows, H, R] bf16, lse [rows, H] natural log (-inf where the rank
+  // holds no key of the row's window); rows = B x qlen, or sum(qlens), packed by request. Takes no cache or workspace memory (the CPU
   // kernels use per-call scratch of their own; the CUDA backend allocates nothing).
   void run(const bf16* q, const KvCache& cache, const KvScale& scale, bf16* out, float* lse);
 

@@ -20,6 +20,21 @@ struct PlanLimits {
   int64_t max_local_kv_len = 1 << 17;  // longest rank-local KV of any row
 };
 
+// Granularity of the schedule's cuts (local tokens): the kernels' tile. A piece may start
+// anywhere (kernels look up every token's sub-page), but a cut inside a tile would read it twice.
+inline constexpr int kCutTokens = 64;
+
+// The schedule's cost model, in tiles of kCutTokens tokens: a piece costs its tiles plus
+// `piece` (loading Q, filling the pipeline, the epilogue); a piece of a cut request also
+// `cut` (its partial write and share of the combine). Under the automatic route a chunk may
+// run over its even share by `slack` of it rather than cut a request, so that a uniform
+// batch is not cut to win a few percent. (Calibrated on the H200: bench/NOTES.md.)
+struct ScheduleCost {
+  double piece = 2.0;
+  double cut = 1.0;
+  double slack = 0.05;
+};
+
 // Fixed for the planner's life (one per model and rank); checked at construction. The
 // caches are the engine's: their size is checked against each plan when a run takes one.
 struct PlannerConfig {
@@ -31,53 +46,74 @@ struct PlannerConfig {
   int block_size = 64;
   Route route = Route::automatic;  // a forced route, or automatic (the documented policy)
   PlanLimits limits;
-  int num_workers = 132;  // parallel units a plan spreads work over (SMs, threads)
-  // A split-K segment covers at least this many local tokens (each segment costs a
-  // partial write and a merge); tests lower it to exercise many segments on short rows.
+  int num_workers = 132;  // resident CTAs (or threads) the schedule fills, one chunk each
+  // Query rows (qlen x heads, flattened) one unit of the backend's kernel covers: a step's
+  // rows make ceil(rows / rows_per_unit) row groups, and each group gets num_workers /
+  // groups chunks of the same token schedule (so the groups of a chunk read the same KV
+  // at the same time, from L2).
+  int rows_per_unit = 64;
+  // A split-K piece covers at least this many local tokens (each piece costs a partial
+  // write and a share of the combine); tests lower it to exercise many pieces on short rows.
   int min_segment_tokens = 256;
+  ScheduleCost cost;
 };
 
 // One step's batch as the engine describes it (host memory).
 struct BatchDesc {
   std::span<const int32_t> seq_lens;      // [B] L_b incl. the query block; 0 = padding
-  int qlen = 1;                           // rows per request
+  int qlen = 1;                           // rows per request; with qlens, the largest allowed
   std::span<const int32_t> block_tables;  // [B, table_width] shared by all ranks
   int table_width = 0;
   Mode mode = Mode::verify;               // the step's windows (SPEC §1)
+  // Per-request query rows (qo_indptr style), each in [0, qlen]; empty: qlen for every
+  // request. Query rows are packed in request order: q [sum qlens, H, D], out and lse alike.
+  // Request b's row t sees the window of SPEC §1 with its own qlens[b].
+  std::span<const int32_t> qlens = {};
 };
 
-// A contiguous run of tiles (of `page` local tokens) of one request.
+// A contiguous run of rank-local tokens [tok_begin, tok_end) of one request (a piece of a
+// chunk). slot < 0: the request is whole here and the piece writes out and lse; else the
+// request is cut and the piece writes split-K partials into `slot`.
 struct WorkItem {
   int32_t request;
-  int32_t tile_begin;
-  int32_t tile_end;  // exclusive; tile_begin == tile_end for a padding request
-  int32_t pad_ = 0;
+  int32_t tok_begin;
+  int32_t tok_end;  // tok_begin == tok_end for a request with no local token
+  int32_t slot;
 };
 
 // Scalars of a plan; kernels read them from plan memory, never from launch
 // arguments, so a replayed graph sees the current batch.
 struct PlanHeader {
-  int32_t route;         // Route (never automatic)
-  int32_t batch;         // requests in this step (padding included)
-  int32_t qlen;
-  int32_t work_count;    // items in `work`
-  int32_t page;          // sub-page tokens
-  int32_t table_stride;  // sub-pages per request row of subpage_table in this plan
-  int32_t mode;          // Mode
+  int32_t route;           // Route (never automatic): split_k when a request is cut
+  int32_t batch;           // requests in this step (padding included)
+  int32_t qlen;            // the step's largest query block: partial rows are qlen x heads apart
+  int32_t work_count;      // items in `work`
+  int32_t page;            // sub-page tokens
+  int32_t table_stride;    // sub-pages per request row of subpage_table in this plan
+  int32_t mode;            // Mode
+  int32_t chunks;          // K: chunks of the schedule, each run by one CTA per row group
+  int32_t rows;            // query rows of the step (sum of the requests' qlen)
+  int32_t split_requests;  // requests cut into pieces (their rows are combined)
+  int32_t widest_qlen;     // the largest request's query rows (sets the row groups)
   int32_t reserved;
 };
 
 // Plain view of a plan's buffers (host or device copy): what crosses into kernels.
 struct PlanView {
   const PlanHeader* header;
-  const int32_t* row_local_len;  // [batch, qlen] tokens each row attends on this rank
+  const int32_t* row_local_len;  // [rows] tokens each query row attends on this rank
+  const int32_t* q_start;        // [batch + 1] request b's query rows are [q_start[b], q_start[b+1])
   const int32_t* subpage_table;  // [batch, header->table_stride] sub-page ids into the cache
-  const WorkItem* work;          // [work_count] grouped by request, in request order
-  const int32_t* request_work;   // [batch + 1] offsets into work
+  const WorkItem* work;          // [work_count] chunk by chunk; a request's pieces are adjacent
+  const int32_t* chunk_work;     // [chunks + 1] chunk k runs work[chunk_work[k], chunk_work[k+1])
+  const int32_t* split_request;  // [split_requests] the cut requests, in request order
+  const int32_t* split_slot;     // [split_requests + 1] cut request i's partials are slots
+                                 // [split_slot[i], split_slot[i+1])
   int32_t table_capacity;        // capacity: sub-pages per request
   int32_t max_batch;             // capacity
   int32_t max_qlen;              // capacity
-  int32_t work_capacity;         // capacity
+  int32_t work_capacity;         // capacity (also of partial slots)
+  int32_t chunk_capacity;        // capacity
 };
 
 // Statistics the planner computed, for tests, logs and the bench (padding excluded).
@@ -86,7 +122,7 @@ struct PlanStats {
   int64_t min_local_len = 0;
   int64_t max_local_len = 0;
   int64_t total_local_len = 0;
-  int max_segments = 0;  // largest number of work items of one request
+  int max_segments = 0;  // most pieces of one request (1: no request is cut)
   int64_t max_block = -1;  // largest block id the tables name (-1: none); the cache must hold it
 };
 
@@ -94,8 +130,9 @@ class Plan {
  public:
   // storage: null for an owned arena, else `ints` int32s the caller keeps alive at a stable
   // address (pinned staging memory, say), so the planner writes straight into it.
-  Plan(const PlanLimits& limits, int64_t table_capacity, int work_capacity, int32_t* storage = nullptr);
-  static size_t ints(const PlanLimits& limits, int64_t table_capacity, int work_capacity);
+  Plan(const PlanLimits& limits, int64_t table_capacity, int work_capacity, int chunk_capacity,
+       int32_t* storage = nullptr);
+  static size_t ints(const PlanLimits& limits, int64_t table_capacity, int work_capacity, int chunk_capacity);
   Plan(const Plan&) = delete;  // the view points into the arena
   Plan& operator=(const Plan&) = delete;
   Plan(Plan&&) = default;      // a vector's move keeps its buffer, so base_ stays valid
@@ -113,7 +150,8 @@ class Plan {
   PlanView view() const { return view_at(base_); }
   PlanView view_at(const int32_t* base) const;
 
-  int32_t row_local_len(int b, int t) const { return view().row_local_len[b * header().qlen + t]; }
+  int32_t row_local_len(int b, int t) const { return view().row_local_len[view().q_start[b] + t]; }
+  int qlen_of(int b) const { return view().q_start[b + 1] - view().q_start[b]; }
   std::span<const WorkItem> work() const { return {view().work, size_t(header().work_count)}; }
 
  private:
@@ -123,8 +161,8 @@ class Plan {
 
   PlanLimits limits_;
   int64_t table_capacity_;
-  int work_capacity_;
-  size_t off_rows_, off_subpages_, off_work_, off_request_work_;
+  int work_capacity_, chunk_capacity_;
+  size_t off_rows_, off_q_start_, off_chunk_work_, off_work_, off_split_request_, off_split_slot_, off_subpages_;
   std::vector<int32_t> owned_;  // empty when the caller provides the storage
   int32_t* base_;
   size_t size_;
@@ -156,26 +194,28 @@ class Planner {
   // A plan with buffers for the capture limits (allocate once, re-plan into it); with
   // storage, in the caller's plan_ints() int32s.
   Plan make_plan(int32_t* storage = nullptr) const;
-  size_t plan_ints() const { return Plan::ints(config_.limits, table_capacity_, work_capacity_); }
+  size_t plan_ints() const {
+    return Plan::ints(config_.limits, table_capacity_, work_capacity_, config_.num_workers);
+  }
   // Validates the batch (before touching `plan`) and writes the plan. Host work in
   // O(batch + table entries); no allocation, and no formatting unless it throws.
   void plan(const BatchDesc& batch, Plan& plan) const;
 
-  // The auto policy, exposed so that docs, tests and the bench can show its choice.
-  Route choose_route(const PlanStats& stats, int qlen) const;
+  // Row groups and chunks of a step whose largest request has `max_rows` query rows.
+  int groups_of(int64_t max_rows) const;
+  int chunks_of(int64_t max_rows) const;
 
  private:
   // Checks the batch; returns the largest block id its tables name (-1: none).
   int64_t validate(const BatchDesc& batch) const;
+  // Deals the requests' tokens (longest[b]: request b's longest row) into the plan's
+  // chunks: its work list, chunk offsets, partial slots and cut requests.
+  void schedule(const int32_t* longest, int batch, int chunks, Plan& plan, PlanStats& stats) const;
 
   PlannerConfig config_;
   int page_;
   int64_t table_capacity_;
   int work_capacity_;
 };
-
-// Rows of (query row, head) one work unit of the kernels covers; the policy counts
-// units = requests x ceil(qlen * heads / kRowsPerUnit).
-inline constexpr int kRowsPerUnit = 64;
 
 }  // namespace dcpmla

@@ -11,15 +11,17 @@
 namespace dcpmla {
 
 struct ReferenceResult {
-  std::vector<double> out;  // [B, qlen, H, R]
-  std::vector<double> lse;  // [B, qlen, H] natural log, -inf for an empty window
+  std::vector<double> out;  // [rows, H, R]
+  std::vector<double> lse;  // [rows, H] natural log, -inf for an empty window
 };
 
+// q [rows, H, D] and the results' rows: B x qlen, or with qlens (one per request, each in
+// [0, qlen]) sum(qlens) rows packed by request, request b's windows those of its own qlens[b].
 ReferenceResult reference_attention(std::span<const float> q, std::span<const float> kv,
                                     std::span<const int32_t> seq_lens, int batch, int qlen,
                                     int heads, int64_t max_len, int dim, Mode mode,
                                     KvDtype kv_dtype, float kv_scale, double softmax_scale,
-                                    int rank_dim);
+                                    int rank_dim, std::span<const int32_t> qlens = {});
 
 // Worst per-(request, row) errors of a result against the reference: relative L2 of
 // out over (heads, R), absolute lse error (inf == inf counts as 0), NaN count.

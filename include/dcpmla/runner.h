@@ -45,8 +45,8 @@ class RankEngine {
                      std::span<const int32_t> requests, const BatchDesc& batch) = 0;
   virtual void plan(const BatchDesc& batch) = 0;
   virtual const Plan& current_plan() const = 0;
-  // Attention over this rank's shard with the current plan: q [B, qlen, H, D] ->
-  // out [B, qlen, H, R], lse [B, qlen, H] (natural log), host memory.
+  // Attention over this rank's shard with the current plan: q [rows, H, D] ->
+  // out [rows, H, R], lse [rows, H] (natural log), host memory; rows as the plan packs them.
   virtual void attend(const bf16* q, bf16* out, float* lse) = 0;
 };
 
@@ -73,15 +73,18 @@ struct AttentionOptions {
   Route route = Route::automatic;
   MergeForm merge = MergeForm::all_heads;
   Backend backend = Backend::cpu;
-  int min_segment_tokens = 256;  // split_k granularity (PlannerConfig)
+  int min_segment_tokens = 256;  // shortest piece of a cut request (PlannerConfig)
+  // Per-request query rows (BatchDesc::qlens), each in [0, qlen]; empty: qlen each. With
+  // them q, out and lse hold sum(qlens) rows packed by request instead of batch x qlen.
+  std::vector<int32_t> qlens;
   uint64_t seed = 0;  // draws the block tables (a random permutation, not identity)
   bool poison = true; // fill the caches with NaN before writing
 };
 
 struct AttentionResult {
-  std::vector<float> out;  // [B, qlen, H, R] as the bf16 output holds it
-  std::vector<float> lse;  // [B, qlen, H] natural log
-  std::vector<Route> routes;  // the route each rank's planner took
+  std::vector<float> out;  // [rows, H, R] as the bf16 output holds it (rows: B x qlen or sum(qlens))
+  std::vector<float> lse;  // [rows, H] natural log
+  std::vector<Route> routes;  // the route each rank's planner took (the schedule is each rank's own)
 };
 
 // One rank's part of the conformance path, with whatever communicator links the ranks

@@ -55,22 +55,22 @@ struct RowState {
   float l = 0.0f;
 };
 
-// Attention of heads [h0, h1) of request b over local tokens [tok_begin, tok_end) of the
-// sharded cache, each row masked at its own local length. Leaves (acc, state) per (t, h).
+// Attention of heads [h0, h1) of request b's query rows over local tokens [tok_begin, tok_end)
+// of the sharded cache, each row masked at its own local length. Leaves (acc, state) per (t, h).
 void attend_range(const AttentionParams& p, const Dequantizer& deq, int b, int h0, int h1,
                   int64_t tok_begin, int64_t tok_end, std::vector<float>& acc,
                   std::vector<RowState>& state) {
   const PlanView& plan = p.plan;
-  const int qlen = plan.header->qlen, page = plan.header->page;
+  const int q0 = plan.q_start[b], qlen = plan.q_start[b + 1] - q0, page = plan.header->page;
   const int D = p.dim, R = p.rank_dim, nh = h1 - h0;
   const int64_t row_bytes = int64_t(D) * bytes_per_value(p.kv_dtype);
-  const int32_t* lens = plan.row_local_len + int64_t(b) * qlen;
+  const int32_t* lens = plan.row_local_len + q0;
   const int32_t* subpages = plan.subpage_table + int64_t(b) * plan.header->table_stride;
 
   std::vector<float> qf(size_t(qlen) * nh * D);
   for (int t = 0; t < qlen; ++t)
     for (int h = h0; h < h1; ++h) {
-      const bf16* src = p.q + ((int64_t(b) * qlen + t) * p.heads + h) * D;
+      const bf16* src = p.q + ((int64_t(q0) + t) * p.heads + h) * D;
       float* dst = qf.data() + (size_t(t) * nh + size_t(h - h0)) * D;
       for (int j = 0; j < D; ++j) dst[j] = bf16_to_float(src[j]);
     }
@@ -137,20 +137,22 @@ AttentionParams attention_params(const PlannerConfig& c, const bf16* q, const ui
 void attention_cpu(const AttentionParams& p) {
   const PlanView& plan = p.plan;
   const PlanHeader& h = *plan.header;
-  const int qlen = h.qlen, R = p.rank_dim, H = p.heads;
-  const bool split = Route(h.route) == Route::split_k;
+  const int R = p.rank_dim, H = p.heads;
+  const int64_t slot_rows = int64_t(h.qlen) * H;  // rows of one partial slot
   const Dequantizer deq(p.kv_dtype, p.kv_scale);
   const int head_blocks = (H + kHeadsPerTask - 1) / kHeadsPerTask;
   const int64_t tasks = int64_t(h.work_count) * head_blocks;
 
+  // The pieces in any order (the chunks exist for the GPU's CTAs): a whole request writes
+  // out and lse, a piece of a cut request its partial slot.
 #pragma omp parallel for schedule(dynamic)
   for (int64_t task = 0; task < tasks; ++task) {
     const WorkItem item = plan.work[task / head_blocks];
+    const int b = item.request, q0 = plan.q_start[b], qlen = plan.q_start[b + 1] - q0;
     const int h0 = int(task % head_blocks) * kHeadsPerTask, h1 = std::min(H, h0 + kHeadsPerTask);
     std::vector<float> acc;
     std::vector<RowState> state;
-    attend_range(p, deq, item.request, h0, h1, int64_t(item.tile_begin) * h.page,
-                 int64_t(item.tile_end) * h.page, acc, state);
+    attend_range(p, deq, b, h0, h1, item.tok_begin, item.tok_end, acc, state);
     const int nh = h1 - h0;
     for (int t = 0; t < qlen; ++t)
       for (int hh = 0; hh < nh; ++hh) {
@@ -159,33 +161,33 @@ void attention_cpu(const AttentionParams& p) {
         // l = 0 only when the row read no key. A NaN l (a NaN or inf in q or kv) stays NaN in
         // out and lse: an lse of -inf would read as an empty row that the merges drop.
         const float inv = st.l == 0.0f ? 0.0f : 1.0f / st.l;
-        if (split) {
-          const int64_t row = (int64_t(task / head_blocks) * qlen + t) * H + h0 + hh;
+        if (item.slot >= 0) {
+          const int64_t row = item.slot * slot_rows + int64_t(t) * H + h0 + hh;
           float* o = p.part_o + row * R;
           for (int r = 0; r < R; ++r) o[r] = a[r] * inv;
           p.part_m[row] = st.m;
           p.part_l[row] = st.l;
         } else {
-          const int64_t row = (int64_t(item.request) * qlen + t) * H + h0 + hh;
+          const int64_t row = (int64_t(q0) + t) * H + h0 + hh;
           bf16* o = p.out + row * R;
           for (int r = 0; r < R; ++r) o[r] = float_to_bf16(a[r] * inv);
           p.lse[row] = st.l == 0.0f ? kNegInf : (st.m + std::log2(st.l)) * kLn2;
         }
       }
   }
-  if (!split) return;
 
-  // Merge each request's segments; a request with none (padding, or no local token on
-  // this rank) gets out = 0, lse = -inf.
-  const int64_t rows = int64_t(h.batch) * qlen * H;
-  const int64_t item_stride = int64_t(qlen) * H;
+  // Combine the pieces of each cut request.
+  const int64_t rows = int64_t(h.split_requests) * slot_rows;
 #pragma omp parallel for schedule(static)
-  for (int64_t row = 0; row < rows; ++row) {
-    const int64_t b = row / item_stride, in_item = row % item_stride;
-    const int first = plan.request_work[b], segments = plan.request_work[b + 1] - first;
-    const int64_t base = int64_t(first) * item_stride + in_item;
-    merge_split_k(p.part_o + base * R, p.part_m + base, p.part_l + base, segments, item_stride * R,
-                  item_stride, R, p.out + row * R, p.lse + row);
+  for (int64_t x = 0; x < rows; ++x) {
+    const int i = int(x / slot_rows);
+    const int64_t in_slot = x % slot_rows;
+    const int b = plan.split_request[i];
+    if (in_slot >= int64_t(plan.q_start[b + 1] - plan.q_start[b]) * H) continue;
+    const int first = plan.split_slot[i], pieces = plan.split_slot[i + 1] - first;
+    const int64_t base = first * slot_rows + in_slot, row = int64_t(plan.q_start[b]) * H + in_slot;
+    merge_split_k(p.part_o + base * R, p.part_m + base, p.part_l + base, pieces, slot_rows * R, slot_rows, R,
+                  p.out + row * R, p.lse + row);
   }
 }
 

@@ -13,6 +13,7 @@
 #include <random>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "dcpmla/engine.h"
 #include "dcpmla/error.h"
@@ -90,7 +91,8 @@ Sequence make_sequence(const Case& c, std::mt19937_64& rng) {
   s.qlen[1] = c.mode == Mode::decode ? 1 : s.qlen[0] % 4 + 1;
   const int q0 = s.qlen[0], q1 = s.qlen[1], span = c.world * c.interleave;
   const int shorter = std::max(q0, int(rng() % std::max(span, 2)));
-  const int longer = q0 + 24 * c.world + int(rng() % 64);
+  // A forced split needs a row of several 64-token tiles on some rank to cut.
+  const int longer = q0 + 24 * c.world + int(rng() % 64) + (c.route == Route::split_k ? 150 * c.world : 0);
   s.lens[0] = {0, shorter, q0, longer};
   s.first_new[0] = {0, 0, 0, 0};
   s.lens[1] = {q1, shorter + q1, 0, longer + q1};
@@ -274,6 +276,77 @@ TEST_P(Engine, EveryLayerMatchesItsReferenceAndMlaAttention) {
       EXPECT_TRUE(std::equal(lse.begin(), lse.end(), conf.lse.begin())) << "lse differs from mla_attention's";
     }
   }
+}
+
+// Per-request query lengths (BatchDesc::qlens): rows packed by request, each request's
+// windows those of its own qlen, requests without rows, padding rows, ranks holding nothing.
+TEST_P(Engine, EveryRequestsOwnQueryLength) {
+  const Case c = GetParam();
+  if (c.route == Route::two_stage) GTEST_SKIP() << "two_stage takes uniform query blocks";
+  std::mt19937_64 rng(3000 + uint64_t(c.index));
+  const Sequence s = make_sequence(c, rng);
+  const int B = s.batch, N = c.world, qlen = s.qlen[0];
+  const auto& lens = s.lens[0];
+  std::vector<int32_t> qlens(static_cast<size_t>(B));
+  for (int b = 0; b < B; ++b) qlens[size_t(b)] = int32_t(rng() % uint64_t(qlen + 1));
+  qlens[size_t(B - 1)] = qlen == 1 ? 1 : qlen - 1;  // the long request has rows
+  const int rows = std::accumulate(qlens.begin(), qlens.end(), 0);
+  const int64_t cells = int64_t(rows) * kHeads;
+  const float scale = c.kv_scale();
+  const auto kv = testing::random_normal(size_t(B) * size_t(s.max_len) * kDim, rng());
+  const auto q = testing::random_normal(size_t(cells) * kDim, rng());
+  const auto q16 = to_bf16(q);
+  BatchDesc batch{lens, qlen, s.tables, s.width, c.mode, qlens};
+
+  std::vector<int64_t> positions;
+  std::vector<int32_t> requests;
+  for (int b = 0; b < B; ++b)
+    for (int64_t p = 0; p < lens[size_t(b)]; ++p) {
+      positions.push_back(p);
+      requests.push_back(b);
+    }
+  std::vector<bf16> latents;
+  for (size_t n = 0; n < positions.size(); ++n) {
+    const float* row = kv.data() + (size_t(requests[n]) * size_t(s.max_len) + size_t(positions[n])) * kDim;
+    for (int d = 0; d < kDim; ++d) latents.push_back(float_to_bf16(row[d]));
+  }
+  std::vector<bf16> parts(size_t(N * cells * kRankDim));
+  std::vector<float> part_lse(size_t(N * cells));
+  for (int r = 0; r < N; ++r) {
+    Attention att(rank_config(c, s, r));
+    PagedCache cache(CacheConfig{s.num_blocks, c.block_size, kDim, c.dtype, scale});
+    cache.poison();
+    const auto slots = slots_of(positions, requests, batch, c.block_size, s.num_blocks, Layout{N, r, c.interleave});
+    write_kv(cache.view(), latents.data(), slots.data(), int64_t(positions.size()), scale);
+    att.plan(batch);
+    ASSERT_EQ(att.current_plan().header().rows, rows);
+    att.run(q16.data(), cache.view(), KvScale{scale}, parts.data() + r * cells * kRankDim, part_lse.data() + r * cells);
+  }
+  std::vector<bf16> out(size_t(cells * kRankDim));
+  std::vector<float> lse(static_cast<size_t>(cells));
+  combine_partials(parts.data(), part_lse.data(), N, out.data(), lse.data(), cells, kRankDim);
+  const auto ref = reference_attention(q, kv, lens, B, qlen, kHeads, s.max_len, kDim, c.mode, c.dtype, scale,
+                                       kSoftmaxScale, kRankDim, qlens);
+  const auto err = compare(to_float(out), lse, ref.out, ref.lse, rows, 1, kHeads, kRankDim);
+  EXPECT_TRUE(err.within(1e-2)) << name(c) << " qlens " << fmt::format("{}", fmt::join(qlens, ",")) << ": rel "
+                                << err.max_rel_l2 << " lse " << err.max_lse_err << " nan " << err.nan_count;
+
+  // The conformance entry point with the same qlens: the same plans and kernels, the same bits.
+  AttentionOptions o;
+  o.mode = c.mode;
+  o.world_size = N;
+  o.interleave = c.interleave;
+  o.block_size = c.block_size;
+  o.kv_dtype = c.dtype;
+  o.kv_scale = scale;
+  o.route = c.route;
+  o.min_segment_tokens = kMinSegment;
+  o.qlens = qlens;
+  o.seed = rng();
+  const auto conf = mla_attention(q, kv, lens, B, qlen, kHeads, s.max_len, kDim, o);
+  const auto got = to_float(out);
+  EXPECT_TRUE(std::equal(got.begin(), got.end(), conf.out.begin(), conf.out.end())) << "out differs from mla_attention's";
+  EXPECT_TRUE(std::equal(lse.begin(), lse.end(), conf.lse.begin(), conf.lse.end())) << "lse differs from mla_attention's";
 }
 
 INSTANTIATE_TEST_SUITE_P(Grid, Engine, ::testing::ValuesIn(covering_cases()),

@@ -2,9 +2,12 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <numeric>
+#include <random>
 
 #include "dcpmla/error.h"
+#include "../common/schedule_check.h"
 #include "test_helpers.h"
 
 namespace dcpmla {
@@ -69,66 +72,216 @@ TEST(Plan, SubpagesExpandBlocks) {
   for (int k = 0; k < 5; ++k) EXPECT_EQ(v.subpage_table[k], b.tables[size_t(k / 2)] * 2 + k % 2);
 }
 
-TEST(Plan, AutoSplitsLongWindowsOfSmallBatches) {
+// Pieces (tok_begin, tok_end, chunk) of request b, in order.
+std::vector<std::array<int, 3>> pieces_of(const Plan& plan, int b) {
+  const PlanView v = plan.view();
+  std::vector<std::array<int, 3>> out;
+  for (int k = 0; k < v.header->chunks; ++k)
+    for (int w = v.chunk_work[k]; w < v.chunk_work[k + 1]; ++w)
+      if (v.work[w].request == b) out.push_back({v.work[w].tok_begin, v.work[w].tok_end, k});
+  return out;
+}
+
+// The largest chunk's cost (tiles plus the per-piece cost) over the even share of the total.
+double imbalance(const Planner& planner, const Plan& plan) {
+  const PlanView v = plan.view();
+  const ScheduleCost& cost = planner.config().cost;
+  double most = 0, total = 0;
+  for (int k = 0; k < v.header->chunks; ++k) {
+    double chunk = 0;
+    for (int w = v.chunk_work[k]; w < v.chunk_work[k + 1]; ++w) {
+      const int tiles = (v.work[w].tok_end - v.work[w].tok_begin + kCutTokens - 1) / kCutTokens;
+      if (tiles > 0) chunk += tiles + cost.piece + (v.work[w].slot >= 0 ? cost.cut : 0.0);
+    }
+    most = std::max(most, chunk);
+    total += chunk;
+  }
+  return most / (total / v.header->chunks);
+}
+
+#define EXPECT_SCHEDULE_OK(planner, plan) EXPECT_EQ(testing::schedule_error((planner).config(), (plan)), "")
+
+TEST(Plan, AutoCutsLongWindowsOfSmallBatches) {
   Planner planner(config());
   Plan plan = planner.make_plan();
   planner.plan(batch_of({40000, 1000}, 1).desc(), plan);
+  EXPECT_SCHEDULE_OK(planner, plan);
   EXPECT_EQ(plan.route(), Route::split_k);
-  // Segments cover each request's tiles exactly once, in order.
-  std::vector<int> covered(2, 0);
-  const PlanView v = plan.view();
-  for (int b = 0; b < 2; ++b)
-    for (int i = v.request_work[b]; i < v.request_work[b + 1]; ++i) {
-      EXPECT_EQ(v.work[i].request, b);
-      EXPECT_EQ(v.work[i].tile_begin, covered[size_t(b)]);
-      covered[size_t(b)] = v.work[i].tile_end;
-    }
-  EXPECT_EQ(covered[0], (40000 + 63) / 64);
-  EXPECT_EQ(covered[1], (1000 + 63) / 64);
-  EXPECT_GT(plan.stats().max_segments, 8) << "the long request gets most segments";
-  // A full batch of long requests fills the workers without splitting.
-  auto c = config();
-  c.limits.max_batch = 256;
-  Planner big(c);
-  Plan p2 = big.make_plan();
+  EXPECT_EQ(plan.header().chunks, 132) << "16 rows: one row group, a chunk per worker";
+  EXPECT_GT(plan.stats().max_segments, 100) << "the long request runs over most chunks";
+  EXPECT_LT(imbalance(planner, plan), 1.15);
   planner.plan(batch_of({100, 200}, 1).desc(), plan);
-  EXPECT_EQ(plan.route(), Route::one_stage) << "short windows are not split";
-  big.plan(batch_of(std::vector<int32_t>(200, 4096), 1, 64, 70).desc(), p2);
-  EXPECT_EQ(p2.route(), Route::one_stage);
+  EXPECT_SCHEDULE_OK(planner, plan);
+  EXPECT_EQ(plan.route(), Route::one_stage) << "short windows are not cut";
 }
 
-TEST(Plan, AutoSplitsOnlyWhenItLowersTheLongestLoad) {
+TEST(Plan, UniformBatchesAreNotCutForAFewPercent) {
   auto c = config();
   c.limits = PlanLimits{132, 4, 1 << 17};
   Planner planner(c);
   Plan plan = planner.make_plan();
-  // A full uniform batch: every SM already holds about one request.
+  // A full uniform batch: one request per chunk is within the slack of the even share.
   planner.plan(batch_of(std::vector<int32_t>(128, 4096), 1, 64, 2100).desc(), plan);
+  EXPECT_SCHEDULE_OK(planner, plan);
   EXPECT_EQ(plan.route(), Route::one_stage);
-  // The ragged batch: one request holds most of the tokens.
-  planner.plan(batch_of({4641, 45118, 1730, 1696}, 4, 64, 2100).desc(), plan);
-  EXPECT_EQ(plan.route(), Route::split_k);
-  EXPECT_GE(plan.stats().max_segments, 30) << "the long request is cut finest";
-  // Few long requests leave most SMs idle.
-  planner.plan(batch_of(std::vector<int32_t>(32, 32768), 1, 64, 2100).desc(), plan);
-  EXPECT_EQ(plan.route(), Route::split_k);
+  for (int b = 0; b < 128; ++b) EXPECT_EQ(pieces_of(plan, b).size(), 1u);
+  // More requests than chunks: whole requests would leave some chunks two, so the
+  // schedule cuts to even them out.
+  planner.plan(batch_of(std::vector<int32_t>(132, 4096 + 2048), 1, 64, 2100).desc(), plan);
+  EXPECT_SCHEDULE_OK(planner, plan);
+  EXPECT_LT(imbalance(planner, plan), 1.1);
 }
 
-TEST(Plan, PaddingNeverShrinksParallelism) {
+TEST(Plan, RaggedAndLongBatchesAreBalanced) {
+  auto c = config();
+  c.limits = PlanLimits{132, 4, 1 << 17};
+  Planner planner(c);
+  Plan plan = planner.make_plan();
+  // The ragged batch: one request holds most of the tokens.
+  planner.plan(batch_of({4641, 45118, 1730, 1696}, 4, 64, 2100).desc(), plan);
+  EXPECT_SCHEDULE_OK(planner, plan);
+  EXPECT_EQ(plan.route(), Route::split_k);
+  EXPECT_GE(plan.stats().max_segments, 60) << "the long request is cut finest";
+  EXPECT_LT(imbalance(planner, plan), 1.5) << "pieces of min_segment_tokens bound the balance of tiny chunks";
+  // Few long requests leave most chunks idle unless cut.
+  planner.plan(batch_of(std::vector<int32_t>(32, 32768), 1, 64, 2100).desc(), plan);
+  EXPECT_SCHEDULE_OK(planner, plan);
+  EXPECT_EQ(plan.route(), Route::split_k);
+  EXPECT_LT(imbalance(planner, plan), 1.05);
+  // A serving-like mix of 64 requests, 512..16.5k tokens: chunks run across request edges.
+  std::vector<int32_t> lens;
+  std::mt19937 rng(7);
+  for (int i = 0; i < 64; ++i) lens.push_back(512 + int(rng() % 16000));
+  planner.plan(batch_of(lens, 2, 64, 2100).desc(), plan);
+  EXPECT_SCHEDULE_OK(planner, plan);
+  EXPECT_LT(imbalance(planner, plan), 1.1);
+  int multi = 0;
+  for (int k = 0; k < plan.header().chunks; ++k)
+    multi += plan.view().work[plan.view().chunk_work[k]].request !=
+             plan.view().work[plan.view().chunk_work[k + 1] - 1].request;
+  EXPECT_GT(multi, 30) << "chunks hold the ends of one request and the start of the next";
+}
+
+TEST(Plan, ChunksHoldManyShortRequestsAndOneRequestRunsOverManyChunks) {
+  auto c = config();
+  c.num_workers = 4;
+  c.limits = PlanLimits{128, 4, 1 << 17};
+  Planner few(c);
+  Plan plan = few.make_plan();
+  few.plan(batch_of(std::vector<int32_t>(100, 100), 1, 64, 1100).desc(), plan);
+  EXPECT_SCHEDULE_OK(few, plan);
+  EXPECT_EQ(plan.header().chunks, 4);
+  for (int k = 0; k < 4; ++k) EXPECT_EQ(plan.view().chunk_work[k + 1] - plan.view().chunk_work[k], 25);
+  Planner planner(config());
+  Plan one = planner.make_plan();
+  planner.plan(batch_of({65536}, 1, 64, 1100, Mode::draft).desc(), one);
+  EXPECT_SCHEDULE_OK(planner, one);
+  EXPECT_EQ(one.stats().max_segments, 132);
+  EXPECT_LT(imbalance(planner, one), 1.05);
+}
+
+TEST(Plan, RowGroupsShareTheChunks) {
+  auto c = config();
+  c.heads = 128;
+  c.limits = PlanLimits{16, 8, 1 << 17};
+  Planner planner(c);
+  Plan plan = planner.make_plan();
+  planner.plan(batch_of({60000, 60000}, 1).desc(), plan);  // 128 rows: two groups of 64
+  EXPECT_EQ(plan.header().chunks, 66);
+  planner.plan(batch_of({60000, 60000}, 4).desc(), plan);  // 512 rows: eight groups
+  EXPECT_EQ(plan.header().chunks, 16);
+  EXPECT_SCHEDULE_OK(planner, plan);
+}
+
+TEST(Plan, PaddingNeverMovesACut) {
   Planner planner(config());
   Plan a = planner.make_plan(), b = planner.make_plan();
   planner.plan(batch_of({30000, 20000}, 1).desc(), a);
-  planner.plan(batch_of({30000, 20000, 0, 0, 0, 0, 0, 0}, 1).desc(), b);
+  planner.plan(batch_of({30000, 0, 20000, 0, 0, 0, 0, 0}, 1).desc(), b);
+  EXPECT_SCHEDULE_OK(planner, a);
+  EXPECT_SCHEDULE_OK(planner, b);
   EXPECT_EQ(a.route(), Route::split_k);
   EXPECT_EQ(b.route(), Route::split_k);
   EXPECT_EQ(a.stats().active_requests, b.stats().active_requests);
   EXPECT_EQ(a.stats().min_local_len, b.stats().min_local_len) << "padding counted as a length";
-  ASSERT_EQ(b.header().work_count, a.header().work_count) << "padding changed the split";
-  for (int i = 0; i < a.header().work_count; ++i) {
-    EXPECT_EQ(a.work()[size_t(i)].tile_begin, b.work()[size_t(i)].tile_begin);
-    EXPECT_EQ(a.work()[size_t(i)].tile_end, b.work()[size_t(i)].tile_end);
+  EXPECT_EQ(pieces_of(a, 0), pieces_of(b, 0)) << "padding moved a cut";
+  EXPECT_EQ(pieces_of(a, 1), pieces_of(b, 2)) << "padding moved a cut";
+  for (int p : {1, 3, 7}) {
+    const auto pieces = pieces_of(b, p);
+    ASSERT_EQ(pieces.size(), 1u) << "a padding request's rows need their zeros";
+    EXPECT_EQ(pieces[0][0], 0);
+    EXPECT_EQ(pieces[0][1], 0);
   }
-  EXPECT_EQ(b.view().request_work[2], b.view().request_work[8]) << "padding got work";
+}
+
+TEST(Plan, PerRequestQueryLengths) {
+  auto c = config();
+  c.layout = Layout{2, 1, 1};
+  Planner planner(c);
+  Plan plan = planner.make_plan();
+  auto b = batch_of({10, 7, 0, 5}, 3);
+  const std::vector<int32_t> qlens{3, 0, 2, 1};
+  BatchDesc d = b.desc();
+  d.qlens = qlens;
+  planner.plan(d, plan);
+  EXPECT_SCHEDULE_OK(planner, plan);
+  EXPECT_EQ(plan.header().rows, 6);
+  EXPECT_EQ(plan.header().widest_qlen, 3);
+  EXPECT_EQ(plan.qlen_of(0), 3);
+  EXPECT_EQ(plan.qlen_of(1), 0);
+  EXPECT_EQ(plan.qlen_of(2), 2);
+  // Request 3: L = 5, one row: window [0, 5), rank 1 of 2 holds positions 1 and 3.
+  EXPECT_EQ(plan.row_local_len(3, 0), 2);
+  // Request 0: rows see 8, 9, 10 tokens: rank 1 holds 4, 4, 5.
+  EXPECT_EQ(plan.row_local_len(0, 0), 4);
+  EXPECT_EQ(plan.row_local_len(0, 2), 5);
+  EXPECT_TRUE(pieces_of(plan, 1).empty()) << "a request without rows has nothing to compute";
+  EXPECT_EQ(pieces_of(plan, 2).size(), 1u) << "a padding request's rows get zeros";
+
+  d.qlens = std::span<const int32_t>(qlens.data(), 3);
+  expect_error([&] { planner.plan(d, plan); }, "'qlens' = 3 entries");
+  const std::vector<int32_t> over{3, 4, 0, 1}, negative{3, -1, 0, 1}, too_long{3, 0, 0, 6};
+  d.qlens = over;
+  expect_error([&] { planner.plan(d, plan); }, "'qlens[1]' = 4: expected in [0, qlen (3)]");
+  d.qlens = negative;
+  expect_error([&] { planner.plan(d, plan); }, "'qlens[1]' = -1");
+  d.qlens = too_long;  // L = 5 < 6 rows
+  expect_error([&] { planner.plan(d, plan); }, "qlens[3]");
+  const std::vector<int32_t> uneven{3, 2, 0, 1};
+  d.qlens = uneven;
+  Planner two(config(Route::two_stage));
+  Plan tp = two.make_plan();
+  expect_error([&] { two.plan(d, tp); }, "'qlens[1]' = 2: expected qlen (3) under route two_stage");
+}
+
+TEST(Plan, EverySchedulesInvariantsOnRandomBatches) {
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 400; ++trial) {
+    auto c = config(std::array{Route::automatic, Route::one_stage, Route::split_k}[trial % 3]);
+    c.num_workers = 1 + int(rng() % 140);
+    c.heads = 1 + int(rng() % 128);
+    c.rows_per_unit = std::array{16, 32, 64}[rng() % 3];
+    c.min_segment_tokens = 1 + int(rng() % 600);
+    c.block_size = std::array{1, 16, 64, 256}[rng() % 4];
+    c.layout = Layout{1 + int(rng() % 8), 0, 1};
+    c.layout.rank = int(rng() % uint64_t(c.layout.world_size));
+    c.limits = PlanLimits{16, 4, 1 << 17};
+    Planner planner(c);
+    Plan plan = planner.make_plan();
+    const int n = 1 + int(rng() % 16), qlen = 1 + int(rng() % 4);
+    std::vector<int32_t> lens, qlens;
+    for (int i = 0; i < n; ++i) {
+      const int q = int(rng() % uint64_t(qlen + 1));
+      qlens.push_back(q);
+      lens.push_back(rng() % 5 == 0 ? 0 : std::max<int32_t>(q, int32_t(rng() % (rng() % 3 == 0 ? 100000 : 3000))));
+    }
+    const int32_t longest = *std::max_element(lens.begin(), lens.end());
+    auto b = batch_of(lens, qlen, c.block_size, std::max(1, (longest + c.block_size - 1) / c.block_size));
+    BatchDesc d = b.desc();
+    if (trial % 2) d.qlens = qlens;
+    planner.plan(d, plan);
+    ASSERT_EQ(testing::schedule_error(c, plan), "") << "trial " << trial;
+  }
 }
 
 TEST(Plan, ArenaStaysPutAcrossReplans) {
@@ -198,6 +351,8 @@ TEST(Plan, RefusesConfigurationsWhoseArithmeticWouldOverflow) {
   auto c = config();
   c.limits.max_batch = INT32_MAX;
   c.num_workers = INT32_MAX;  // work capacity max_batch + num_workers
+  expect_error([&] { Planner p(c); }, "'num_workers' = 2147483647");
+  c.num_workers = 1 << 16;
   expect_error([&] { Planner p(c); }, "limits");
   c = config();
   c.limits.max_local_kv_len = INT64_MAX - 3;  // table stride ceil(len / page)

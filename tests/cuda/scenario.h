@@ -34,6 +34,8 @@ struct Scenario {
   float kv_scale = 1.0f;
   uint64_t seed = 1;
   int max_batch = 0;  // 0: the batch size
+  int num_workers = 0;  // the schedule's chunks (0: the backend's); few put chunk edges everywhere
+  int min_segment_tokens = 256;
   // Query row r (of batch x qlen x heads) is scaled by 2^q_row_exp[r % size] (exact in
   // bf16): rows far from unit magnitude, which the fp8 swap kernel scales per row.
   std::vector<int> q_row_exp{};
@@ -53,6 +55,7 @@ struct Scenario {
 // Block tables and token writes of one batch against a cache of num_blocks blocks.
 struct BatchData {
   std::vector<int32_t> lens, tables;
+  std::vector<int32_t> qlens;  // per request (empty: qlen each); q, out and lse rows are packed
   int width = 1;
   int qlen = 1;
   std::vector<int64_t> positions;
@@ -60,7 +63,10 @@ struct BatchData {
   std::vector<bf16> latents;
   std::vector<bf16> q;
   Mode mode = Mode::verify;
-  BatchDesc desc() const { return BatchDesc{lens, qlen, tables, width, mode}; }
+  BatchDesc desc() const { return BatchDesc{lens, qlen, tables, width, mode, qlens}; }
+  int64_t rows() const {
+    return qlens.empty() ? int64_t(lens.size()) * qlen : std::accumulate(qlens.begin(), qlens.end(), int64_t(0));
+  }
 };
 
 inline int64_t blocks_needed(const Scenario& s, int32_t len) {
@@ -70,10 +76,12 @@ inline int64_t blocks_needed(const Scenario& s, int32_t len) {
 
 // Tables take blocks from ids[next..] (a random permutation); unused entries name `spare`.
 inline BatchData make_batch(const Scenario& s, const std::vector<int32_t>& lens, int qlen,
-                            const std::vector<int32_t>& ids, size_t& next, int32_t spare, uint64_t seed) {
+                            const std::vector<int32_t>& ids, size_t& next, int32_t spare, uint64_t seed,
+                            const std::vector<int32_t>& qlens = {}) {
   BatchData d;
   d.lens = lens;
   d.qlen = qlen;
+  d.qlens = qlens;
   d.mode = s.mode;
   const int batch = int(lens.size());
   for (int32_t L : lens) d.width = std::max<int>(d.width, int(blocks_needed(s, L)));
@@ -86,7 +94,7 @@ inline BatchData make_batch(const Scenario& s, const std::vector<int32_t>& lens,
       d.requests.push_back(b);
     }
   d.latents = random_bf16(d.positions.size() * 576, seed * 7 + 1);
-  d.q = random_bf16(size_t(batch) * qlen * s.heads * 576, seed * 7 + 2);
+  d.q = random_bf16(size_t(d.rows()) * s.heads * 576, seed * 7 + 2);
   if (!s.q_row_exp.empty())
     for (size_t i = 0; i < d.q.size(); ++i)
       d.q[i] = float_to_bf16(std::ldexp(bf16_to_float(d.q[i]), s.q_row_exp[(i / 576) % s.q_row_exp.size()]));
@@ -101,6 +109,8 @@ inline AttentionConfig make_config(const Scenario& s, int max_batch, int64_t max
   c.block_size = s.block_size;
   c.route = s.route;
   c.limits = PlanLimits{max_batch, s.max_qlen, std::max<int64_t>(1, max_local)};
+  c.num_workers = s.num_workers;
+  c.min_segment_tokens = s.min_segment_tokens;
   return c;
 }
 

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <random>
 
 #include "scenario.h"
 
@@ -15,6 +16,7 @@ struct GraphCase {
   Scenario s;                    // shared configuration (lens unused)
   std::vector<int32_t> lens1, lens2;
   int qlen1, qlen2;
+  std::vector<int32_t> qlens1 = {}, qlens2 = {};  // per-request query rows (empty: uniform)
 };
 
 constexpr int kLayers = 3;
@@ -40,8 +42,10 @@ void run_graph_case(const GraphCase& gc) {
   std::vector<float> scales;
   for (int layer = 0; layer < kLayers; ++layer) {
     size_t next = 0;
-    d1.push_back(make_batch(s, gc.lens1, gc.qlen1, ids, next, int32_t(num_blocks - 1), s.seed + 1000 * layer));
-    d2.push_back(make_batch(s, gc.lens2, gc.qlen2, ids, next, int32_t(num_blocks - 1), s.seed + 1000 * layer + 99));
+    d1.push_back(
+        make_batch(s, gc.lens1, gc.qlen1, ids, next, int32_t(num_blocks - 1), s.seed + 1000 * layer, gc.qlens1));
+    d2.push_back(
+        make_batch(s, gc.lens2, gc.qlen2, ids, next, int32_t(num_blocks - 1), s.seed + 1000 * layer + 99, gc.qlens2));
     scales.push_back(s.dtype == KvDtype::bf16 ? 1.0f : s.kv_scale * float(1 + layer));
   }
 
@@ -80,10 +84,10 @@ void run_graph_case(const GraphCase& gc) {
 
   auto check = [&](const std::vector<BatchData>& d, const char* which) {
     cpu.plan(d[0].desc());
-    const Route route = cpu.current_plan().route();
+    const Route route = gpu.current_plan().route();
     for (int layer = 0; layer < kLayers; ++layer) {
       const BatchData& dl = d[size_t(layer)];
-      const size_t rows = dl.lens.size() * size_t(dl.qlen) * s.heads;
+      const size_t rows = size_t(dl.rows()) * s.heads;
       std::vector<bf16> ro(rows * 512);
       std::vector<float> rl(rows);
       cpu.run(d[0].q.data(), cpu_caches[size_t(layer)].view(), KvScale{scales[size_t(layer)]}, ro.data(), rl.data());
@@ -91,7 +95,7 @@ void run_graph_case(const GraphCase& gc) {
       std::vector<float> l = lses[size_t(layer)]->download();
       o.resize(rows * 512);
       l.resize(rows);
-      const Comparison c = compare_rows(o, l, ro, rl, 512, dl.qlen, s.heads);
+      const Comparison c = compare_rows(o, l, ro, rl, 512, dl.qlens.empty() ? dl.qlen : 1, s.heads);
       EXPECT_EQ(c.bad_rows, 0) << which << ", layer " << layer << " (route " << to_string(route)
                                << "): max rel_l2 " << c.max_rel_l2 << ", lse err " << c.max_lse_err << " | worst "
                                << c.worst;
@@ -178,6 +182,70 @@ TEST(CudaGraph, ReplayAfterReplanDecode16Heads) {
   gc.lens2 = {0, 50, 0, 0, 3, 0};
   gc.qlen2 = 1;
   run_graph_case(gc);
+}
+
+// The balanced schedule's edges (plan.h) on every default kernel: few chunks (3 to 7) put
+// chunk edges on tile, request and padding boundaries, one chunk holds many short requests
+// while a long one runs over every chunk (min_segment_tokens 64: cuts on every tile edge);
+// per-request query lengths include requests without rows, padding rows and rows whose
+// rank-local window is empty. The second batch moves every edge and is replayed from the
+// graph captured on the first.
+TEST(CudaGraph, ScheduleEdgesReplayedAfterEveryEdgeMoves) {
+  DCPMLA_REQUIRE_GPU();
+  struct Shape {
+    Mode mode;
+    KvDtype dtype;
+    int heads, max_qlen, workers, world, interleave;
+    Route route;
+  };
+  const Shape shapes[] = {
+      {Mode::decode, KvDtype::bf16, 16, 1, 3, 1, 1, Route::automatic},        // mma, 16 rows
+      {Mode::verify, KvDtype::bf16, 16, 4, 7, 2, 1, Route::automatic},        // wgmma
+      {Mode::decode, KvDtype::fp8_e4m3, 16, 1, 5, 3, 2, Route::split_k},      // fp8 swap
+      {Mode::verify, KvDtype::fp8_e5m2, 128, 2, 7, 1, 1, Route::automatic},   // wgmma fp8, two row groups
+      {Mode::draft, KvDtype::bf16, 32, 1, 4, 4, 1, Route::one_stage},         // mma, 32 rows
+      {Mode::verify, KvDtype::fp8_e4m3, 8, 4, 0, 2, 2, Route::automatic},     // mma fp8, 32 rows, all SMs
+  };
+  const std::vector<int32_t> lens1{70, 0, 64, 130, 5000, 1, 0, 129, 640, 63, 3000, 65};
+  const std::vector<int32_t> lens2{2000, 17, 0, 6000, 128, 0, 0, 129, 1, 64, 700, 3};
+  int index = 0;
+  for (const Shape& sh : shapes) {
+    GraphCase gc;
+    Scenario& s = gc.s;
+    s.name = "schedule_" + std::to_string(index);
+    s.mode = sh.mode;
+    s.dtype = sh.dtype;
+    s.kv_scale = sh.dtype == KvDtype::bf16 ? 1.0f : 0.25f;
+    s.heads = sh.heads;
+    s.world = sh.world;
+    s.rank = index % sh.world;
+    s.interleave = sh.interleave;
+    s.block_size = 16;
+    s.route = sh.route;
+    s.num_workers = sh.workers;
+    s.min_segment_tokens = 64;
+    s.seed = 5000 + uint64_t(index++);
+    s.max_qlen = sh.max_qlen;
+    std::mt19937_64 rng(s.seed);
+    // Query rows per request: up to max_qlen, at most L in the causal modes (0 for padding is
+    // allowed: such a request has no row at all).
+    auto qlens_for = [&](const std::vector<int32_t>& lens) {
+      std::vector<int32_t> q;
+      for (int32_t L : lens) {
+        const int most = s.mode == Mode::draft || L == 0 ? sh.max_qlen : std::min<int>(sh.max_qlen, L);
+        q.push_back(int32_t(rng() % uint64_t(most + 1)));
+      }
+      q[4] = int32_t(std::min<int>(sh.max_qlen, lens1[4]));
+      return q;
+    };
+    gc.lens1 = lens1;
+    gc.lens2 = lens2;
+    gc.qlen1 = gc.qlen2 = s.qlen = sh.max_qlen;
+    gc.qlens1 = qlens_for(lens1);
+    gc.qlens2 = qlens_for(lens2);
+    SCOPED_TRACE(s.describe());
+    run_graph_case(gc);
+  }
 }
 
 // The engine path over the grid: every mode, dtype and route, N in {1, 2, 3, 4, 8} (a

@@ -241,8 +241,19 @@ TEST(CudaValidation, AttentionRefusesBadParamsBeforeLaunch) {
   p.out = q;
   p.lse = f;
   p.part_o = p.part_m = p.part_l = f;
-  p.plan = PlanView{reinterpret_cast<const PlanHeader*>(arena), arena, arena,
-                    reinterpret_cast<const WorkItem*>(arena), arena, 1, 1, 1, 1};
+  p.plan = PlanView{reinterpret_cast<const PlanHeader*>(arena),
+                    arena,
+                    arena,
+                    arena,
+                    reinterpret_cast<const WorkItem*>(arena),
+                    arena,
+                    arena,
+                    arena,
+                    1,
+                    1,
+                    1,
+                    1,
+                    1};
   p.kv_dtype = KvDtype::bf16;
   p.kv_scale = 1.0f;
   p.softmax_scale = 0.05f;

@@ -8,9 +8,12 @@
 //  - every rank of the group accepts or refuses the same batch and takes the same route;
 //  - every sub-page id is the spec's expansion of the table and fits int32; the plan's
 //    largest block id (which run() checks the engine's cache against) is the tables' own;
-//  - the work list covers each request's tiles exactly once, in order;
-//  - padding requests get zero rows and no work, and never change the route or the split.
+//  - the schedule holds its invariants (tests/common/schedule_check.h): each request's pieces
+//    cover its tokens exactly once, in order, cut on tile edges, and cut requests are listed;
+//  - padding requests get zero rows and an empty piece, and never move a cut;
+//  - per-request query lengths (qlens) pack the rows by request, each with its own windows.
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -19,6 +22,7 @@
 #include "dcpmla/error.h"
 #include "dcpmla/layout.h"
 #include "dcpmla/plan.h"
+#include "../common/schedule_check.h"
 #include "fuzz_common.h"
 
 using namespace dcpmla;
@@ -45,10 +49,11 @@ int64_t spec_page(int64_t block_size) {
 }
 
 struct Batch {
-  std::vector<int32_t> lens, tables;
+  std::vector<int32_t> lens, tables, qlens;  // qlens empty: qlen rows per request
   int qlen = 1, width = 0;
   Mode mode = Mode::verify;
-  BatchDesc desc() const { return BatchDesc{lens, qlen, tables, width, mode}; }
+  BatchDesc desc() const { return BatchDesc{lens, qlen, tables, width, mode, qlens}; }
+  int qlen_of(size_t r) const { return qlens.empty() ? qlen : qlens[r]; }
 };
 
 // Global window of row t (SPEC §1), or two_stage's sharded prefix.
@@ -62,7 +67,7 @@ int64_t window(Mode mode, bool two_stage, int64_t len, int64_t qlen, int64_t t) 
 __int128 arena_ints(const PlannerConfig& c, int64_t page) {
   const __int128 stride = (__int128(c.limits.max_local_kv_len) + page - 1) / page;
   const __int128 work = __int128(c.limits.max_batch) + c.num_workers;
-  return __int128(c.limits.max_batch) * (__int128(c.limits.max_qlen) + stride + 1) + work * 4;
+  return __int128(c.limits.max_batch) * (__int128(c.limits.max_qlen) + stride + 3) + work * 4 + c.num_workers;
 }
 
 // The configurations the contract and docs/design.md accept.
@@ -74,7 +79,9 @@ bool config_is_valid(const PlannerConfig& c) {
   if (int64_t(c.dims.kv_lora_rank) + c.dims.rope_dim > INT32_MAX) return false;
   if (c.limits.max_batch < 1 || c.limits.max_qlen < 1 || c.limits.max_qlen > kMaxQlen) return false;
   if (c.limits.max_local_kv_len < 1 || c.limits.max_local_kv_len > INT32_MAX) return false;
-  if (c.num_workers < 1 || c.min_segment_tokens < 1 || c.heads < 1) return false;
+  if (c.num_workers < 1 || c.num_workers > (1 << 16) || c.rows_per_unit < 1 || c.min_segment_tokens < 1 ||
+      c.heads < 1)
+    return false;
   // A forced route must be served for some mode; the step's mode is checked per batch.
   const Route checked = c.route == Route::automatic ? Route::one_stage : c.route;
   if (!is_supported(c.backend, checked, Mode::decode, c.kv_dtype, c.heads) &&
@@ -88,12 +95,15 @@ bool batch_is_valid(const PlannerConfig& c, const Batch& b) {
   if (n < 1 || n > c.limits.max_batch || b.qlen < 1 || b.qlen > c.limits.max_qlen) return false;
   if (b.mode == Mode::decode && b.qlen != 1) return false;
   if (c.route != Route::automatic && !is_supported(c.backend, c.route, b.mode, c.kv_dtype, c.heads)) return false;
+  if (!b.qlens.empty() && int64_t(b.qlens.size()) != n) return false;
+  for (size_t r = 0; r < b.qlens.size(); ++r)
+    if (b.qlens[r] < 0 || b.qlens[r] > b.qlen || (c.route == Route::two_stage && b.qlens[r] != b.qlen)) return false;
   if (b.width < 0 || int64_t(b.tables.size()) != n * b.width) return false;
   const Layout& l = c.layout;
   const int64_t block_limit = INT32_MAX / (c.block_size / spec_page(c.block_size));  // int32 sub-page ids
   for (int64_t r = 0; r < n; ++r) {
     const int64_t len = b.lens[size_t(r)];
-    if (len < 0 || (b.mode != Mode::draft && len != 0 && len < b.qlen)) return false;
+    if (len < 0 || (b.mode != Mode::draft && len != 0 && len < b.qlen_of(size_t(r)))) return false;
     const int64_t largest = spec_local_length(len, l.world_size, 0, l.interleave);
     if (largest > c.limits.max_local_kv_len) return false;
     const int64_t entries = ceil_div(largest, c.block_size);
@@ -109,9 +119,8 @@ bool batch_is_valid(const PlannerConfig& c, const Batch& b) {
 // Tiles (of `page` local tokens) request r covers on this rank.
 int64_t request_tiles(const Plan& plan, int r) {
   const PlanView v = plan.view();
-  const int qlen = v.header->qlen;
   int64_t longest = 0;
-  for (int t = 0; t < qlen; ++t) longest = std::max<int64_t>(longest, v.row_local_len[r * qlen + t]);
+  for (int i = v.q_start[r]; i < v.q_start[r + 1]; ++i) longest = std::max<int64_t>(longest, v.row_local_len[i]);
   return ceil_div(longest, v.header->page);
 }
 
@@ -129,23 +138,28 @@ void check_plan(const Planner& planner, const Batch& b, const Plan& plan) {
   const Route route = Route(h.route);
   FUZZ_CHECK(route == Route::one_stage || route == Route::two_stage || route == Route::split_k);
   FUZZ_CHECK(c.route == Route::automatic ? route != Route::two_stage : route == c.route);
+  FUZZ_CHECK(testing::schedule_error(c, plan).empty());
   FUZZ_CHECK(route != Route::two_stage || b.mode == Mode::verify);
   FUZZ_CHECK(h.mode == int32_t(b.mode));
 
   // Rows: n_r of the row's global window, counted from the global window end.
   int active = 0;
   int64_t max_share = 0, min_share = 0;
+  int rows = 0;
   for (int r = 0; r < n; ++r) {
     const int64_t len = b.lens[size_t(r)];
-    for (int t = 0; t < qlen; ++t) {
-      const int64_t w = window(b.mode, route == Route::two_stage, len, qlen, t);
-      FUZZ_CHECK(v.row_local_len[r * qlen + t] == spec_local_length(w, l.world_size, l.rank, l.interleave));
-      FUZZ_CHECK(v.row_local_len[r * qlen + t] <= c.limits.max_local_kv_len);
+    const int qb = b.qlen_of(size_t(r));
+    FUZZ_CHECK(v.q_start[r] == rows && v.q_start[r + 1] == rows + qb);
+    for (int t = 0; t < qb; ++t) {
+      const int64_t w = window(b.mode, route == Route::two_stage, len, qb, t);
+      FUZZ_CHECK(v.row_local_len[rows + t] == spec_local_length(w, l.world_size, l.rank, l.interleave));
+      FUZZ_CHECK(v.row_local_len[rows + t] <= c.limits.max_local_kv_len);
     }
-    if (route != Route::two_stage) {  // the layout's own per-row rule agrees with the plan
-      const std::vector<int64_t> lens = row_local_lengths(b.mode, len, qlen, l);
-      for (int t = 0; t < qlen; ++t) FUZZ_CHECK(lens[size_t(t)] == v.row_local_len[r * qlen + t]);
+    if (route != Route::two_stage && qb > 0) {  // the layout's own per-row rule agrees with the plan
+      const std::vector<int64_t> lens = row_local_lengths(b.mode, len, qb, l);
+      for (int t = 0; t < qb; ++t) FUZZ_CHECK(lens[size_t(t)] == v.row_local_len[rows + t]);
     }
+    rows += qb;
     if (len == 0) continue;
     const int64_t share = spec_local_length(len, l.world_size, 0, l.interleave);
     min_share = active == 0 ? share : std::min(min_share, share);
@@ -178,29 +192,19 @@ void check_plan(const Planner& planner, const Batch& b, const Plan& plan) {
   FUZZ_CHECK(plan.stats().max_block == max_block);
   FUZZ_CHECK(plan.used_ints() <= plan.arena().size());
 
-  // Work: grouped by request in request order; each request's items cover [0, tiles) once, in
-  // order. A request with no tile (padding, or no local token here) has no work: no item under
-  // split_k, one empty item otherwise (the one-item-per-request routes).
-  FUZZ_CHECK(v.request_work[0] == 0 && v.request_work[n] == h.work_count);
-  for (int r = 0; r < n; ++r) {
-    const int first = v.request_work[r], last = v.request_work[r + 1];
-    FUZZ_CHECK(first <= last);
-    const int64_t tiles = request_tiles(plan, r);
-    if (b.lens[size_t(r)] == 0) {
-      for (int t = 0; t < qlen; ++t) FUZZ_CHECK(v.row_local_len[r * qlen + t] == 0);
-      FUZZ_CHECK(tiles == 0);
-    }
-    if (route != Route::split_k) FUZZ_CHECK(last - first == 1);
-    else if (tiles == 0) FUZZ_CHECK(last == first);
-    int64_t next = 0;
-    for (int i = first; i < last; ++i) {
-      const WorkItem& w = v.work[i];
-      FUZZ_CHECK(w.request == r && w.tile_begin == next && w.tile_end >= w.tile_begin);
-      FUZZ_CHECK(route != Route::split_k || w.tile_end > w.tile_begin);  // no empty segment
-      next = w.tile_end;
-    }
-    FUZZ_CHECK(next == tiles);
-  }
+  // Padding requests attend nothing here (the schedule's invariants cover their pieces).
+  for (int r = 0; r < n; ++r)
+    if (b.lens[size_t(r)] == 0)
+      for (int i = v.q_start[r]; i < v.q_start[r + 1]; ++i) FUZZ_CHECK(v.row_local_len[i] == 0);
+}
+
+// Pieces (tok_begin, tok_end, slot >= 0) of request r, in order.
+std::vector<std::array<int32_t, 3>> pieces_of(const Plan& plan, int r) {
+  const PlanView v = plan.view();
+  std::vector<std::array<int32_t, 3>> out;
+  for (int w = 0; w < v.header->work_count; ++w)
+    if (v.work[w].request == r) out.push_back({v.work[w].tok_begin, v.work[w].tok_end, v.work[w].slot >= 0});
+  return out;
 }
 
 // The same batch with its padding requests removed: the route and every active request's
@@ -215,19 +219,19 @@ void check_padding_is_neutral(const Planner& planner, const Batch& b, Plan& plan
     if (b.lens[r] == 0) continue;
     kept.push_back(int(r));
     active.lens.push_back(b.lens[r]);
+    if (!b.qlens.empty()) active.qlens.push_back(b.qlens[r]);
     active.tables.insert(active.tables.end(), b.tables.begin() + int64_t(r) * b.width,
                          b.tables.begin() + int64_t(r + 1) * b.width);
   }
   if (kept.empty() || kept.size() == b.lens.size()) return;
   const Route route = plan.route();
-  std::vector<int> segments;
-  for (int r : kept) segments.push_back(plan.view().request_work[r + 1] - plan.view().request_work[r]);
+  std::vector<std::vector<std::array<int32_t, 3>>> pieces;
+  for (int r : kept) pieces.push_back(pieces_of(plan, r));
   // Re-plan into the same arena: a replayed graph sees only what this plan wrote.
   planner.plan(active.desc(), plan);
   check_plan(planner, active, plan);
   FUZZ_CHECK(plan.route() == route);
-  for (size_t i = 0; i < kept.size(); ++i)
-    FUZZ_CHECK(plan.view().request_work[i + 1] - plan.view().request_work[i] == segments[i]);
+  for (size_t i = 0; i < kept.size(); ++i) FUZZ_CHECK(pieces_of(plan, int(i)) == pieces[i]);
 }
 
 // The planner's configuration, the step's mode and the size of the cache the tables' ids are
@@ -257,6 +261,7 @@ Fuzzed read_config(FuzzedDataProvider& in) {
   c.limits = PlanLimits{field<int32_t>(in, 1, kMaxBatch), field<int32_t>(in, 1, 16), field<int64_t>(in, 1, 1 << 16)};
   c.num_workers = field<int32_t>(in, 1, 300);
   c.min_segment_tokens = field<int32_t>(in, 1, 1024);
+  c.rows_per_unit = 16 << in.ConsumeIntegralInRange<int>(0, 2);
   return f;
 }
 
@@ -283,6 +288,11 @@ Batch read_batch(FuzzedDataProvider& in, const Fuzzed& f) {
   for (int64_t i = 0; i < int64_t(n) * std::max(b.width, 0); ++i)
     b.tables.push_back(any_id ? pick<int32_t>(in) : int32_t(in.ConsumeIntegralInRange<int64_t>(0, hi)));
   if (!b.tables.empty() && in.ConsumeIntegralInRange<int>(0, 15) == 0) b.tables.pop_back();  // wrong size
+  // Per-request query lengths, sometimes: mostly within [0, qlen], sometimes out of range or short.
+  if (in.ConsumeBool()) {
+    for (int r = 0; r < n; ++r) b.qlens.push_back(in.ConsumeIntegralInRange<int32_t>(-1, b.qlen + 1));
+    if (!b.qlens.empty() && in.ConsumeIntegralInRange<int>(0, 15) == 0) b.qlens.pop_back();
+  }
   return b;
 }
 
@@ -335,21 +345,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     FUZZ_CHECK(valid);
     check_plan(*p, batch, plan);
-    FUZZ_CHECK(!route || *route == plan.route());  // every rank takes the same route
+    // A forced route is every rank's; the automatic one follows each rank's own cuts.
+    FUZZ_CHECK(config.route == Route::automatic || !route || *route == plan.route());
     route = plan.route();
     const PlanView v = plan.view();
-    rows.emplace_back(v.row_local_len, v.row_local_len + batch.lens.size() * size_t(batch.qlen));
+    rows.emplace_back(v.row_local_len, v.row_local_len + v.header->rows);
     check_padding_is_neutral(*p, batch, plan);
   }
 
   // Summed over the ranks, each row's local lengths give its global window.
   if (all_ranks && valid) {
     FUZZ_CHECK(int(rows.size()) == world);
-    for (size_t r = 0; r < batch.lens.size(); ++r)
-      for (int t = 0; t < batch.qlen; ++t) {
+    for (size_t r = 0, row = 0; r < batch.lens.size(); ++r)
+      for (int t = 0; t < batch.qlen_of(r); ++t, ++row) {
         int64_t sum = 0;
-        for (const auto& per_rank : rows) sum += per_rank[r * size_t(batch.qlen) + size_t(t)];
-        FUZZ_CHECK(sum == window(batch.mode, *route == Route::two_stage, batch.lens[r], batch.qlen, t));
+        for (const auto& per_rank : rows) sum += per_rank[row];
+        FUZZ_CHECK(sum == window(batch.mode, *route == Route::two_stage, batch.lens[r], batch.qlen_of(r), t));
       }
   }
   return 0;

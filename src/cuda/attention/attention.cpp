@@ -80,8 +80,9 @@ void validate_attention(const AttentionParams& p) {
   require(p.lse != nullptr, "lse", "null", "a device pointer");
   require(p.part_o != nullptr && p.part_m != nullptr && p.part_l != nullptr, "part_o/part_m/part_l", "null",
           "device pointers to a split-K workspace (split_workspace_floats floats)");
-  require(p.plan.header != nullptr && p.plan.row_local_len != nullptr && p.plan.subpage_table != nullptr &&
-              p.plan.work != nullptr && p.plan.request_work != nullptr,
+  require(p.plan.header != nullptr && p.plan.row_local_len != nullptr && p.plan.q_start != nullptr &&
+              p.plan.subpage_table != nullptr && p.plan.work != nullptr && p.plan.chunk_work != nullptr &&
+              p.plan.split_request != nullptr && p.plan.split_slot != nullptr,
           "plan", "a view with null buffers", "a view over a device copy of a plan (Plan::view_at)");
   require_dtype(p.kv_dtype);
   require(p.heads >= 1 && p.heads <= kCudaMaxHeads, "heads", p.heads, "1..128 on the CUDA backend");
@@ -92,9 +93,10 @@ void validate_attention(const AttentionParams& p) {
     require(p.kv_scale == 1.0f, "kv_scale", p.kv_scale, "1.0 for a bf16 cache (the scale is for fp8)");
   else
     require_scale("kv_scale", p.kv_scale);
-  require(p.plan.max_qlen >= 1 && p.plan.max_batch >= 1 && p.plan.work_capacity >= 1, "plan capacities",
-          fmt::format("max_batch {}, max_qlen {}, work_capacity {}", p.plan.max_batch, p.plan.max_qlen,
-                      p.plan.work_capacity),
+  require(p.plan.max_qlen >= 1 && p.plan.max_batch >= 1 && p.plan.work_capacity >= 1 && p.plan.chunk_capacity >= 1,
+          "plan capacities",
+          fmt::format("max_batch {}, max_qlen {}, work_capacity {}, chunk_capacity {}", p.plan.max_batch,
+                      p.plan.max_qlen, p.plan.work_capacity, p.plan.chunk_capacity),
           ">= 1 each");
 }
 
@@ -157,13 +159,14 @@ void attention(const AttentionParams& p, cudaStream_t stream, int num_sms, bool 
   const AttentionVariant v = attention_variant(p.plan.max_qlen, p.heads, p.kv_dtype, tuning);
   if (num_sms <= 0) num_sms = device_sms(current_device());
   // Fixed grid from the capacities (graph-safe): ctas_per_sm CTAs per SM (the kernel
-  // fills the shared memory), each looping over (work item, head group) units.
+  // fills the shared memory), each running its (row group, chunk) slots of the schedule.
   const int64_t groups = (int64_t(p.plan.max_qlen) * p.heads + v.rows_per_cta - 1) / v.rows_per_cta;
-  const int grid = int(std::min<int64_t>(int64_t(p.plan.work_capacity) * groups, int64_t(num_sms) * v.ctas_per_sm));
+  const int grid = int(std::min<int64_t>(int64_t(p.plan.chunk_capacity) * groups, int64_t(num_sms) * v.ctas_per_sm));
   launch_attention(p, grid, stream, v, p.kv_dtype != KvDtype::bf16);
   if (merge) {
+    // Cut requests' rows, at most max_batch x max_qlen x heads: one small CTA each.
     const int64_t rows_cap = int64_t(p.plan.max_batch) * p.plan.max_qlen * p.heads;
-    cuda_detail::launch_split_merge(p, int(std::min<int64_t>((rows_cap + 7) / 8, int64_t(num_sms) * 8)), stream);
+    cuda_detail::launch_split_merge(p, int(std::min<int64_t>(rows_cap, int64_t(num_sms) * 16)), stream);
   }
 }
 
@@ -205,7 +208,9 @@ struct Attention::Impl {
             fmt::format("kv_lora_rank {}, rope_dim {}", c.dims.kv_lora_rank, c.dims.rope_dim),
             "kv_lora_rank 512, rope_dim 64 on the CUDA backend");
     (void)softmax_scale_of(c);
-    return planner_config(c, Backend::cuda, device < 0 ? 1 : device_sms(device));
+    // The schedule's row groups follow the default variant's rows per CTA.
+    return planner_config(c, Backend::cuda, device < 0 ? 1 : device_sms(device),
+                          attention_variant(c.limits.max_qlen, c.heads, c.kv_dtype).rows_per_cta);
   }
   // The device plan (256-byte aligned), then the split-K partials.
   static size_t plan_region(const Planner& p) { return (p.plan_ints() * sizeof(int32_t) + 255) / 256 * 256; }
@@ -283,11 +288,10 @@ void Attention::run(const bf16* q, const KvCache& cache, const KvScale& scale, b
   const Impl& m = *impl_;
   if (!m.planned) fail("plan", "none", "a plan: call plan(batch, stream) before run()");
   validate_run(m.planner.config(), current_plan(), cache, scale);
-  const Route forced = m.planner.config().route;
-  // The merge kernel reads the route from the device plan; skip it only when no plan of
-  // this planner can be split_k.
-  const bool may_split = forced == Route::automatic || forced == Route::split_k;
-  attention(params(q, cache, scale, out, lse), stream, m.sms, may_split, m.tuning);
+  // The combine reads the cut requests from the device plan; it is skipped only where no plan
+  // of this planner cuts a request.
+  const bool may_cut = m.planner.config().route != Route::one_stage;
+  attention(params(q, cache, scale, out, lse), stream, m.sms, may_cut, m.tuning);
 }
 
 void Attention::set_tuning(const AttentionTuning& tuning) {

@@ -64,15 +64,15 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
 
   const uint32_t sQ_a = smem_addr(sQ), sP_a = smem_addr(sP);
 
-  for (int unit = blockIdx.x; unit < ps.units; unit += gridDim.x) {
-    const UnitSpan u = unit_span<M, NT>(p, unit, ps);
-    const int witem = u.witem, b = u.b, row0 = u.row0, nr = u.nr;
+  for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
+    const UnitSpan u = unit_span<M, NT>(p, cur, ps);
+    const int row0 = u.row0, nr = u.nr;
     const int tok_lo = u.tok_lo, tok_hi = u.tok_hi, ntiles = u.ntiles;
     const int32_t *lens = u.lens, *subpages = u.subpages;
     if (tid < M) sLen[tid] = tid < nr ? lens[(row0 + tid) / p.heads] : 0;
 
     // Q rows [row0, row0 + nr) of request b; padding rows of the CTA are zero.
-    const bf16* qb = p.q + (int64_t(b) * ps.rows_total + row0) * kDim;
+    const bf16* qb = p.q + u.q_row * kDim;
     for (int idx = tid; idx < M * (kDim / 8); idx += kThreads) {
       const int r = idx / (kDim / 8), ch = idx % (kDim / 8);
       const bool ok = r < nr;
@@ -374,10 +374,10 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
       for (int h = 0; h < 2; ++h) {
         const int r = a * 16 + g + 8 * h;
         if (r < nr)
-          store_row_slice<8>(p, ps.split, witem, b, ps.rows_total, row0 + r, warp * 64 + 2 * c, row_l(r), out_scale,
+          store_row_slice<8>(p, u, r, warp * 64 + 2 * c, row_l(r), out_scale,
                              [&](int n) { return make_float2(o[a][n][2 * h], o[a][n][2 * h + 1]); });
       }
-    if (tid < nr) store_row_stats(p, ps.split, witem, b, ps.rows_total, row0 + tid, sM[tid], row_l(tid));
+    if (tid < nr) store_row_stats(p, u, tid, sM[tid], row_l(tid));
     __syncthreads();  // shared memory is reused by the next unit
   }
 }

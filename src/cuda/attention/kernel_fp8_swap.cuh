@@ -126,8 +126,8 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
     // Eight threads per token row (chunks lc + 8 m: one 128-byte row of each column block),
     // tokens lt + 16 j; a warp's copy reads 4 tokens x 128 contiguous bytes.
     const int lt = t >> 3, lc = t & 7;
-    for (int unit = blockIdx.x; unit < ps.units; unit += gridDim.x) {
-      const UnitSpan us = unit_span<M, NT>(p, unit, ps);
+    for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
+      const UnitSpan us = unit_span<M, NT>(p, cur, ps);
       // Sub-page ids of this thread's four tokens of tile i (0 past the end: never used).
       auto fetch_subpages = [&](int i, int (&sp)[4]) {
 #pragma unroll
@@ -191,16 +191,16 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
   // This thread's rows of S^T and O^T (the accumulator columns): row(j, u) = 8 j + 2 c + u.
   auto row_of = [&](int j, int u) { return 8 * j + 2 * c + u; };
 
-  for (int unit = blockIdx.x; unit < ps.units; unit += gridDim.x) {
-    const UnitSpan us = unit_span<M, NT>(p, unit, ps);
-    const int witem = us.witem, b = us.b, row0 = us.row0, nr = us.nr;
+  for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
+    const UnitSpan us = unit_span<M, NT>(p, cur, ps);
+    const int row0 = us.row0, nr = us.nr;
     const int tok_lo = us.tok_lo, tok_hi = us.tok_hi, ntiles = us.ntiles;
 
     // Q rows [row0, row0 + nr) as hi + lo e4m3, scaled per row: 16 consumer threads per row,
     // chunk (8 values) q16 + 16 m. Padding rows of the CTA are zero.
     {
       const int ct = tid - 128, r = ct >> 4, q16 = ct & 15;
-      const bf16* qrow = p.q + (int64_t(b) * ps.rows_total + row0 + r) * kDim;
+      const bf16* qrow = p.q + (us.q_row + r) * kDim;
       uint4 raw[5];
       float amax = 0.0f;
 #pragma unroll
@@ -454,9 +454,9 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
               o[bb][e] = o[bb][e] * f0 + sO1[(bb * 8 + e) * 128 + t] * f1;
             }
           if (r < nr) {
-            store_row_slice<8, 16>(p, ps.split, witem, b, ps.rows_total, row0 + r, 128 * w + 2 * g, l, out_scale,
+            store_row_slice<8, 16>(p, us, r, 128 * w + 2 * g, l, out_scale,
                                   [&](int bb) { return make_float2(o[bb][4 * j + u], o[bb][4 * j + 2 + u]); });
-            if (w == 0 && g == 0) store_row_stats(p, ps.split, witem, b, ps.rows_total, row0 + r, mn, l);
+            if (w == 0 && g == 0) store_row_stats(p, us, r, mn, l);
           }
         }
     }

@@ -139,9 +139,9 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
   };
   uint4 raw[FP8 ? 18 : 1];  // fp8: the loader's share of the next tile, (64, 576) bytes / 128
 
-  for (int unit = blockIdx.x; unit < ps.units; unit += gridDim.x) {
-    const UnitSpan u = unit_span<M, NT>(p, unit, ps);
-    const int witem = u.witem, b = u.b, row0 = u.row0, nr = u.nr;
+  for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
+    const UnitSpan u = unit_span<M, NT>(p, cur, ps);
+    const int row0 = u.row0, nr = u.nr;
     const int tok_lo = u.tok_lo, tok_hi = u.tok_hi, ntiles = u.ntiles;
     const int32_t *lens = u.lens, *subpages = u.subpages;
     if (tid < M) sLen[tid] = tid < nr ? lens[(row0 + tid) / p.heads] : 0;
@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
     }
 
     // Q rows [row0, row0 + nr) of request b; padding rows of the CTA are zero.
-    const bf16* qb = p.q + (int64_t(b) * ps.rows_total + row0) * kDim;
+    const bf16* qb = p.q + u.q_row * kDim;
     for (int idx = tid; idx < M * (kDim / 8); idx += C::THREADS) {
       const int r = idx / (kDim / 8), ch = idx % (kDim / 8);
       const bool ok = r < nr;
@@ -389,10 +389,10 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
     for (int h = 0; h < 2; ++h) {
       const int r = h ? r1 : r0;
       if (r < nr)
-        store_row_slice<32>(p, ps.split, witem, b, ps.rows_total, row0 + r, wg * 256 + 2 * c, sL[r], out_scale,
+        store_row_slice<32>(p, u, r, wg * 256 + 2 * c, sL[r], out_scale,
                             [&](int j) { return make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]); });
     }
-    if (tid < nr) store_row_stats(p, ps.split, witem, b, ps.rows_total, row0 + tid, sM[tid], sL[tid]);
+    if (tid < nr) store_row_stats(p, u, tid, sM[tid], sL[tid]);
     __syncthreads();  // shared memory is reused by the next unit
   }
 }

@@ -11,95 +11,114 @@ namespace dcpmla::cuda_detail {
 
 // The wgmma kernel serves 64-row CTAs (qlen x heads > 32: verify at 16 heads, 128 heads),
 // where the mma.sync kernel is bound by ldmatrix traffic (bench/NOTES.md). Below 64 rows
-// it would pad each CTA to 64 rows; the mma.sync kernel keeps those shapes, except fp8 at
-// 16 rows, where the fp8 swap kernel reads the cache without dequantising it.
+// it would pad each CTA to 64 rows; the mma.sync kernel keeps those shapes, except fp8 up
+// to 32 rows, where the fp8 swap kernel reads the cache without dequantising it (32 rows as
+// two row groups of 16 that read each tile at the same time, the second from L2).
 int default_kernel(int rows_per_cta, bool fp8) {
+  if (fp8 && rows_per_cta <= 32) return kKernelFp8Swap;
   if (rows_per_cta == 64) return kKernelWgmma;
-  if (rows_per_cta == 16 && fp8) return kKernelFp8Swap;
   return kKernelMma;
 }
 
-// One warp per (request, row, head): M = max m_s, l = sum l_s 2^(m_s - M),
-// o = sum l_s 2^(m_s - M) o_s / l, lse = (M + log2 l) ln 2. Segments with l_s = 0 hold
-// no key; none at all (padding, no local key) gives o = 0, lse = -inf; a NaN gives NaN.
-// The statistics are reduced across lanes (lane k takes segments k, k + 32, ...), and the
-// o loop is unrolled so that several segments' loads are in flight: a ragged batch can
-// give one request a hundred segments, and a serial loop would wait on each.
-__global__ void __launch_bounds__(256) split_merge_kernel(const __grid_constant__ AttentionParams p) {
+// The combine of the cut requests' rows (the schedule's partials): one CTA of kCombineWarps
+// warps per (cut request, row x head), the warps taking pieces k, k + kCombineWarps, ... so
+// that a request cut into a hundred pieces has many loads in flight, then one reduction in
+// shared memory: M = max m_s, l = sum l_s 2^(m_s - M), o = sum l_s 2^(m_s - M) o_s / l,
+// lse = (M + log2 l) ln 2. Rows of whole requests were written by the attention kernel and are
+// not touched. Pieces with l_s = 0 hold no key (their o is 0, never NaN: the kernel writes 0
+// for them); none at all gives o = 0, lse = -inf; a NaN l_s or m_s poisons the row (the CPU
+// merge's rule).
+constexpr int kCombineWarps = 4;
+
+__global__ void __launch_bounds__(32 * kCombineWarps) split_merge_kernel(const __grid_constant__ AttentionParams p) {
   const PlanHeader hdr = *p.plan.header;
-  if (hdr.route != int32_t(Route::split_k)) return;  // the route is the device plan's, not the host's
   const float kNegInf = -__int_as_float(0x7f800000);
   constexpr float kLn2 = 0.6931471805599453f;
-  const int lane = threadIdx.x & 31;
-  const int rows_total = hdr.qlen * p.heads;
-  const int64_t rows = int64_t(hdr.batch) * rows_total;
-  for (int64_t row = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5); row < rows; row += int64_t(gridDim.x) * 8) {
-    const int b = int(row / rows_total), rr = int(row % rows_total);
-    const int first = p.plan.request_work[b], count = p.plan.request_work[b + 1] - first;
-    // l_s = 0 marks an empty segment; a NaN l_s (a NaN or inf read) is not empty and
-    // poisons the row (the CPU merge's rule).
+  constexpr int kCols = kRank / 32;  // columns per lane: 4 float4
+  __shared__ float4 red[kCombineWarps][32][kCols / 4];
+  __shared__ float red_m[kCombineWarps], red_l[kCombineWarps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int slot_rows = hdr.qlen * p.heads;
+  const int64_t rows = int64_t(hdr.split_requests) * slot_rows;
+  for (int64_t x = blockIdx.x; x < rows; x += gridDim.x) {
+    const int i = int(x / slot_rows), rr = int(x % slot_rows);
+    const int b = p.plan.split_request[i];
+    if (rr >= (p.plan.q_start[b + 1] - p.plan.q_start[b]) * p.heads) continue;  // uniform over the CTA
+    const int first = p.plan.split_slot[i], count = p.plan.split_slot[i + 1] - first;
+    // The row's maximum over every piece holding a key (all lanes of all warps).
     float m = kNegInf;
-    bool any = false;
-    for (int s = lane; s < count; s += 32) {
-      const int64_t at = int64_t(first + s) * rows_total + rr;
-      if (p.part_l[at] != 0.0f) {
-        any = true;
-        m = nan_max(m, p.part_m[at]);
-      }
+    for (int s = threadIdx.x; s < count; s += blockDim.x) {
+      const int64_t at = int64_t(first + s) * slot_rows + rr;
+      if (p.part_l[at] != 0.0f) m = nan_max(m, p.part_m[at]);
     }
 #pragma unroll
     for (int d = 16; d; d >>= 1) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, d));
-    any = __any_sync(0xffffffffu, any);
-    bf16* out = p.out + row * kRank;
-    if (!any) {
-      for (int col = lane * 4; col < kRank; col += 128)
-        *reinterpret_cast<uint2*>(out + col) = make_uint2(0u, 0u);
-      if (lane == 0) p.lse[row] = kNegInf;
-      continue;
-    }
+    if (lane == 0) red_m[warp] = m;
+    __syncthreads();
+    m = kNegInf;
+#pragma unroll
+    for (int w = 0; w < kCombineWarps; ++w) m = nan_max(m, red_m[w]);
+    // This warp's pieces, weighted by l_s 2^(m_s - M) (unnormalised), and their l.
     float l = 0.0f;
-    for (int s = lane; s < count; s += 32) {
-      const int64_t at = int64_t(first + s) * rows_total + rr;
-      const float ls = p.part_l[at];
-      if (ls != 0.0f) l += ls * exp2f(p.part_m[at] - m);
-    }
+    float4 acc[kCols / 4];
 #pragma unroll
-    for (int d = 16; d; d >>= 1) l += __shfl_xor_sync(0xffffffffu, l, d);
-    const float inv = 1.0f / l;
-    float4 acc[kRank / 128];
-#pragma unroll
-    for (int k = 0; k < kRank / 128; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int k = 0; k < kCols / 4; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (m != kNegInf || isnan(m)) {
 #pragma unroll 4
-    for (int s = 0; s < count; ++s) {
-      const int64_t at = int64_t(first + s) * rows_total + rr;
-      const float ls = p.part_l[at];
-      // Empty segments weigh 0 (their o is 0, never NaN: the kernel writes 0 for them).
-      const float w = ls != 0.0f ? ls * exp2f(p.part_m[at] - m) * inv : 0.0f;
-      const float* src = p.part_o + at * kRank;
+      for (int s = warp; s < count; s += kCombineWarps) {
+        const int64_t at = int64_t(first + s) * slot_rows + rr;
+        const float ls = p.part_l[at];
+        const float w = ls != 0.0f ? ls * exp2f(p.part_m[at] - m) : 0.0f;
+        l += w;
+        const float* src = p.part_o + at * kRank;
 #pragma unroll
-      for (int k = 0; k < kRank / 128; ++k) {
-        const float4 v = *reinterpret_cast<const float4*>(src + k * 128 + lane * 4);
-        acc[k].x += w * v.x;
-        acc[k].y += w * v.y;
-        acc[k].z += w * v.z;
-        acc[k].w += w * v.w;
+        for (int k = 0; k < kCols / 4; ++k) {
+          const float4 v = *reinterpret_cast<const float4*>(src + k * 128 + lane * 4);
+          acc[k].x += w * v.x;
+          acc[k].y += w * v.y;
+          acc[k].z += w * v.z;
+          acc[k].w += w * v.w;
+        }
       }
     }
 #pragma unroll
-    for (int k = 0; k < kRank / 128; ++k) {
-      __nv_bfloat162 lo = __floats2bfloat162_rn(acc[k].x, acc[k].y);
-      __nv_bfloat162 hi = __floats2bfloat162_rn(acc[k].z, acc[k].w);
-      uint2 v;
-      v.x = *reinterpret_cast<uint32_t*>(&lo);
-      v.y = *reinterpret_cast<uint32_t*>(&hi);
-      *reinterpret_cast<uint2*>(out + k * 128 + lane * 4) = v;
+    for (int k = 0; k < kCols / 4; ++k) red[warp][lane][k] = acc[k];
+    if (lane == 0) red_l[warp] = l;
+    __syncthreads();
+    if (warp == 0) {
+      l = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kCombineWarps; ++w) l += red_l[w];
+      const int64_t row = int64_t(p.plan.q_start[b]) * p.heads + rr;
+      bf16* out = p.out + row * kRank;
+      // No piece held a key: o = 0, lse = -inf (l = 0 then, and every acc is 0).
+      const float inv = l != 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+      for (int k = 0; k < kCols / 4; ++k) {
+        float4 v = red[0][lane][k];
+#pragma unroll
+        for (int w = 1; w < kCombineWarps; ++w) {
+          const float4 u = red[w][lane][k];
+          v.x += u.x;
+          v.y += u.y;
+          v.z += u.z;
+          v.w += u.w;
+        }
+        __nv_bfloat162 lo = __floats2bfloat162_rn(v.x * inv, v.y * inv);
+        __nv_bfloat162 hi = __floats2bfloat162_rn(v.z * inv, v.w * inv);
+        uint2 o;
+        o.x = *reinterpret_cast<uint32_t*>(&lo);
+        o.y = *reinterpret_cast<uint32_t*>(&hi);
+        *reinterpret_cast<uint2*>(out + k * 128 + lane * 4) = o;
+      }
+      if (lane == 0) p.lse[row] = l != 0.0f ? (m + log2f(l)) * kLn2 : kNegInf;
     }
-    if (lane == 0) p.lse[row] = (m + log2f(l)) * kLn2;
+    __syncthreads();  // red is reused by the next row
   }
 }
 
 void launch_split_merge(const AttentionParams& p, int grid, cudaStream_t stream) {
-  split_merge_kernel<<<grid, 256, 0, stream>>>(p);
+  split_merge_kernel<<<grid, 32 * kCombineWarps, 0, stream>>>(p);
   check(cudaGetLastError(), "split_merge_kernel launch");
 }
 

@@ -1,7 +1,8 @@
-// A CTA's unit of work, shared by the attention kernels: the plan's scalars (plan_scalars),
+// A CTA's units of work, shared by the attention kernels: the plan's scalars (plan_scalars),
+// which units a CTA runs (next_unit: its chunk of the balanced schedule, for its row group),
 // which rows and tokens a unit covers (unit_span), and how it ends: one row's slice of O
-// normalised by its l, and the row's statistics, as split-K partials or as the final
-// output and lse. Also how each kernel is launched (launch_attention_kernel).
+// normalised by its l, and the row's statistics, as split-K partials of a cut request or as
+// the final output and lse. Also how each kernel is launched (launch_attention_kernel).
 #pragma once
 
 #include <atomic>
@@ -14,76 +15,109 @@
 
 namespace dcpmla::cuda_detail {
 
-// The device plan's scalars for CTAs of M rows, read from plan memory (never from launch
-// arguments, so a replayed graph sees the current batch).
-struct PlanScalars {
-  bool split;  // route split_k: (o / l, m, l) partials instead of out and lse
-  int qlen, page, page_shift, rows_total, groups, units;  // page is a power of two
-};
-
 // The fp8 cache scale: the device value when the caller passed one (read at run time, so a
 // replayed graph sees the current scale), else the launch's.
 __device__ __forceinline__ float kv_scale_of(const AttentionParams& p) {
   return p.kv_scale_dev != nullptr ? *p.kv_scale_dev : p.kv_scale;
 }
 
+// The device plan's scalars for CTAs of M rows, read from plan memory (never from launch
+// arguments, so a replayed graph sees the current batch).
+struct PlanScalars {
+  int page, page_shift;  // page is a power of two
+  int slot_rows;         // rows of a partial slot: the step's qlen x heads
+  int groups, chunks;    // CTA slot c runs chunk c % chunks for row group c / chunks
+};
+
 template <int M>
 __device__ __forceinline__ PlanScalars plan_scalars(const AttentionParams& p) {
   const PlanHeader hdr = *p.plan.header;
   PlanScalars s;
-  s.split = hdr.route == int32_t(Route::split_k);
-  s.qlen = hdr.qlen;
   s.page = hdr.page;
   s.page_shift = __ffs(hdr.page) - 1;
-  s.rows_total = hdr.qlen * p.heads;
-  s.groups = (s.rows_total + M - 1) / M;
-  s.units = hdr.work_count * s.groups;
+  s.slot_rows = hdr.qlen * p.heads;
+  s.groups = (hdr.widest_qlen * p.heads + M - 1) / M;
+  s.chunks = hdr.chunks;
   return s;
 }
 
-// Unit `unit` = (work item witem, row group): rows [row0, row0 + nr) of request b over the
-// item's tokens [tok_lo, tok_hi) in ntiles tiles of NT. lens: the request's per-row local
-// lengths (qlen); subpages: its row of the sub-page table.
+// Where a CTA is in its units: CTA slots blockIdx.x, + gridDim.x, ... (one, when the grid
+// covers groups x chunks), and in each, its chunk's pieces with rows in its row group.
+struct UnitCursor {
+  int slot, group, w, w_end;
+};
+
+__device__ __forceinline__ UnitCursor unit_cursor() { return UnitCursor{int(blockIdx.x) - int(gridDim.x), 0, 0, 0}; }
+
+// Advances to the CTA's next unit; false when it has none left. Every role of a CTA walks
+// the same units in the same order.
+template <int M>
+__device__ __forceinline__ bool next_unit(const AttentionParams& p, const PlanScalars& ps, UnitCursor& cur) {
+  for (;;) {
+    if (++cur.w < cur.w_end) {
+      const int b = p.plan.work[cur.w].request;
+      if ((p.plan.q_start[b + 1] - p.plan.q_start[b]) * p.heads > cur.group * M) return true;
+      continue;  // this request has no row in the group
+    }
+    cur.slot += gridDim.x;
+    if (cur.slot >= ps.groups * ps.chunks) return false;
+    cur.group = cur.slot / ps.chunks;
+    const int k = cur.slot % ps.chunks;
+    cur.w = p.plan.chunk_work[k] - 1;
+    cur.w_end = p.plan.chunk_work[k + 1];
+  }
+}
+
+// A unit: rows [row0, row0 + nr) (query row x head, flattened) of request b over the piece's
+// tokens [tok_lo, tok_hi) in ntiles tiles of NT. q_row: the unit's first row in q (packed
+// rows); dst_row: the first row it writes, in out and lse, or in its partial slot (split).
+// lens: the request's per-query-row local lengths; subpages: its row of the sub-page table.
 struct UnitSpan {
-  int witem, b, row0, nr, tok_lo, tok_hi, ntiles;
+  int b, row0, nr, tok_lo, tok_hi, ntiles;
+  bool split;
+  int64_t q_row, dst_row;
   const int32_t* lens;
   const int32_t* subpages;
 };
 
 template <int M, int NT>
-__device__ __forceinline__ UnitSpan unit_span(const AttentionParams& p, int unit, const PlanScalars& ps) {
+__device__ __forceinline__ UnitSpan unit_span(const AttentionParams& p, const UnitCursor& cur, const PlanScalars& ps) {
   UnitSpan u;
-  u.witem = unit / ps.groups;
-  const WorkItem item = p.plan.work[u.witem];
+  const WorkItem item = p.plan.work[cur.w];
   u.b = item.request;
-  u.row0 = (unit % ps.groups) * M;
-  u.nr = min(M, ps.rows_total - u.row0);
-  u.lens = p.plan.row_local_len + int64_t(u.b) * ps.qlen;
+  const int q0 = p.plan.q_start[u.b], qlen = p.plan.q_start[u.b + 1] - q0;
+  u.row0 = cur.group * M;
+  u.nr = min(M, qlen * p.heads - u.row0);
+  u.lens = p.plan.row_local_len + q0;
   u.subpages = p.plan.subpage_table + int64_t(u.b) * p.plan.header->table_stride;
   int longest = 0;
-  for (int q = 0; q < ps.qlen; ++q) longest = max(longest, u.lens[q]);
+  for (int q = 0; q < qlen; ++q) longest = max(longest, u.lens[q]);
   // Tokens past the longest row are never read: they may be NaN (poisoned) or unmapped.
-  u.tok_lo = item.tile_begin * ps.page;
-  u.tok_hi = min(item.tile_end * ps.page, longest);
+  u.tok_lo = item.tok_begin;
+  u.tok_hi = min(item.tok_end, longest);
   u.ntiles = u.tok_hi > u.tok_lo ? (u.tok_hi - u.tok_lo + NT - 1) / NT : 0;
+  u.split = item.slot >= 0;
+  u.q_row = int64_t(q0) * p.heads + u.row0;
+  u.dst_row = u.split ? int64_t(item.slot) * ps.slot_rows + u.row0 : u.q_row;
   return u;
 }
 
-// Columns col + STRIDE n, col + STRIDE n + 1 (n < N) of row `row` from pair(n) = (o, o'),
-// scaled by out_scale / l: l = 0 means no key (o = 0); a NaN l propagates.
+// Columns col + STRIDE n, col + STRIDE n + 1 (n < N) of row dst_row + r of unit u, from
+// pair(n) = (o, o'), scaled by out_scale / l: l = 0 means no key (o = 0); a NaN l propagates.
 template <int N, int STRIDE = 8, typename Pair>
-__device__ __forceinline__ void store_row_slice(const AttentionParams& p, bool split, int witem, int b, int rows_total,
-                                                int64_t row, int col, float l, float out_scale, Pair pair) {
+__device__ __forceinline__ void store_row_slice(const AttentionParams& p, const UnitSpan& u, int r, int col, float l,
+                                                float out_scale, Pair pair) {
   const float sc = l != 0.0f ? out_scale / l : 0.0f;
-  if (split) {
-    float* dst = p.part_o + (int64_t(witem) * rows_total + row) * kRank + col;
+  const int64_t row = u.dst_row + r;
+  if (u.split) {
+    float* dst = p.part_o + row * kRank + col;
 #pragma unroll
     for (int n = 0; n < N; ++n) {
       const float2 v = pair(n);
       *reinterpret_cast<float2*>(dst + n * STRIDE) = make_float2(v.x * sc, v.y * sc);
     }
   } else {
-    bf16* dst = p.out + (int64_t(b) * rows_total + row) * kRank + col;
+    bf16* dst = p.out + row * kRank + col;
 #pragma unroll
     for (int n = 0; n < N; ++n) {
       const float2 v = pair(n);
@@ -92,16 +126,16 @@ __device__ __forceinline__ void store_row_slice(const AttentionParams& p, bool s
   }
 }
 
-// m (base 2) and l of a row: (m, l) partials for split_k (m = -inf where l = 0), else the
-// natural-log lse (-inf for a row with no key).
-__device__ __forceinline__ void store_row_stats(const AttentionParams& p, bool split, int witem, int b, int rows_total,
-                                                int64_t row, float m, float l) {
+// m (base 2) and l of row dst_row + r of unit u: (m, l) partials for a cut request (m = -inf
+// where l = 0), else the natural-log lse (-inf for a row with no key).
+__device__ __forceinline__ void store_row_stats(const AttentionParams& p, const UnitSpan& u, int r, float m, float l) {
   const float kNegInf = -__int_as_float(0x7f800000);
-  if (split) {
-    p.part_m[int64_t(witem) * rows_total + row] = l != 0.0f ? m : kNegInf;
-    p.part_l[int64_t(witem) * rows_total + row] = l;
+  const int64_t row = u.dst_row + r;
+  if (u.split) {
+    p.part_m[row] = l != 0.0f ? m : kNegInf;
+    p.part_l[row] = l;
   } else {
-    p.lse[int64_t(b) * rows_total + row] = l != 0.0f ? (m + __log2f(l)) * 0.6931471805599453f : kNegInf;
+    p.lse[row] = l != 0.0f ? (m + __log2f(l)) * 0.6931471805599453f : kNegInf;
   }
 }
 

@@ -88,7 +88,7 @@ class CudaRank final : public RankEngine {
   void attend(const bf16* q, bf16* out, float* lse) override {
     const auto& c = attention_.planner().config();
     const PlanHeader& h = attention_.current_plan().header();
-    const size_t rows = size_t(h.batch) * size_t(h.qlen) * size_t(c.heads);
+    const size_t rows = size_t(h.rows) * size_t(c.heads);
     const size_t D = size_t(c.dims.dim()), R = size_t(c.dims.kv_lora_rank);
     cudaStream_t s = stream_.get();
     auto* dq = q_.get<bf16>(rows * D, "cudaMalloc(q)");

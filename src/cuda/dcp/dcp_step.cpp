@@ -201,6 +201,9 @@ DcpStep::~DcpStep() {
 }
 
 void DcpStep::plan(const BatchDesc& batch) {
+  // The step's gathers and stage B move query blocks of one shape.
+  if (!batch.qlens.empty())
+    fail("qlens", fmt::format("{} entries", batch.qlens.size()), "none: the DCP step takes uniform query blocks");
   const int B = int(batch.seq_lens.size());
   if (config_.check_agreement) {
     // Same shape, lengths and tables everywhere; then every rank's planner sees the same
