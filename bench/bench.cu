@@ -1,12 +1,16 @@
 // dcpmla_bench: the ceilings (device-to-device copy, cuBLAS bf16 8192^3 GEMM), a plain
 // baseline (gather pages -> cuBLAS batched GEMMs -> softmax kernel -> GEMM), and dcpmla's
-// attention at the shapes of issue #3. Per shape: median of CUDA-event-timed calls
-// (kernel + split-K merge, the whole call an engine makes) after warm-up, with several KV
-// caches rotated so that L2 does not flatter; a table on stdout and, with --json, the rows
+// attention at uniform shapes and at the varlen serving batches engines send (issue 13).
+// Per shape, three times of the whole call an engine makes (kernel + combine), each the
+// median over calls after warm-up, with several KV caches rotated so that L2 does not
+// flatter: the device time of calls queued behind a spin kernel (no host gap; the headline
+// `us`), the device time of CUDA-graph replays queued alike, and the synchronous per-call
+// time on the host (launch + sync included). A table on stdout and, with --json, the rows
 // and their metadata (bench/results_json.h). `dcpmla_bench --help` lists the options.
 // --sweep also times every other kernel variant (AttentionTuning) at each shape and gives
 // its rel L2 against the default variant's output, "variant:us(relL2)".
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -161,6 +165,52 @@ float median_ms(int runs, F&& call) {
   return t[t.size() / 2];
 }
 
+// Holds the stream for `ns` nanoseconds, so that the calls enqueued behind it start back to back.
+__global__ void spin_kernel(uint64_t ns) {
+  uint64_t start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  while (now - start < ns);
+}
+
+// Median device time per call of `runs` calls enqueued on `st` behind a spin kernel: what a
+// call costs inside an engine's step, without the host's launch gaps.
+template <class F>
+float queued_median_ms(int runs, cudaStream_t st, F&& call) {
+  std::vector<cudaEvent_t> ev(size_t(runs) + 1);
+  for (auto& e : ev) ck(cudaEventCreate(&e), "event");
+  spin_kernel<<<1, 1, 0, st>>>(uint64_t(20) * 1000 * 1000);  // 20 ms: far longer than enqueueing takes
+  ck(cudaEventRecord(ev[0], st), "record");
+  for (int i = 0; i < runs; ++i) {
+    call(i);
+    ck(cudaEventRecord(ev[size_t(i) + 1], st), "record");
+  }
+  ck(cudaStreamSynchronize(st), "queued runs");
+  std::vector<float> t;
+  for (int i = 0; i < runs; ++i) {
+    float ms = 0;
+    ck(cudaEventElapsedTime(&ms, ev[size_t(i)], ev[size_t(i) + 1]), "elapsed");
+    t.push_back(ms);
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// Median host time of a call followed by a stream synchronisation (what a naive caller sees).
+template <class F>
+float sync_median_ms(int runs, cudaStream_t st, F&& call) {
+  std::vector<float> t;
+  for (int i = 0; i < runs; ++i) {
+    const auto a = std::chrono::steady_clock::now();
+    call(i);
+    ck(cudaStreamSynchronize(st), "sync call");
+    t.push_back(std::chrono::duration<float, std::milli>(std::chrono::steady_clock::now() - a).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
 struct Shape {
   std::string name;
   int batch;
@@ -173,8 +223,8 @@ struct Shape {
 struct Row {
   Shape s;
   std::string route, variant, sweep;
-  int work_items = 0;
-  double us = 0, kv_GBps = 0, tflops = 0, base_us = 0, check = -1;
+  int work_items = 0, cut_requests = 0;
+  double us = 0, graph_us = 0, sync_us = 0, kv_GBps = 0, tflops = 0, base_us = 0, check = -1;
   double kv_bytes = 0, flops = 0;
 };
 
@@ -232,7 +282,7 @@ bool same_variant(const cuda::AttentionVariant& a, const cuda::AttentionVariant&
          a.ctas_per_sm == b.ctas_per_sm;
 }
 
-Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, cublasHandle_t blas) {
+Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, const ScheduleCost& cost, cublasHandle_t blas) {
   Row row;
   row.s = s;
   const Mode mode = s.qlen == 1 ? Mode::decode : Mode::verify;
@@ -250,6 +300,7 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, cublasHandle_
   c.layout = layout;
   c.block_size = block;
   c.limits = PlanLimits{s.batch, s.qlen, max_local};
+  c.schedule_cost = cost;
   const float kv_scale = s.dtype == KvDtype::bf16 ? 1.0f : 0.5f;
   const float sm_scale = 1.0f / std::sqrt(576.0f);
   cuda::Attention runner(c);
@@ -268,9 +319,12 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, cublasHandle_
   std::vector<int32_t> tables(size_t(s.batch) * width, 0);
   for (int b = 0, next = 0; b < s.batch; ++b)
     for (int j = 0; j < needed[size_t(b)]; ++j) tables[size_t(b) * width + j] = ids[size_t(next++)];
-  runner.plan(BatchDesc{s.lens, s.qlen, tables, width, mode}, nullptr);
+  cudaStream_t st;
+  ck(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
+  runner.plan(BatchDesc{s.lens, s.qlen, tables, width, mode}, st);
   row.route = std::string(to_string(runner.current_plan().route()));
   row.work_items = runner.current_plan().header().work_count;
+  row.cut_requests = runner.current_plan().header().split_requests;
 
   // KV caches rotated: at least 2 copies and 1 GiB in all (the L2 is 60 MB).
   const size_t cache_bytes = size_t(total_blocks) * block * 576 * bytes_per_value(s.dtype);
@@ -296,17 +350,31 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, cublasHandle_
 
   const KvCache view{caches[0], total_blocks, block, 576, s.dtype};
   AttentionParams p = runner.params(reinterpret_cast<const bf16*>(q), view, KvScale{kv_scale}, out, lse);
-  for (int i = 0; i < 3; ++i) {
+  auto call = [&](int i) {
     p.kv = caches[size_t(i % copies)];
-    cuda::attention(p, nullptr, sms);
+    cuda::attention(p, st, sms);
+  };
+  for (int i = 0; i < 3; ++i) call(i);
+  ck(cudaStreamSynchronize(st), "warm-up");
+  row.us = queued_median_ms(runs, st, call) * 1e3;
+  // One graph per cache copy, each the call captured once.
+  std::vector<cudaGraphExec_t> graphs;
+  for (int k = 0; k < copies; ++k) {
+    cudaGraph_t g;
+    cudaGraphExec_t e;
+    ck(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal), "begin capture");
+    call(k);
+    ck(cudaStreamEndCapture(st, &g), "end capture");
+    ck(cudaGraphInstantiate(&e, g, 0), "instantiate");
+    cudaGraphDestroy(g);
+    graphs.push_back(e);
   }
-  ck(cudaDeviceSynchronize(), "warm-up");
-  const float ms = median_ms(runs, [&](int i) {
-    p.kv = caches[size_t(i % copies)];
-    cuda::attention(p, nullptr, sms);
-  });
+  auto replay = [&](int i) { ck(cudaGraphLaunch(graphs[size_t(i % copies)], st), "graph launch"); };
+  for (int i = 0; i < 3; ++i) replay(i);
+  row.graph_us = queued_median_ms(runs, st, replay) * 1e3;
+  row.sync_us = sync_median_ms(runs, st, call) * 1e3;
+  for (cudaGraphExec_t e : graphs) cudaGraphExecDestroy(e);
   ck(cudaDeviceSynchronize(), "timed runs");
-  row.us = ms * 1e3;
   const cuda::AttentionVariant chosen = cuda::attention_variant(s.qlen, s.heads, s.dtype);
   row.variant = variant_name(chosen);
   if (sweep) {
@@ -317,7 +385,8 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, cublasHandle_
     const size_t nout = rows * 512;
     std::vector<uint16_t> ref(nout), got(nout);
     p.kv = caches[0];
-    cuda::attention(p, nullptr, sms);
+    cuda::attention(p, st, sms);
+    ck(cudaStreamSynchronize(st), "sweep ref");
     ck(cudaMemcpy(ref.data(), out, nout * 2, cudaMemcpyDeviceToHost), "d2h sweep ref");
     std::vector<cuda::AttentionVariant> seen;
     for (const cuda::AttentionTuning t : {cuda::AttentionTuning{32, 1, 1}, cuda::AttentionTuning{64, 1, 1},
@@ -327,17 +396,14 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, cublasHandle_
       if (t.kernel == 1 && (v.tile_tokens != t.tile_tokens || v.ctas_per_sm != t.ctas_per_sm)) continue;  // not built
       if (std::any_of(seen.begin(), seen.end(), [&](const auto& u) { return same_variant(u, v); })) continue;
       seen.push_back(v);
-      for (int i = 0; i < 3; ++i) {
+      auto variant_call = [&](int i) {
         p.kv = caches[size_t(i % copies)];
-        cuda::attention(p, nullptr, sms, true, t);
-      }
-      const float vms = median_ms(runs, [&](int i) {
-        p.kv = caches[size_t(i % copies)];
-        cuda::attention(p, nullptr, sms, true, t);
-      });
-      ck(cudaDeviceSynchronize(), "sweep");
-      p.kv = caches[0];
-      cuda::attention(p, nullptr, sms, true, t);
+        cuda::attention(p, st, sms, true, t);
+      };
+      for (int i = 0; i < 3; ++i) variant_call(i);
+      const float vms = queued_median_ms(runs, st, variant_call);
+      variant_call(0);
+      ck(cudaStreamSynchronize(st), "sweep");
       ck(cudaMemcpy(got.data(), out, nout * 2, cudaMemcpyDeviceToHost), "d2h sweep");
       double num = 0, den = 0;
       for (size_t i = 0; i < nout; ++i) {
@@ -368,7 +434,12 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, cublasHandle_
   row.kv_GBps = row.kv_bytes / (row.us * 1e-6) / 1e9;
   row.tflops = row.flops / (row.us * 1e-6) / 1e12;
 
-  if (baseline) {
+  // The baseline pads every request to the longest: skipped where its buffers exceed 8 GiB.
+  int64_t longest_row = 1;
+  for (int b = 0; b < s.batch; ++b)
+    for (int t = 0; t < s.qlen; ++t) longest_row = std::max<int64_t>(longest_row, plan.row_local_len(b, t));
+  const double dense_bytes = double(s.batch) * longest_row * (576 * 2 + double(s.qlen) * s.heads * 6);
+  if (baseline && dense_bytes <= double(size_t(8) << 30)) {
     // Dense padded buffers per request: the plain approach pays for Lpad = the longest row.
     int Lpad = 0;
     std::vector<int32_t> longest(size_t(s.batch)), row_len(size_t(s.batch) * s.qlen);
@@ -416,7 +487,7 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, cublasHandle_
     // Agreement of dcpmla with the baseline on the last cache (a sanity check of both).
     base(0);
     p.kv = caches[0];
-    cuda::attention(p, nullptr, sms);
+    cuda::attention(p, st, sms);
     ck(cudaDeviceSynchronize(), "check");
     std::vector<uint16_t> a(rows * 512), bvec(rows * 512);
     ck(cudaMemcpy(a.data(), out, a.size() * 2, cudaMemcpyDeviceToHost), "d2h");
@@ -445,6 +516,7 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, cublasHandle_
   cudaFree(out_base);
   cudaFree(lse);
   cudaFree(lse_base);
+  cudaStreamDestroy(st);
   return row;
 }
 
@@ -452,24 +524,66 @@ Shape uniform(const char* name, int batch, int ctx, int heads, int qlen, KvDtype
   return Shape{name, batch, std::vector<int32_t>(size_t(batch), ctx), heads, qlen, d, world, rank};
 }
 
+// The serving batches engines send (fixed seeds, so every run times the same lengths):
+//  uniform: 64 requests of 512..16384 tokens; lognormal: 64 requests around 4k with a long
+//  tail (sigma 1, capped at 128k); one128k: one 131072-token request among 63 of 256..2048.
+std::vector<int32_t> serving_lengths(const std::string& kind) {
+  std::mt19937_64 rng(kind == "uniform" ? 1 : kind == "lognormal" ? 2 : 3);
+  std::vector<int32_t> lens;
+  if (kind == "uniform") {
+    std::uniform_int_distribution<int32_t> u(512, 16384);
+    for (int i = 0; i < 64; ++i) lens.push_back(u(rng));
+  } else if (kind == "lognormal") {
+    std::lognormal_distribution<double> ln(std::log(4096.0), 1.0);
+    for (int i = 0; i < 64; ++i) lens.push_back(int32_t(std::clamp(ln(rng), 64.0, 131072.0)));
+  } else {
+    std::uniform_int_distribution<int32_t> u(256, 2048);
+    lens.push_back(131072);
+    for (int i = 0; i < 63; ++i) lens.push_back(u(rng));
+  }
+  return lens;
+}
+
+std::vector<Shape> serving_shapes() {
+  std::vector<Shape> out;
+  for (const char* kind : {"uniform", "lognormal", "one128k"})
+    for (int heads : {16, 128})
+      for (int qlen : {1, 2, 4})
+        for (KvDtype d : {KvDtype::bf16, KvDtype::fp8_e4m3}) {
+          const std::vector<int32_t> lens = serving_lengths(kind);
+          out.push_back(Shape{std::string("serve_") + kind + "_h" + std::to_string(heads) + "_q" + std::to_string(qlen) +
+                                  (d == KvDtype::bf16 ? "" : "_e4m3"),
+                              int(lens.size()), lens, heads, qlen, d});
+        }
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string json_path;
   int runs = 30;
-  bool quick = false, no_baseline = false, sweep = false, no_ceilings = false;
-  std::string only;
+  bool quick = false, no_baseline = false, sweep = false, no_ceilings = false, serving = false;
+  std::vector<std::string> only;
+  std::vector<double> schedule;
   CLI::App app{"dcpmla_bench: the copy and GEMM ceilings, a plain baseline (gather + cuBLAS + softmax) and\n"
-               "dcpmla's attention at the shapes of issue 3, on GPU 0. Needs a CUDA GPU."};
+               "dcpmla's attention at uniform and varlen shapes, on GPU 0: device time queued behind a spin\n"
+               "kernel, CUDA-graph replay time and synchronous per-call time. Needs a CUDA GPU."};
   app.add_option("--json", json_path, "Also write the rows and their metadata as JSON to this file");
   app.add_option("--runs", runs, "Timed calls per measurement (median)")
       ->check(dcpmla::cli::integer_in(3, 100000))
       ->capture_default_str();
   app.add_flag("--quick", quick, "Only the four headline shapes");
+  app.add_flag("--serving", serving,
+               "Also the varlen serving batches (uniform 512..16k, lognormal around 4k, one 128k among short ones; "
+               "16 and 128 heads, qlen 1, 2, 4, bf16 and fp8_e4m3)");
   app.add_flag("--no-baseline", no_baseline, "Skip the baseline (its columns are null in the JSON)");
   app.add_flag("--sweep", sweep, "Also time every other kernel variant at each shape");
   app.add_flag("--no-ceilings", no_ceilings, "Skip the ceilings (the ratios to them are null in the JSON)");
-  app.add_option("--only", only, "Run this one shape");
+  app.add_option("--only", only, "Run only these shapes (comma-separated names)")->delimiter(',');
+  app.add_option("--schedule", schedule, "The schedule's cost model: piece,cut,slack (ScheduleCost; tuning)")
+      ->delimiter(',')
+      ->expected(3);
   CLI11_PARSE(app, argc, argv);
   const bool baseline = !no_baseline, ceilings = !no_ceilings;
   cudaDeviceProp prop;
@@ -497,25 +611,42 @@ int main(int argc, char** argv) {
         Shape{"ragged16_q4", 4, {4641, 45118, 1730, 1696}, 16, 4, BF},
         uniform("decode128_e4m3", 128, 4096, 128, 1, E4),
         uniform("dcp_w8r3_q4", 128, 8 * 4096, 16, 4, BF, 8, 3),
+        // DCP's per-rank view: N = 8 over a 128k context is 16k local tokens per rank, at the
+        // 128 heads of the group after the head all-gather.
+        uniform("dcp8_rank_ctx128k_h128_q1", 16, 131072, 128, 1, BF, 8, 3),
+        uniform("dcp8_rank_ctx128k_h128_q4", 16, 131072, 128, 4, BF, 8, 3),
+        uniform("dcp8_rank_ctx128k_h128_q4_e4m3", 16, 131072, 128, 4, E4, 8, 3),
     };
     shapes.insert(shapes.end(), more.begin(), more.end());
   }
-  if (!only.empty() && std::none_of(shapes.begin(), shapes.end(), [&](const Shape& s) { return s.name == only; })) {
-    std::string names;
-    for (const Shape& s : shapes) names += " " + s.name;
-    std::fprintf(stderr, "dcpmla_bench: --only %s: expected one of the%s shapes:%s\n", only.c_str(),
-                 quick ? " --quick" : "", names.c_str());
-    return 2;
+  if (serving) {
+    const std::vector<Shape> varlen = serving_shapes();
+    shapes.insert(shapes.end(), varlen.begin(), varlen.end());
   }
+  const auto wanted = [&](const std::string& name) {
+    return only.empty() || std::find(only.begin(), only.end(), name) != only.end();
+  };
+  for (const std::string& name : only)
+    if (std::none_of(shapes.begin(), shapes.end(), [&](const Shape& s) { return s.name == name; })) {
+      std::string names;
+      for (const Shape& s : shapes) names += " " + s.name;
+      std::fprintf(stderr, "dcpmla_bench: --only %s: expected one of the%s shapes:%s\n", name.c_str(),
+                   quick ? " --quick" : "", names.c_str());
+      return 2;
+    }
+  ScheduleCost cost;
+  if (!schedule.empty()) cost = ScheduleCost{schedule[0], schedule[1], schedule[2]};
+  std::printf("schedule cost: piece %.2f, cut %.2f, slack %.3f\n", cost.piece, cost.cut, cost.slack);
   cublasHandle_t blas;
   ckb(cublasCreate(&blas), "cublasCreate");
   std::vector<Row> rows;
   for (const Shape& s : shapes) {
-    if (!only.empty() && s.name != only) continue;
-    rows.push_back(run_shape(s, runs, baseline, sweep, blas));
+    if (!wanted(s.name)) continue;
+    rows.push_back(run_shape(s, runs, baseline, sweep, cost, blas));
     const Row& r = rows.back();
-    std::fprintf(stderr, "  %-22s %9.1f us  %7.0f GB/s  %6.1f TFLOP/s  route %s  variant %s  [%s]\n", s.name.c_str(),
-                 r.us, r.kv_GBps, r.tflops, r.route.c_str(), r.variant.c_str(), r.sweep.c_str());
+    std::fprintf(stderr, "  %-32s %9.1f us (graph %.1f, sync %.1f)  %7.0f GB/s  %6.1f TFLOP/s  route %s (%d cut)  %s  [%s]\n",
+                 s.name.c_str(), r.us, r.graph_us, r.sync_us, r.kv_GBps, r.tflops, r.route.c_str(), r.cut_requests,
+                 r.variant.c_str(), r.sweep.c_str());
   }
   cublasDestroy(blas);
 
@@ -535,7 +666,11 @@ int main(int argc, char** argv) {
                          {"route", r.route},
                          {"variant", r.variant},
                          {"work_items", r.work_items},
+                         {"cut_requests", r.cut_requests},
+                         {"mean_context", std::accumulate(r.s.lens.begin(), r.s.lens.end(), 0.0) / r.s.lens.size()},
                          {"us", r.us},
+                         {"graph_us", r.graph_us},
+                         {"sync_us", r.sync_us},
                          {"kv_GBps", r.kv_GBps},
                          {"TFLOPs", r.tflops},
                          {"copy_ratio", measured(copy_GBps > 0, r.kv_GBps / copy_GBps)},
@@ -556,13 +691,14 @@ int main(int argc, char** argv) {
     }
   }
 
-  std::printf("\n%-22s %5s %7s %5s %4s %-9s %-9s %9s %8s %7s %6s %6s %9s %7s %8s\n", "shape", "batch", "ctx", "heads",
-              "qlen", "kv", "route", "us", "KV GB/s", "TFLOP/s", "%copy", "%gemm", "base us", "speedup", "relL2");
+  std::printf("\n%-32s %5s %7s %5s %4s %-9s %-9s %9s %9s %9s %8s %7s %6s %6s %9s %7s %8s\n", "shape", "batch", "ctx",
+              "heads", "qlen", "kv", "route", "us", "graph us", "sync us", "KV GB/s", "TFLOP/s", "%copy", "%gemm",
+              "base us", "speedup", "relL2");
   for (const Row& r : rows) {
     const int ctx = *std::max_element(r.s.lens.begin(), r.s.lens.end());
-    std::printf("%-22s %5d %7d %5d %4d %-9s %-9s %9.1f %8.0f %7.1f %6.1f %6.1f %9.1f %7.2f %8.4f\n", r.s.name.c_str(),
-                r.s.batch, ctx, r.s.heads, r.s.qlen, std::string(to_string(r.s.dtype)).c_str(), r.route.c_str(), r.us,
-                r.kv_GBps, r.tflops, 100 * r.kv_GBps / copy_GBps, 100 * r.tflops / gemm_TFLOPs, r.base_us,
+    std::printf("%-32s %5d %7d %5d %4d %-9s %-9s %9.1f %9.1f %9.1f %8.0f %7.1f %6.1f %6.1f %9.1f %7.2f %8.4f\n",
+                r.s.name.c_str(), r.s.batch, ctx, r.s.heads, r.s.qlen, std::string(to_string(r.s.dtype)).c_str(),
+                r.route.c_str(), r.us, r.graph_us, r.sync_us, r.kv_GBps, r.tflops, 100 * r.kv_GBps / copy_GBps, 100 * r.tflops / gemm_TFLOPs, r.base_us,
                 r.base_us > 0 ? r.base_us / r.us : 0.0, r.check);
   }
   return 0;

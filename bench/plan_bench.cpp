@@ -55,7 +55,7 @@ void plan_step(benchmark::State& state, const Shape& s) {
   a.block_size = s.block_size;
   a.layout = Layout{kWorld, 0, 1};
   a.limits = PlanLimits{128, 8, 131072};
-  const Planner planner(planner_config(a, Backend::cuda, 132));
+  const Planner planner(planner_config(a, Backend::cuda, 132, 64));
   Plan plan = planner.make_plan();
   const BatchDesc batch{b.seq_lens, s.qlen, b.tables, b.width, s.mode};
   planner.plan(batch, plan);

@@ -182,7 +182,7 @@ if [[ "$MODE" == all || "$MODE" == bench ]]; then
   # shellcheck disable=SC2086
   timeout 180 "$BUILD/bench/dcpmla_dcp_bench" --json "$OUT/dcp_bench.json" $DCP_BENCH_ARGS >"$OUT/dcp_bench.log" 2>&1 || status=1
   # shellcheck disable=SC2086
-  timeout 180 "$BUILD/bench/dcpmla_bench" --json "$OUT/bench.json" $BENCH_ARGS >"$OUT/bench.log" 2>&1 || status=1
+  timeout 420 "$BUILD/bench/dcpmla_bench" --json "$OUT/bench.json" $BENCH_ARGS >"$OUT/bench.log" 2>&1 || status=1
   say "bench: $(( $(date +%s) - t0 )) s"
   cat "$OUT/dcp_bench.log" "$OUT/bench.log"
 fi
