@@ -41,7 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--ranks", type=int, help="DCP world size N (default 2 on cpu, 4 on cuda)")
     p.add_argument("--batch", type=int, help="requests (default 2 on cpu, 8 on cuda)")
-    p.add_argument("--prompt", type=int, help="longest prompt (default 96 on cpu, 2048 on cuda)")
+    p.add_argument("--prompt", type=int, help="prompt length (default 96 on cpu, 1024 on cuda)")
     p.add_argument("--steps", type=int, default=6, help="decode steps")
     p.add_argument("--k", type=int, default=3, help="draft tokens verified per step")
     p.add_argument("--block-size", type=int, default=64)
@@ -50,7 +50,7 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     gpu = a.device == "cuda"
     for name, cpu, cuda in [("layers", 2, 4), ("hidden", 256, 2048), ("ranks", 2, 4), ("batch", 2, 8),
-                            ("prompt", 96, 2048)]:
+                            ("prompt", 96, 1024)]:
         if getattr(a, name) is None:
             setattr(a, name, cuda if gpu else cpu)
     return a
@@ -82,13 +82,16 @@ class Model:
         latent = torch.cat([h @ layer["wkv"], h @ layer["wkr"]], -1)
         return q[..., :NOPE], q[..., NOPE:], latent.to(torch.bfloat16).float()  # the cache holds bf16
 
-    def dense(self, tokens):
-        """The plain model over whole sequences: tokens [B, L] (equal lengths) -> logits [B, L, vocab]."""
+    def dense(self, tokens, latents=None):
+        """The plain model over whole sequences: tokens [B, L] (equal lengths) -> logits [B, L, vocab].
+        Each layer's latents [B, L, 576] are appended to `latents` when given (prefill)."""
         x = self.embed[tokens]
         L = tokens.shape[1]
         causal = torch.ones(L, L, dtype=torch.bool, device=self.device).tril()
         for layer in self.layers:
             q_nope, q_pe, latent = self.project(layer, x)
+            if latents is not None:
+                latents.append(latent)
             c, k_pe = latent[..., :R], latent[..., R:]
             k_nope = torch.einsum("blr,hnr->blhn", c, layer["wuk"])          # keys per head [B, L, H, 128]
             v = torch.einsum("blr,hrv->blhv", c, layer["wuv"])               # values per head
@@ -127,27 +130,18 @@ class DcpEngine:
         return out
 
     def prefill(self, prompts):
-        """Writes every prompt's latents, layer by layer, from the dense model (prefill is not this
-        library's job); prompts [B, L0] of equal length."""
+        """Writes every prompt's latents, layer by layer, as the dense model computes them (prefill
+        is not this library's job); prompts [B, L0] of equal length."""
         slots = self.slots([0] * prompts.shape[0], prompts.shape[1])
-        x = self.model.embed[prompts]
-        m = self.model
-        L = prompts.shape[1]
-        causal = torch.ones(L, L, dtype=torch.bool, device=self.device).tril()
-        for li, layer in enumerate(m.layers):
-            q_nope, q_pe, latent = m.project(layer, x)
+        latents = []
+        self.model.dense(prompts, latents)
+        for li, latent in enumerate(latents):
             for r in range(self.a.ranks):
                 dcpmla.write_kv(self.caches[r][li], latent.flatten(0, 1).to(torch.bfloat16), slots[r])
-            c, k_pe = latent[..., :R], latent[..., R:]
-            q = torch.cat([torch.einsum("bthn,hnr->bthr", q_nope, layer["wuk"]), q_pe], -1)
-            s = torch.einsum("bthd,bld->bhtl", q, torch.cat([c, k_pe], -1)) * m.scale
-            o = torch.einsum("bhtl,blr->bthr", s.masked_fill(~causal, float("-inf")).softmax(-1), c)
-            x = x + torch.einsum("bthr,hrv->bthv", o, layer["wuv"]).flatten(-2) @ layer["wo"]
 
     def verify(self, block, lengths):
         """One step: block [B, qlen] tokens at positions [L_b, L_b + qlen); returns logits [B, qlen, vocab]."""
-        m, a = self.model, self.a
-        B, qlen = block.shape
+        m, qlen = self.model, block.shape[1]
         seq_lens = np.array(lengths, dtype=np.int32) + qlen  # incl. the query block
         for att in self.atts:
             att.plan(seq_lens, self.tables, qlen, mode="verify")  # once per step, for every layer

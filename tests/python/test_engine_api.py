@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import dcpmla
-from engine_case import D, R, Step, attention_kwargs, empty_rows, make_inputs, scale_of, slots_and_latents
-from reference import assert_close, reference_attention
+from engine_case import (D, R, Step, attention_kwargs, empty_rows, engine_reference, make_inputs, scale_of,
+                         slots_and_latents)
+from reference import assert_close
 
 LIMITS = dict(max_batch=8, max_qlen=8, max_local_len=4096, device="cpu")
 
@@ -51,12 +52,6 @@ def run_step(step, q, kv, t, num_blocks, *, cache_of=numpy_cache, convert=lambda
     return outs, lses
 
 
-def expected(step, q, kv, ref):
-    """The reference of what the engine API returns: stage A's prefix for a forced two_stage."""
-    if step.route != "two_stage":
-        return ref
-    prefix = [max(L - step.qlen, 0) for L in step.lengths]
-    return reference_attention(q, kv, prefix, mode="draft", kv_dtype=step.dtype, kv_scale=scale_of(step))
 
 
 def check_partials(step, outs, lses):
@@ -73,7 +68,7 @@ def test_step_against_reference(step):
     check_partials(step, outs, lses)
     out, lse = dcpmla.merge_states(np.stack(outs), np.stack(lses))
     assert out.dtype == np.float32 and out.shape == (len(step.lengths), step.qlen, step.heads, R)
-    assert_close(out, lse, *expected(step, q, kv, ref), what=step.id())
+    assert_close(out, lse, *engine_reference(step, q, kv, ref), what=step.id())
 
 
 def test_equals_the_conformance_entry_point():

@@ -21,7 +21,8 @@ torch = pytest.importorskip("torch")
 if not (dcpmla.cuda_available and dcpmla.cuda_device_available() and torch.cuda.is_available()):
     pytest.skip("needs the CUDA backend, a usable GPU and torch with CUDA", allow_module_level=True)
 
-from engine_case import D, R, Step, attention_kwargs, empty_rows, make_inputs, scale_of, slots_and_latents  # noqa: E402
+from engine_case import (D, R, Step, attention_kwargs, empty_rows, engine_reference, make_inputs,  # noqa: E402
+                         scale_of, slots_and_latents)
 from reference import assert_close, reference_attention  # noqa: E402
 
 DEV = torch.device("cuda", torch.cuda.current_device())
@@ -65,12 +66,6 @@ def scale_arg(step, rank):
     return torch.tensor([s], dtype=torch.float32, device=DEV) if step.dtype != "bf16" and rank % 2 else s
 
 
-def expected(step, q, kv, ref):
-    """What the engine API returns: for a forced two_stage, stage A (the committed prefix)."""
-    if step.route != "two_stage":
-        return ref
-    prefix = [max(L - step.qlen, 0) for L in step.lengths]
-    return reference_attention(q, kv, prefix, mode="draft", kv_dtype=step.dtype, kv_scale=scale_of(step))
 
 
 @pytest.mark.parametrize("step", STEPS, ids=Step.id)
@@ -92,7 +87,7 @@ def test_step_against_reference(step):
         outs.append(out)
         lses.append(lse)
     out, lse = dcpmla.merge_states(torch.stack(outs), torch.stack(lses))
-    assert_close(out.float().cpu().numpy(), lse.cpu().numpy(), *expected(step, q, kv, ref), what=step.id())
+    assert_close(out.float().cpu().numpy(), lse.cpu().numpy(), *engine_reference(step, q, kv, ref), what=step.id())
 
 
 # ---- a captured multi-layer DCP step, replayed after re-plans --------------------------------------
