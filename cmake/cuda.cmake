@@ -8,8 +8,14 @@
 
 set(_dcpmla_cuda_modes AUTO ON OFF)
 string(TOUPPER "${DCPMLA_CUDA}" _dcpmla_cuda_mode)
+# pip install . passes the environment's DCPMLA_CUDA, where 1 and 0 read naturally.
+if(_dcpmla_cuda_mode STREQUAL "1")
+  set(_dcpmla_cuda_mode ON)
+elseif(_dcpmla_cuda_mode STREQUAL "0")
+  set(_dcpmla_cuda_mode OFF)
+endif()
 if(NOT _dcpmla_cuda_mode IN_LIST _dcpmla_cuda_modes)
-  message(FATAL_ERROR "DCPMLA_CUDA = '${DCPMLA_CUDA}': expected AUTO, ON or OFF")
+  message(FATAL_ERROR "DCPMLA_CUDA = '${DCPMLA_CUDA}': expected AUTO, ON (1) or OFF (0)")
 endif()
 if(_dcpmla_cuda_mode STREQUAL "OFF")
   message(STATUS "dcpmla: CUDA backend off (DCPMLA_CUDA=OFF)")
@@ -75,7 +81,11 @@ separate_arguments(_dcpmla_gencode UNIX_COMMAND "${DCPMLA_CUDA_GENCODE}")
 target_compile_options(dcpmla_cuda PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:${_dcpmla_gencode} -lineinfo --expt-relaxed-constexpr -Xcompiler=-Wall>
   $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra>)
-target_link_libraries(dcpmla_cuda PUBLIC dcpmla::dcpmla CUDA::cudart)
+if(DCPMLA_CUDART_STATIC)
+  target_link_libraries(dcpmla_cuda PUBLIC dcpmla::dcpmla CUDA::cudart_static)
+else()
+  target_link_libraries(dcpmla_cuda PUBLIC dcpmla::dcpmla CUDA::cudart)
+endif()
 
 option(DCPMLA_CUDA_TESTS "Build the CUDA backend's tests (ctest label gpu)" ${DCPMLA_TESTS})
 option(DCPMLA_BENCH "Build the CUDA benchmark dcpmla_bench" ON)

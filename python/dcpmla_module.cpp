@@ -1,6 +1,6 @@
 // _dcpmla: the one binding file. It only registers functions; host-side checks live in
-// the library (runner, layout: dcpmla::Error -> ValueError) and in the thin Python layer
-// (python/dcpmla/__init__.py: dtypes, ranks and shapes of the arrays).
+// the library (runner, layout: dcpmla::Error -> ValueError), in engine.cpp (the engine API's
+// tensors) and in the thin Python layer (python/dcpmla/: dtypes, ranks and shapes of arrays).
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -10,11 +10,13 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include "dcpmla/error.h"
+#include "engine.h"
 #include "dcpmla/layout.h"
 #include "dcpmla/runner.h"
 #include "dcpmla/types.h"
@@ -143,6 +145,7 @@ NB_MODULE(_dcpmla, m) {
   m.attr("__version__") = DCPMLA_VERSION_STRING;
   m.attr("cuda_available") = kCudaBuilt;
   m.attr("max_in_process_bytes") = dcpmla::kMaxInProcessBytes;
+  m.attr("cuda_architectures") = DCPMLA_CUDA_ARCHITECTURES;  // "" without the CUDA backend
   m.def("cuda_device_available", [] {
 #ifdef DCPMLA_HAS_CUDA
     return dcpmla::cuda_device_available();
@@ -164,4 +167,26 @@ NB_MODULE(_dcpmla, m) {
   m.def("slot_mapping", &slot_mapping, "positions"_a, "block_table"_a, "block_size"_a,
         "num_blocks"_a, "world_size"_a, "rank"_a, "interleave"_a,
         "Rank-local cache slot of each global position (int64), -1 (PAD) where `rank` does not own it.");
+
+  using dcpmla::python::Engine;
+  nb::class_<Engine>(m, "_Engine", "One rank's Attention (SPEC §6); dcpmla.Attention wraps it.")
+      .def(nb::init<int, const std::string&, int, int, int, int, int, int, int64_t, std::optional<double>, int,
+                    const std::string&, const std::string&, int>(),
+           "heads"_a, "kv_dtype"_a, "block_size"_a, "world_size"_a, "rank"_a, "interleave"_a, "max_batch"_a,
+           "max_qlen"_a, "max_local_len"_a, "softmax_scale"_a.none(), "kv_lora_rank"_a, "route"_a, "device"_a,
+           "device_index"_a)
+      .def("plan", &Engine::plan, "seq_lens"_a, "block_tables"_a, "qlen"_a, "mode"_a, "stream"_a,
+           "Plans the step: seq_lens int32 [B], block_tables int32 [B, W] (host, C-contiguous).")
+      .def("run", &Engine::run, "q"_a, "kv_cache"_a, "kv_scale"_a, "kv_scale_tensor"_a.none(), "out"_a, "lse"_a,
+           "stream"_a, "This rank's partial into out [B, qlen, H, R] and lse [B, qlen, H] (natural log).")
+      .def_prop_ro("batch", &Engine::batch, "B of the current plan (0 before the first plan).")
+      .def_prop_ro("qlen", &Engine::qlen, "qlen of the current plan (0 before the first plan).")
+      .def_prop_ro("route", &Engine::route, "The route of the current plan ('none' before the first plan).")
+      .def_prop_ro("device_index", [](const Engine& e) { return e.placement().device; },
+                   "The CUDA device ordinal (0 on the CPU).");
+  m.def("_write_kv", &dcpmla::python::write_kv, "kv_cache"_a, "latent"_a, "slot_mapping"_a, "kv_dtype"_a,
+        "kv_scale"_a, "kv_scale_tensor"_a.none(), "stream"_a,
+        "SPEC §3 write: latent [T, D] into kv_cache at slot_mapping [T] (int64, -1 = PAD).");
+  m.def("_merge_states", &dcpmla::python::merge_states, "out_parts"_a, "lse_parts"_a, "out"_a, "lse"_a, "stream"_a,
+        "SPEC §2 merge of N partials [N, ..., W] / [N, ...] into out [..., W] / lse [...] (natural log).");
 }

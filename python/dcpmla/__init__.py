@@ -1,10 +1,16 @@
 """dcpmla: MLA (DeepSeek-V3 style latent) attention for LLM decoding with the KV cache
 sharded across ranks (decode context parallelism, DCP) and speculative verify.
 
+The engine API (SPEC §6) is what a serving engine calls every step on its own tensors:
+:class:`Attention` (``plan`` once per step, ``run`` once per layer over that layer's
+engine-owned cache), :func:`write_kv` and :func:`merge_states`; ``dcpmla.torch_ops`` registers
+them as torch.library custom ops (import it to use them under torch.compile).
+
 The conformance entry point :func:`mla_attention` runs the whole path on one machine
-(shard -> page -> write -> plan -> per-rank attention -> cross-rank merge) so that anyone
-can check the system against an independent reference. :func:`local_length`,
-:func:`row_local_lengths` and :func:`slot_mapping` expose the DCP layout rules.
+(shard -> page -> write -> plan -> per-rank attention -> cross-rank merge, each rank through
+the same C++ engine API) so that anyone can check the system against an independent
+reference. :func:`local_length`, :func:`row_local_lengths` and :func:`slot_mapping` expose
+the DCP layout rules. ``python -m dcpmla`` prints the build.
 
 Every input error raises ``ValueError`` whose message names the field, the value and
 what was expected: ``dcpmla: field 'seq_lens[2]' = -3: expected >= 0``.
@@ -12,122 +18,36 @@ what was expected: ``dcpmla: field 'seq_lens[2]' = -3: expected >= 0``.
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import numpy as np
 
 from . import _dcpmla
+from ._checks import _INT64_MAX, _INT64_MIN, _array, _error, _int, _int_array, _require_usable_cuda, _scale, _str
+from ._engine import Attention, merge_states, write_kv
 
 __version__ = _dcpmla.__version__
 cuda_available = bool(_dcpmla.cuda_available)
 cuda_device_available = _dcpmla.cuda_device_available
+cuda_architectures = _dcpmla.cuda_architectures  # nvcc target flags of the CUDA backend; "" without it
 
 __all__ = [
     "__version__",
     "cuda_available",
     "cuda_device_available",
+    "cuda_architectures",
+    "Attention",
+    "write_kv",
+    "merge_states",
     "mla_attention",
     "local_length",
     "row_local_lengths",
     "slot_mapping",
 ]
 
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
-
-def _error(field, value, expected):
-    # The library's wording (include/dcpmla/error.h), so both layers read alike.
-    return ValueError(f"dcpmla: field '{field}' = {value}: expected {expected}")
-
-
-def _int(field, value, lo=_INT32_MIN, hi=_INT32_MAX):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
-        raise _error(field, repr(value), "an integer")
-    value = int(value)
-    if not lo <= value <= hi:
-        raise _error(field, value, f"an integer in [{lo}, {hi}]")
-    return value
-
-
-_FLOAT32 = np.finfo(np.float32)
-
-
-def _scale(field, value, default_hint=""):
-    """A positive normal float32 (the library's rule, numeric.h: require_scale), checked on the
-    value as given so that nothing narrows silently: 1e-46 would become 0.0 in float32."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating)):
-        raise _error(field, repr(value), "a real number")
-    try:
-        as_double = float(value)
-    except OverflowError:  # an int beyond double's range
-        as_double = math.inf
-    if not float(_FLOAT32.tiny) <= as_double <= float(_FLOAT32.max):
-        raise _error(field, value, f"a positive normal float32, in [{_FLOAT32.tiny}, {_FLOAT32.max}]{default_hint}")
-    return as_double
-
-
-def _str(field, value):
-    if not isinstance(value, str):
-        raise _error(field, repr(value), "a string")
-    return value
-
-
 def _device(device):
     device = _str("device", device)
-    # Refused here, before the CUDA runtime answers with its own error (e.g. "driver version
-    # is insufficient"). A module built without CUDA says so itself (the library's check).
-    if device == "cuda" and cuda_available and not cuda_device_available():
-        raise _error("device", "'cuda'", "'cpu': no usable CUDA device on this machine "
-                     "(dcpmla.cuda_device_available() is False)")
+    if device == "cuda":
+        _require_usable_cuda(device)
     return device
-
-
-def _host_array(field, x):
-    """numpy view of `x`: a numpy array, any object with __dlpack__ on the host, or an array-like."""
-    if isinstance(x, np.ndarray):
-        return x
-    if hasattr(x, "__dlpack__"):
-        try:
-            return np.from_dlpack(x)
-        except (BufferError, TypeError, RuntimeError, ValueError) as e:
-            raise _error(field, type(x).__name__, f"a host (CPU) array readable through DLPack ({e})") from None
-    try:
-        return np.asarray(x)
-    except (TypeError, ValueError) as e:
-        raise _error(field, type(x).__name__, f"an array ({e})") from None
-
-
-def _array(field, x, dtype, ndim, layout):
-    """A C-contiguous numpy array of exactly `dtype` and `ndim` (no silent casts). A view is
-    copied; a view that would copy more than the in-process limit (a broadcast array can
-    describe petabytes in a few bytes) is refused instead."""
-    a = _host_array(field, x)
-    dtype = np.dtype(dtype)
-    if a.dtype != dtype:
-        raise _error(f"{field}.dtype", a.dtype, f"{dtype} {layout}")
-    if a.ndim != ndim:
-        raise _error(f"{field}.ndim", a.ndim, f"{ndim} {layout}")
-    limit = _dcpmla.max_in_process_bytes
-    if not a.flags.c_contiguous and a.nbytes > limit:
-        raise _error(field, f"a non-contiguous view of shape {a.shape} ({a.nbytes / 2**30:.3g} GiB)",
-                     f"at most {limit / 2**30:.3g} GiB to copy (pass a contiguous array)")
-    return np.ascontiguousarray(a)
-
-
-def _int_array(field, x, dtype, layout):
-    """A 1-D C-contiguous integer array converted losslessly to `dtype` (layout helpers)."""
-    a = _host_array(field, x)
-    if a.ndim != 1:
-        raise _error(f"{field}.ndim", a.ndim, f"1 {layout}")
-    if a.size and a.dtype.kind not in "iu":
-        raise _error(f"{field}.dtype", a.dtype, f"an integer dtype {layout}")
-    info = np.iinfo(dtype)
-    if a.size and (a.min() < info.min or a.max() > info.max):
-        bad = int(np.flatnonzero((a < info.min) | (a > info.max))[0])
-        raise _error(f"{field}[{bad}]", a[bad], f"a value that fits {np.dtype(dtype)}")
-    return np.ascontiguousarray(a, dtype=dtype)
 
 
 def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_dtype, kv_scale,

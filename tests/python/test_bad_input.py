@@ -170,8 +170,9 @@ def test_cuda_without_a_gpu_is_refused_plainly(monkeypatch):
     # Probe finding 4: the CUDA runtime's own error (cudaErrorInsufficientDriver) came back
     # although cuda_device_available() was already False. The Python layer refuses first, and
     # never calls into the library. Simulated here so that the check runs on every machine.
-    monkeypatch.setattr(dcpmla, "cuda_available", True)
-    monkeypatch.setattr(dcpmla, "cuda_device_available", lambda: False)
+    # Where the check reads them (dcpmla._checks._require_usable_cuda), for both entry points.
+    monkeypatch.setattr(dcpmla._dcpmla, "cuda_available", True)
+    monkeypatch.setattr(dcpmla._dcpmla, "cuda_device_available", lambda: False)
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("called into the library")
@@ -179,6 +180,9 @@ def test_cuda_without_a_gpu_is_refused_plainly(monkeypatch):
     monkeypatch.setattr(dcpmla._dcpmla, "_mla_attention", must_not_run)
     msg = raises(r"field 'device' = 'cuda'", call, device="cuda")
     assert "no usable CUDA device" in msg
+    monkeypatch.setattr(dcpmla._dcpmla, "_Engine", must_not_run)
+    with pytest.raises(ValueError, match=r"field 'device' = 'cuda:0': expected 'cpu': no usable CUDA device"):
+        dcpmla.Attention(heads=16, device="cuda:0")
 
 
 def test_cuda_on_this_machine_without_a_gpu():

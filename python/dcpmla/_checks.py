@@ -1,0 +1,111 @@
+"""Argument checks shared by the package's entry points: each raises ValueError in the
+library's wording (include/dcpmla/error.h), ``dcpmla: field 'F' = V: expected E``."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from . import _dcpmla
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _error(field, value, expected):
+    # The library's wording (include/dcpmla/error.h), so both layers read alike.
+    return ValueError(f"dcpmla: field '{field}' = {value}: expected {expected}")
+
+
+def _int(field, value, lo=_INT32_MIN, hi=_INT32_MAX):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
+        raise _error(field, repr(value), "an integer")
+    value = int(value)
+    if not lo <= value <= hi:
+        raise _error(field, value, f"an integer in [{lo}, {hi}]")
+    return value
+
+
+_FLOAT32 = np.finfo(np.float32)
+
+
+def _scale(field, value, default_hint=""):
+    """A positive normal float32 (the library's rule, numeric.h: require_scale), checked on the
+    value as given so that nothing narrows silently: 1e-46 would become 0.0 in float32."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating)):
+        raise _error(field, repr(value), "a real number")
+    try:
+        as_double = float(value)
+    except OverflowError:  # an int beyond double's range
+        as_double = math.inf
+    if not float(_FLOAT32.tiny) <= as_double <= float(_FLOAT32.max):
+        raise _error(field, value, f"a positive normal float32, in [{_FLOAT32.tiny}, {_FLOAT32.max}]{default_hint}")
+    return as_double
+
+
+def _str(field, value):
+    if not isinstance(value, str):
+        raise _error(field, repr(value), "a string")
+    return value
+
+
+def _host_array(field, x):
+    """numpy view of `x`: a numpy array, any object with __dlpack__ on the host, or an array-like."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "__dlpack__"):
+        try:
+            return np.from_dlpack(x)
+        except (BufferError, TypeError, RuntimeError, ValueError) as e:
+            raise _error(field, type(x).__name__, f"a host (CPU) array readable through DLPack ({e})") from None
+    try:
+        return np.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise _error(field, type(x).__name__, f"an array ({e})") from None
+
+
+def _array(field, x, dtype, ndim, layout):
+    """A C-contiguous numpy array of exactly `dtype` and `ndim` (no silent casts). A view is
+    copied; a view that would copy more than the in-process limit (a broadcast array can
+    describe petabytes in a few bytes) is refused instead."""
+    a = _host_array(field, x)
+    dtype = np.dtype(dtype)
+    if a.dtype != dtype:
+        raise _error(f"{field}.dtype", a.dtype, f"{dtype} {layout}")
+    if a.ndim != ndim:
+        raise _error(f"{field}.ndim", a.ndim, f"{ndim} {layout}")
+    limit = _dcpmla.max_in_process_bytes
+    if not a.flags.c_contiguous and a.nbytes > limit:
+        raise _error(field, f"a non-contiguous view of shape {a.shape} ({a.nbytes / 2**30:.3g} GiB)",
+                     f"at most {limit / 2**30:.3g} GiB to copy (pass a contiguous array)")
+    return np.ascontiguousarray(a)
+
+
+def _int_array(field, x, dtype, layout, ndim=1):
+    """A C-contiguous integer array of `ndim` dimensions, converted losslessly to `dtype`: no copy
+    when it already is one (numpy, or a host tensor through DLPack); lists and other integer
+    dtypes are converted, and a value that does not fit is named."""
+    a = _host_array(field, x)
+    if a.ndim != ndim:
+        raise _error(f"{field}.ndim", a.ndim, f"{ndim} {layout}")
+    if a.dtype == dtype:
+        return np.ascontiguousarray(a)
+    if a.size and a.dtype.kind not in "iu":
+        raise _error(f"{field}.dtype", a.dtype, f"an integer dtype {layout}")
+    info = np.iinfo(dtype)
+    if a.size and (a.min() < info.min or a.max() > info.max):
+        bad = tuple(int(i) for i in np.argwhere((a < info.min) | (a > info.max))[0])
+        where = ", ".join(map(str, bad))
+        raise _error(f"{field}[{where}]", a[bad], f"a value that fits {np.dtype(dtype)}")
+    return np.ascontiguousarray(a, dtype=dtype)
+
+
+def _require_usable_cuda(device):
+    """Refuses device="cuda" here when no GPU is usable, before the CUDA runtime answers with its
+    own error (e.g. "driver version is insufficient"). A module built without CUDA says so itself
+    (the library's check)."""
+    if _dcpmla.cuda_available and not _dcpmla.cuda_device_available():
+        raise _error("device", repr(device), "'cpu': no usable CUDA device on this machine "
+                     "(dcpmla.cuda_device_available() is False)")

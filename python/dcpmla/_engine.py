@@ -1,0 +1,313 @@
+"""The engine API (SPEC §6): what a serving engine calls every step.
+
+The engine owns its KV caches (one per layer, from its own allocator); an :class:`Attention`
+holds one rank's plan and workspace. Per step: :meth:`Attention.plan` once; per layer:
+:func:`write_kv` of the step's new latents, then :meth:`Attention.run`, which returns this
+rank's partial; :func:`merge_states` combines the ranks' partials (SPEC §2).
+
+Tensors cross into the library without a copy: on ``device="cuda"`` any DLPack producer (torch,
+cupy, jax) on the Attention's GPU; on ``device="cpu"`` numpy arrays or torch CPU tensors. A
+check that fails raises ``ValueError`` naming the argument and value before anything runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import weakref
+
+import numpy as np
+
+from . import _dcpmla
+from ._checks import _INT64_MAX, _error, _int, _int_array, _require_usable_cuda, _scale, _str
+
+_DL_CUDA = 2  # DLPack's device type of CUDA memory
+
+# Extended float dtypes that numpy (through ml_dtypes) and torch name but DLPack may not carry:
+# passed as raw integers of their width, after checking that the format is the cache's.
+_RAW_FLOATS = {"bfloat16": ("bf16", 2), "float8_e4m3fn": ("fp8_e4m3", 1), "float8_e5m2": ("fp8_e5m2", 1)}
+_NP_RAW = {1: np.uint8, 2: np.uint16}
+
+
+def _torch():
+    """torch when the caller has imported it (dcpmla never imports it itself), else None."""
+    return sys.modules.get("torch")
+
+
+def _is_torch(x):
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _raw(field, x, kv_dtype=None):
+    """`x`, or a view of it as raw integers where its dtype is an fp8 format (torch, ml_dtypes) or
+    a numpy bfloat16 (ml_dtypes): the library reads those bytes as `kv_dtype` says. A format that
+    is not `kv_dtype`'s is refused (an e5m2 tensor for an e4m3 cache)."""
+    if _is_torch(x):
+        name = str(x.dtype)[len("torch."):]
+        if not name.startswith("float8"):
+            return x  # bfloat16 and the integer types travel through DLPack as they are
+        view = lambda: x.view(_torch().uint8)  # noqa: E731
+    elif isinstance(x, np.ndarray) and x.dtype.name in _RAW_FLOATS:
+        name = x.dtype.name
+        view = lambda: x.view(_NP_RAW[x.dtype.itemsize])  # noqa: E731
+    else:
+        return x
+    if _RAW_FLOATS.get(name, (None,))[0] != (kv_dtype or "bf16"):
+        raise _error(f"{field}.dtype", name, f"a dtype holding {kv_dtype} values" if kv_dtype else "bfloat16")
+    return view()
+
+
+def _cuda_index(x):
+    """The CUDA ordinal of a DLPack producer's memory, or None for host memory (or a list)."""
+    device = getattr(x, "__dlpack_device__", None)
+    if device is None:
+        return None
+    kind, index = device()
+    return int(index) if int(kind) == _DL_CUDA else None
+
+
+def _stream(stream, x, cuda_index):
+    """The cudaStream_t handle a call runs on; None on the CPU (where `stream` must be None).
+
+    None: the producer's current stream: torch's current stream on the device (also when `x` is
+    None, i.e. plan(), where torch is imported), cupy's current stream, else the legacy default
+    stream (0). An explicit stream: an int handle, or an object with ``cuda_stream`` (torch) or
+    ``ptr`` (cupy)."""
+    if cuda_index is None:
+        if stream is not None:
+            raise _error("stream", repr(stream), "None on the cpu device")
+        return None
+    if stream is None:
+        torch = _torch()
+        if torch is not None and (x is None or isinstance(x, torch.Tensor)):
+            return torch.cuda.current_stream(cuda_index).cuda_stream
+        cupy = sys.modules.get("cupy")
+        if cupy is not None and isinstance(x, cupy.ndarray):
+            return cupy.cuda.get_current_stream().ptr
+        return 0
+    handle = stream
+    if not isinstance(stream, int):
+        handle = getattr(stream, "cuda_stream", getattr(stream, "ptr", None))
+    if isinstance(handle, bool) or not isinstance(handle, int) or not 0 <= handle <= 2**64 - 1:
+        raise _error("stream", repr(stream), "None, an int cudaStream_t handle, or a stream object with "
+                     ".cuda_stream (torch) or .ptr (cupy)")
+    return handle
+
+
+def _dlpack(field, x, stream):
+    """What the native call imports: torch and numpy as they are (torch's ``__dlpack__()`` without a
+    stream does not synchronise, and the call runs on torch's stream); other CUDA producers are
+    asked for a capsule on the call's stream (DLPack: 1 = the legacy default stream), so that they
+    order their pending work before it. `stream` is None on the CPU."""
+    if not hasattr(x, "__dlpack__"):
+        raise _error(field, type(x).__name__, "an array or tensor (numpy, torch, or another DLPack producer)")
+    if stream is None or isinstance(x, np.ndarray) or _is_torch(x):
+        return x
+    return x.__dlpack__(stream=stream or 1)
+
+
+def _empty_like(field, like, shape, dtype_of_like):
+    """A new output in `like`'s framework and on its device: torch.empty or np.empty. float32 when
+    `dtype_of_like` is False, else `like`'s dtype. Other producers must pass the buffer."""
+    if _is_torch(like):
+        torch = _torch()
+        return torch.empty(shape, dtype=like.dtype if dtype_of_like else torch.float32, device=like.device)
+    if isinstance(like, np.ndarray):
+        return np.empty(shape, dtype=like.dtype if dtype_of_like else np.float32)
+    raise _error(field, "None", f"a buffer (out= and lse=): outputs are allocated only for torch and numpy "
+                 f"inputs, not {type(like).__name__}")
+
+
+def _kv_scale(kv_scale, stream):
+    """(value, tensor) for the native call: a float, or a one-element float32 tensor read when the
+    call runs."""
+    if hasattr(kv_scale, "__dlpack__"):
+        return 1.0, _dlpack("kv_scale", kv_scale, stream)
+    return _scale("kv_scale", kv_scale), None
+
+
+_ATTENTIONS: "weakref.WeakValueDictionary[int, Attention]" = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+
+
+def attention_of(handle: int) -> "Attention":
+    """The live :class:`Attention` with this :attr:`Attention.handle` (the torch ops take handles)."""
+    try:
+        return _ATTENTIONS[handle]
+    except KeyError:
+        raise _error("handle", handle, "the handle of a live dcpmla.Attention") from None
+
+
+def _device(device):
+    """('cpu', None) or ('cuda', ordinal or -1 for the current device) from "cpu", "cuda",
+    "cuda:N" or a torch.device."""
+    text = str(device) if type(device).__name__ == "device" else device
+    text = _str("device", text)
+    if text == "cpu":
+        return "cpu", None
+    if text != "cuda" and not (text.startswith("cuda:") and text[5:].isdigit()):
+        raise _error("device", repr(device), "'cpu', 'cuda' or 'cuda:N'")
+    _require_usable_cuda(text)
+    return "cuda", -1 if text == "cuda" else int(text[5:])
+
+
+class Attention:
+    """One rank's MLA attention over engine-owned paged latent caches (SPEC §6).
+
+    Args (keyword-only; fixed for the object's life, checked now):
+        heads: query heads this rank computes (all the group's heads under DCP).
+        kv_dtype: ``"bf16"``, ``"fp8_e4m3"`` or ``"fp8_e5m2"``: the caches' storage.
+        block_size: tokens per cache block (``block_size % interleave == 0``).
+        world_size, rank, interleave: the DCP group (N ranks, this one's rank, runs of I tokens).
+        max_batch, max_qlen, max_local_len: capture limits; every plan must fit them, and a CUDA
+            graph captured once replays correctly for any plan within them.
+        softmax_scale: score scale; None means ``D ** -0.5`` (D = kv_lora_rank + 64).
+        kv_lora_rank: R, the value width (512 on CUDA).
+        route: ``"auto"``, or force ``"one_stage"``, ``"two_stage"`` or ``"split_k"`` (tests).
+        device: ``"cuda"`` (the current device), ``"cuda:N"``, a torch.device, or ``"cpu"``.
+
+    On CUDA the object owns the plan (two pinned host copies, one device copy) and the split-K
+    workspace, allocated here; :meth:`plan` and :meth:`run` allocate nothing.
+    """
+
+    def __init__(self, *, heads, kv_dtype="bf16", block_size=64, world_size=1, rank=0, interleave=1,
+                 max_batch=256, max_qlen=8, max_local_len=131072, softmax_scale=None, kv_lora_rank=512,
+                 route="auto", device="cuda"):
+        backend, index = _device(device)
+        if softmax_scale is not None:
+            softmax_scale = _scale("softmax_scale", softmax_scale, ", or None for D ** -0.5")
+        self._native = _dcpmla._Engine(
+            heads=_int("heads", heads), kv_dtype=_str("kv_dtype", kv_dtype),
+            block_size=_int("block_size", block_size), world_size=_int("world_size", world_size),
+            rank=_int("rank", rank), interleave=_int("interleave", interleave),
+            max_batch=_int("max_batch", max_batch), max_qlen=_int("max_qlen", max_qlen),
+            max_local_len=_int("max_local_len", max_local_len, 0, _INT64_MAX), softmax_scale=softmax_scale,
+            kv_lora_rank=_int("kv_lora_rank", kv_lora_rank), route=_str("route", route), device=backend,
+            device_index=-1 if index is None else index)
+        self.heads = heads
+        self.kv_dtype = kv_dtype
+        self.kv_lora_rank = kv_lora_rank
+        self._cuda_index = None if backend == "cpu" else self._native.device_index
+        self.device = "cpu" if backend == "cpu" else f"cuda:{self._cuda_index}"
+        self.handle = next(_HANDLES)
+        _ATTENTIONS[self.handle] = self
+
+    @property
+    def batch(self) -> int:
+        """B of the current plan (0 before the first)."""
+        return self._native.batch
+
+    @property
+    def qlen(self) -> int:
+        """qlen of the current plan (0 before the first)."""
+        return self._native.qlen
+
+    @property
+    def route(self) -> str:
+        """The route the planner took for the current plan ('none' before the first)."""
+        return self._native.route
+
+    def plan(self, seq_lens, block_tables, qlen, mode="verify", *, stream=None):
+        """Plans one step for every layer: host work, no allocation, no device synchronisation.
+
+        Args:
+            seq_lens: int32 ``[B]`` host array (numpy, a CPU tensor, or a list): ``L_b`` including
+                the query block; 0 marks a padding request.
+            block_tables: int32 ``[B, table_width]``: each request's block table, shared by all
+                ranks (SPEC §3).
+            qlen: query rows per request (1 for decode; 1 + k to verify k draft tokens).
+            mode: ``"decode"``, ``"verify"`` (causal) or ``"draft"`` (non-causal).
+            stream: CUDA only: where the plan's upload is ordered; the runs must be on it or after
+                it. None: torch's current stream when torch is imported, else the legacy default
+                stream. Never inside a graph capture: plan outside, then replay.
+
+        int32 C-contiguous arrays are read in place; other integer arrays and lists are converted
+        (a value that does not fit int32 is refused, naming it).
+        """
+        self._native.plan(_int_array("seq_lens", seq_lens, np.int32, "[B]"),
+                          _int_array("block_tables", block_tables, np.int32, "[B, table_width]", ndim=2),
+                          _int("qlen", qlen), _str("mode", mode), _stream(stream, None, self._cuda_index) or 0)
+
+    def run(self, q, kv_cache, *, kv_scale=1.0, out=None, lse=None, stream=None):
+        """This rank's partial attention of the planned batch over one layer's cache.
+
+        Args:
+            q: ``[B, qlen, H, D]`` bfloat16 (CPU: float32 or bfloat16), D = kv_lora_rank + 64.
+            kv_cache: ``[num_blocks, block_size, D]``, contiguous, engine-owned: bfloat16 for a bf16
+                cache, one byte per value for fp8 (uint8, or torch.float8_e4m3fn / float8_e5m2).
+            kv_scale: the fp8 scale, a float or a one-element float32 tensor on the device (read
+                when the kernels run, so a replayed graph sees its current value); 1.0 for bf16.
+            out: ``[B, qlen, H, kv_lora_rank]`` of q's dtype; lse: ``[B, qlen, H]`` float32. Reused
+                as given; when None, allocated in q's framework on q's device (torch.empty,
+                np.empty): pass both to keep the call allocation-free.
+            stream: None for the producer's current stream (torch: torch.cuda.current_stream()),
+                an int handle, or a torch.cuda.Stream / cupy stream.
+
+        Returns:
+            ``(out, lse)``: this rank's partial; lse is the natural log, and rows whose rank-local
+            window is empty give out 0, lse -inf. Merge the ranks' with :func:`merge_states`.
+        """
+        s = _stream(stream, q, self._cuda_index)
+        if out is None:
+            out = _empty_like("out", q, (self.batch, self.qlen, self.heads, self.kv_lora_rank), True)
+        if lse is None:
+            lse = _empty_like("lse", q, (self.batch, self.qlen, self.heads), False)
+        value, tensor = _kv_scale(kv_scale, s)
+        self._native.run(_dlpack("q", _raw("q", q), s), _dlpack("kv_cache", _raw("kv_cache", kv_cache, self.kv_dtype), s),
+                         value, tensor, _dlpack("out", _raw("out", out), s), _dlpack("lse", lse, s), s or 0)
+        return out, lse
+
+    def __repr__(self):
+        return (f"dcpmla.Attention(heads={self.heads}, kv_dtype={self.kv_dtype!r}, device={self.device!r}, "
+                f"handle={self.handle})")
+
+
+def write_kv(kv_cache, latent, slot_mapping, kv_dtype="bf16", kv_scale=1.0, stream=None):
+    """Writes new latents into one layer's cache (SPEC §3), in place.
+
+    Args:
+        kv_cache: ``[num_blocks, block_size, D]``, as for :meth:`Attention.run`.
+        latent: ``[T, D]`` bfloat16 (CPU: float32 or bfloat16); fp8 caches store
+            ``rne(sat(latent / kv_scale))``.
+        slot_mapping: int64 ``[T]`` rank-local slots (``block * block_size + offset``), -1 where
+            the token is not this rank's (PAD, written nowhere); on the cache's device. The CPU
+            checks every slot first; on CUDA a slot outside the cache is skipped (checking device
+            memory would need a synchronisation).
+        kv_dtype: the cache's format; kv_scale: float or one-element float32 tensor (fp8 only).
+        stream: as for :meth:`Attention.run`. Allocates nothing, never synchronises.
+    """
+    index = _cuda_index(kv_cache)
+    s = _stream(stream, kv_cache, index)
+    if isinstance(slot_mapping, (list, tuple)):
+        slot_mapping = _int_array("slot_mapping", slot_mapping, np.int64, "[T]")
+    kv_dtype = _str("kv_dtype", kv_dtype)
+    value, tensor = _kv_scale(kv_scale, s)
+    _dcpmla._write_kv(_dlpack("kv_cache", _raw("kv_cache", kv_cache, kv_dtype), s),
+                      _dlpack("latent", _raw("latent", latent), s), _dlpack("slot_mapping", slot_mapping, s), kv_dtype,
+                      value, tensor, s or 0)
+
+
+def merge_states(out_parts, lse_parts, *, out=None, lse=None, stream=None):
+    """Merges N partials of the same rows with the LSE rule (SPEC §2):
+    ``lse = ln sum_r exp(lse_r)``, ``out = sum_r exp(lse_r - lse) out_r``; -inf partials add
+    nothing, all -inf gives out 0, lse -inf.
+
+    Args:
+        out_parts: ``[N, ..., W]`` bfloat16 (CPU: float32 or bfloat16), e.g. the all-gathered
+            ``[N, B, qlen, H, 512]`` of :meth:`Attention.run`; lse_parts: ``[N, ...]`` float32.
+        out, lse: ``[..., W]`` of out_parts' dtype and ``[...]`` float32, or None to allocate.
+        stream: as for :meth:`Attention.run`.
+
+    Returns:
+        ``(out, lse)``, lse natural log.
+    """
+    s = _stream(stream, out_parts, _cuda_index(out_parts))
+    parts = _dlpack("out_parts", _raw("out_parts", out_parts), s)
+    lse_in = _dlpack("lse_parts", lse_parts, s)
+    if out is None:
+        out = _empty_like("out", out_parts, tuple(out_parts.shape[1:]), True)
+    if lse is None:
+        lse = _empty_like("lse", out_parts, tuple(lse_parts.shape[1:]), False)
+    _dcpmla._merge_states(parts, lse_in, _dlpack("out", _raw("out", out), s), _dlpack("lse", lse, s), s or 0)
+    return out, lse

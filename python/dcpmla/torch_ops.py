@@ -1,0 +1,91 @@
+"""The engine API as torch.library custom ops (``torch.ops.dcpmla.*``), with fake (meta)
+implementations, so that torch.compile traces a model that calls them without a graph break
+(``fullgraph=True`` works). Importing this module registers them; ``import dcpmla`` alone never
+imports torch. Needs torch >= 2.4 (torch.library.custom_op).
+
+An :class:`dcpmla.Attention` is not a tensor: the ops take its :attr:`~dcpmla.Attention.handle`
+(a plain int, a constant of the traced graph). Plan outside the compiled region (plan() is host
+work on host arrays, once per step), then call the compiled model:
+
+    import dcpmla, dcpmla.torch_ops as ops
+    att = dcpmla.Attention(heads=128, device="cuda")
+    def layer(q, cache, latent, slots):
+        ops.write_kv(cache, latent, slots)
+        return ops.run(att, q, cache)          # (out, lse): this rank's partial
+    step = torch.compile(layer, fullgraph=True)
+    att.plan(seq_lens, block_tables, qlen)     # every step, outside the compiled code
+    out, lse = step(q, cache, latent, slots)
+
+Each op runs on torch's current stream, as the plain calls do.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import _engine
+
+Tensor = torch.Tensor
+
+
+@torch.library.custom_op("dcpmla::run", mutates_args=("out", "lse"))
+def _run(handle: int, q: Tensor, kv_cache: Tensor, kv_scale: float, kv_scale_tensor: Optional[Tensor], out: Tensor,
+         lse: Tensor) -> None:
+    _engine.attention_of(handle).run(q, kv_cache, kv_scale=kv_scale if kv_scale_tensor is None else kv_scale_tensor,
+                                     out=out, lse=lse)
+
+
+@_run.register_fake
+def _run_fake(handle, q, kv_cache, kv_scale, kv_scale_tensor, out, lse):
+    return None
+
+
+@torch.library.custom_op("dcpmla::write_kv", mutates_args=("kv_cache",))
+def _write_kv(kv_cache: Tensor, latent: Tensor, slot_mapping: Tensor, kv_dtype: str, kv_scale: float,
+              kv_scale_tensor: Optional[Tensor]) -> None:
+    _engine.write_kv(kv_cache, latent, slot_mapping, kv_dtype=kv_dtype,
+                     kv_scale=kv_scale if kv_scale_tensor is None else kv_scale_tensor)
+
+
+@_write_kv.register_fake
+def _write_kv_fake(kv_cache, latent, slot_mapping, kv_dtype, kv_scale, kv_scale_tensor):
+    return None
+
+
+@torch.library.custom_op("dcpmla::merge_states", mutates_args=())
+def _merge_states(out_parts: Tensor, lse_parts: Tensor) -> Tuple[Tensor, Tensor]:
+    return _engine.merge_states(out_parts, lse_parts)
+
+
+@_merge_states.register_fake
+def _merge_states_fake(out_parts, lse_parts):
+    return out_parts.new_empty(out_parts.shape[1:]), lse_parts.new_empty(lse_parts.shape[1:])
+
+
+def _scale_args(kv_scale):
+    return (1.0, kv_scale) if isinstance(kv_scale, Tensor) else (float(kv_scale), None)
+
+
+def run(att: "_engine.Attention", q: Tensor, kv_cache: Tensor, *, kv_scale=1.0, out: Optional[Tensor] = None,
+        lse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """:meth:`dcpmla.Attention.run` through ``torch.ops.dcpmla.run``: the same checks and result;
+    outputs not given are allocated from q's shape (``[*q.shape[:-1], R]`` bf16 and
+    ``q.shape[:-1]`` float32)."""
+    if out is None:
+        out = q.new_empty((*q.shape[:-1], att.kv_lora_rank))
+    if lse is None:
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    torch.ops.dcpmla.run(att.handle, q, kv_cache, *_scale_args(kv_scale), out, lse)
+    return out, lse
+
+
+def write_kv(kv_cache: Tensor, latent: Tensor, slot_mapping: Tensor, kv_dtype: str = "bf16", kv_scale=1.0) -> None:
+    """:func:`dcpmla.write_kv` through ``torch.ops.dcpmla.write_kv`` (in place on kv_cache)."""
+    torch.ops.dcpmla.write_kv(kv_cache, latent, slot_mapping, kv_dtype, *_scale_args(kv_scale))
+
+
+def merge_states(out_parts: Tensor, lse_parts: Tensor) -> Tuple[Tensor, Tensor]:
+    """:func:`dcpmla.merge_states` through ``torch.ops.dcpmla.merge_states`` (new outputs)."""
+    return torch.ops.dcpmla.merge_states(out_parts, lse_parts)

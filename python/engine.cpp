@@ -1,0 +1,416 @@
+#include "engine.h"
+
+#include <array>
+#include <limits>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "dcpmla/cache.h"
+#include "dcpmla/error.h"
+#include "dcpmla/merge.h"
+#include "dcpmla/numeric.h"
+#ifdef DCPMLA_HAS_CUDA
+#include <cuda_runtime_api.h>
+
+#include "dcpmla/cuda.h"
+#endif
+
+namespace dcpmla::python {
+
+namespace {
+
+// ---- tensor checks (format only when one fails) ---------------------------------------------
+
+// DLPack type codes of the fp8 formats (DLPack 1.1), which nanobind's enum does not name.
+constexpr uint8_t kDlFloat8E4m3fn = 10, kDlFloat8E5m2 = 12;
+constexpr int32_t kDlCpu = 1, kDlCuda = 2;
+
+// Element kinds a check accepts, as a bit set. The cache is storage: raw integers of its width
+// are accepted too (numpy and cupy have no bfloat16, torch's fp8 may arrive viewed as uint8).
+enum Kind : uint32_t {
+  kF32 = 1u << 0, kBf16 = 1u << 1, kBits16 = 1u << 2, kBits8 = 1u << 3,
+  kE4m3 = 1u << 4, kE5m2 = 1u << 5, kI64 = 1u << 6,
+};
+constexpr uint32_t kBf16Like = kBf16 | kBits16;
+constexpr const char* kBf16Text = "bfloat16 (or uint16 / int16 holding bf16 bits)";
+
+uint32_t kind_of(nb::dlpack::dtype d) {
+  using C = nb::dlpack::dtype_code;
+  if (d.lanes != 1) return 0;
+  if (d.code == uint8_t(C::Float) && d.bits == 32) return kF32;
+  if (d.code == uint8_t(C::Bfloat) && d.bits == 16) return kBf16;
+  if ((d.code == uint8_t(C::UInt) || d.code == uint8_t(C::Int)) && d.bits == 16) return kBits16;
+  if ((d.code == uint8_t(C::UInt) || d.code == uint8_t(C::Int)) && d.bits == 8) return kBits8;
+  if (d.code == uint8_t(C::Int) && d.bits == 64) return kI64;
+  if (d.code == kDlFloat8E4m3fn && d.bits == 8) return kE4m3;
+  if (d.code == kDlFloat8E5m2 && d.bits == 8) return kE5m2;
+  return 0;
+}
+
+std::string dtype_name(nb::dlpack::dtype d) {
+  using C = nb::dlpack::dtype_code;
+  const char* base = d.code == uint8_t(C::Int)      ? "int"
+                     : d.code == uint8_t(C::UInt)    ? "uint"
+                     : d.code == uint8_t(C::Float)   ? "float"
+                     : d.code == uint8_t(C::Bfloat)  ? "bfloat"
+                     : d.code == uint8_t(C::Complex) ? "complex"
+                     : d.code == uint8_t(C::Bool)    ? "bool"
+                     : d.code == kDlFloat8E4m3fn     ? "float8_e4m3fn"
+                     : d.code == kDlFloat8E5m2       ? "float8_e5m2"
+                                                     : nullptr;
+  if (base == nullptr) return fmt::format("DLPack dtype (code {}, bits {})", d.code, d.bits);
+  if (d.code == kDlFloat8E4m3fn || d.code == kDlFloat8E5m2 || d.code == uint8_t(C::Bool)) return base;
+  return fmt::format("{}{}", base, d.bits);
+}
+
+std::string device_name(int32_t type, int32_t id) {
+  if (type == kDlCpu) return "cpu";
+  if (type == kDlCuda) return fmt::format("cuda:{}", id);
+  return fmt::format("DLPack device type {}", type);
+}
+
+std::string placement_name(Placement p) { return p.backend == Backend::cpu ? "cpu" : fmt::format("cuda:{}", p.device); }
+
+// Expected extents, -1 for any; the names say what each is ("[B, qlen, H, D]").
+struct Dims {
+  size_t n = 0;
+  std::array<int64_t, 8> v{};
+  Dims(std::initializer_list<int64_t> d) : n(d.size()) { std::copy(d.begin(), d.end(), v.begin()); }
+  static Dims any(size_t n) {
+    Dims d{};
+    d.n = n;
+    d.v.fill(-1);
+    return d;
+  }
+};
+
+template <class T>
+std::vector<int64_t> shape_of(const T& t) {
+  std::vector<int64_t> s;
+  for (size_t i = 0; i < t.ndim(); ++i) s.push_back(int64_t(t.shape(i)));
+  return s;
+}
+
+template <class T>
+bool c_contiguous(const T& t) {
+  int64_t expect = 1;
+  for (size_t i = t.ndim(); i-- > 0;) {
+    if (t.shape(i) != 1 && t.stride(i) != expect) return false;
+    expect *= int64_t(t.shape(i));
+  }
+  return true;
+}
+
+template <class T>
+void check_placement(const T& t, const char* field, Placement where) {
+  const int32_t type = t.device_type(), id = t.device_id();
+  const bool ok = where.backend == Backend::cpu ? type == kDlCpu : type == kDlCuda && id == where.device;
+  if (!ok)
+    fail(fmt::format("{}.device", field), device_name(type, id),
+         fmt::format("{} (where this call runs)", placement_name(where)));
+}
+
+// dtype, shape (ndim and extents), C-contiguous strides, device and alignment of one tensor.
+template <class T>
+void check(const T& t, const char* field, uint32_t kinds, const char* dtype_text, const Dims& dims,
+           const char* dims_text, Placement where, size_t align) {
+  if (!(kind_of(t.dtype()) & kinds)) fail(fmt::format("{}.dtype", field), dtype_name(t.dtype()), dtype_text);
+  bool shape_ok = t.ndim() == dims.n;
+  for (size_t i = 0; shape_ok && i < dims.n; ++i) shape_ok = dims.v[i] < 0 || int64_t(t.shape(i)) == dims.v[i];
+  if (!shape_ok) {
+    std::vector<std::string> want;
+    for (size_t i = 0; i < dims.n; ++i) want.push_back(dims.v[i] < 0 ? "*" : std::to_string(dims.v[i]));
+    fail(fmt::format("{}.shape", field), fmt::format("[{}]", fmt::join(shape_of(t), ", ")),
+         fmt::format("{} = [{}]", dims_text, fmt::join(want, ", ")));
+  }
+  if (!c_contiguous(t)) {
+    std::vector<int64_t> strides;
+    for (size_t i = 0; i < t.ndim(); ++i) strides.push_back(t.stride(i));
+    fail(fmt::format("{}.stride", field), fmt::format("({})", fmt::join(strides, ", ")),
+         "C-contiguous strides (pass a contiguous tensor, e.g. .contiguous())");
+  }
+  check_placement(t, field, where);
+  if (reinterpret_cast<uintptr_t>(t.data()) % align != 0)
+    fail(fmt::format("{}.data_ptr", field), fmt::format("{}", t.data()), fmt::format("{}-byte aligned memory", align));
+}
+
+// The backend and device of a tensor that decides a free function's placement.
+template <class T>
+Placement placement_of(const T& t, const char* field) {
+  if (t.device_type() == kDlCpu) return Placement{Backend::cpu, 0};
+  if (t.device_type() == kDlCuda) {
+#ifdef DCPMLA_HAS_CUDA
+    return Placement{Backend::cuda, t.device_id()};
+#else
+    fail(fmt::format("{}.device", field), device_name(t.device_type(), t.device_id()),
+         "cpu: the CUDA backend is not built into this module (pip install with DCPMLA_CUDA=1)");
+#endif
+  }
+  fail(fmt::format("{}.device", field), device_name(t.device_type(), t.device_id()), "cpu or cuda memory");
+}
+
+// ---- engine inputs ------------------------------------------------------------------------------
+
+uint32_t cache_kinds(KvDtype d) { return d == KvDtype::bf16 ? kBf16Like : d == KvDtype::fp8_e4m3 ? kBits8 | kE4m3 : kBits8 | kE5m2; }
+
+const char* cache_kinds_text(KvDtype d) {
+  return d == KvDtype::bf16       ? "bfloat16 (or uint16 / int16 holding bf16 bits) for kv_dtype bf16"
+         : d == KvDtype::fp8_e4m3 ? "uint8 / int8 or float8_e4m3fn for kv_dtype fp8_e4m3"
+                                  : "uint8 / int8 or float8_e5m2 for kv_dtype fp8_e5m2";
+}
+
+// The engine-owned cache [num_blocks, block_size, D], contiguous; its extents are checked against
+// the Attention (validate_run) or the write.
+template <class T>
+KvCache cache_of(const T& t, KvDtype dtype, Placement where) {
+  check(t, "kv_cache", cache_kinds(dtype), cache_kinds_text(dtype), Dims{-1, -1, -1}, "[num_blocks, block_size, D]",
+        where, 16);
+  if (t.shape(1) > size_t(std::numeric_limits<int>::max()) || t.shape(2) > size_t(std::numeric_limits<int>::max()))
+    fail("kv_cache.shape", fmt::format("[{}]", fmt::join(shape_of(t), ", ")), "block_size and D that fit int32");
+  return KvCache{const_cast<void*>(static_cast<const void*>(t.data())), int64_t(t.shape(0)), int(t.shape(1)),
+                 int(t.shape(2)), dtype};
+}
+
+// A float, or a one-element float32 tensor where the call runs: on CUDA its address (read by the
+// kernels, so a replayed graph sees the current value); on the CPU its value, read now.
+KvScale scale_of(double value, const std::optional<Tensor>& t, KvDtype dtype, Placement where) {
+  if (!t) return KvScale{checked_kv_scale(value, dtype)};
+  check(*t, "kv_scale", kF32, "float32 (a one-element tensor)", Dims{1}, "[1]", where, 4);
+  const auto* p = static_cast<const float*>(t->data());
+  if (where.backend == Backend::cpu) return KvScale{checked_kv_scale(double(*p), dtype)};
+  return KvScale{1.0f, p};
+}
+
+// The bf16 values of a float32 or bf16 host tensor; float32 is rounded into `scratch` (CPU only).
+const bf16* host_bf16(const Tensor& t, std::vector<bf16>& scratch) {
+  if (kind_of(t.dtype()) != kF32) return static_cast<const bf16*>(t.data());
+  const auto* f = static_cast<const float*>(t.data());
+  scratch.resize(t.size());
+  for (size_t i = 0; i < scratch.size(); ++i) scratch[i] = float_to_bf16(f[i]);
+  return scratch.data();
+}
+
+// Where a CPU kernel writes a bf16 result for `out` (float32 outputs get scratch, widened after).
+bf16* host_bf16_out(OutTensor& t, std::vector<bf16>& scratch) {
+  if (kind_of(t.dtype()) != kF32) return static_cast<bf16*>(t.data());
+  scratch.resize(t.size());
+  return scratch.data();
+}
+
+void widen(const std::vector<bf16>& scratch, OutTensor& t) {
+  if (kind_of(t.dtype()) != kF32) return;
+  auto* f = static_cast<float*>(t.data());
+  for (size_t i = 0; i < scratch.size(); ++i) f[i] = bf16_to_float(scratch[i]);
+}
+
+#ifdef DCPMLA_HAS_CUDA
+cudaStream_t stream_of(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+
+// Makes `device` current for the calls in scope (the caller's thread may have another current).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    cudaGetDevice(&previous_);
+    if (previous_ != device) cudaSetDevice(device);
+    device_ = device;
+  }
+  ~DeviceScope() {
+    if (previous_ != device_) cudaSetDevice(previous_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = 0, device_ = 0;
+};
+#endif
+
+}  // namespace
+
+#ifdef DCPMLA_HAS_CUDA
+struct Engine::Cuda {
+  cuda::Attention attention;
+};
+#else
+struct Engine::Cuda {};
+#endif
+
+Engine::Engine(int heads, const std::string& kv_dtype, int block_size, int world_size, int rank, int interleave,
+               int max_batch, int max_qlen, int64_t max_local_len, std::optional<double> softmax_scale,
+               int kv_lora_rank, const std::string& route, const std::string& device, int device_index) {
+  config_.heads = heads;
+  config_.kv_dtype = parse_kv_dtype(kv_dtype);
+  config_.block_size = block_size;
+  config_.layout = Layout{world_size, rank, interleave};
+  config_.limits = PlanLimits{max_batch, max_qlen, max_local_len};
+  if (softmax_scale) config_.softmax_scale = checked_scale("softmax_scale", *softmax_scale);
+  config_.dims.kv_lora_rank = kv_lora_rank;
+  config_.route = parse_route(route);
+  where_.backend = parse_backend(device);
+  if (where_.backend == Backend::cpu) {
+    cpu_ = std::make_unique<Attention>(config_);
+    return;
+  }
+#ifdef DCPMLA_HAS_CUDA
+  cuda_.reset(new Cuda{cuda::Attention(config_, device_index)});
+  where_.device = cuda_->attention.device();
+#else
+  (void)device_index;
+  fail("device", device, "'cpu': the CUDA backend is not built into this module (pip install with DCPMLA_CUDA=1)");
+#endif
+}
+
+Engine::~Engine() = default;
+
+const Plan& Engine::current_plan() const {
+#ifdef DCPMLA_HAS_CUDA
+  if (cuda_) return cuda_->attention.current_plan();
+#endif
+  return cpu_->current_plan();
+}
+
+int Engine::batch() const { return planned_ ? current_plan().header().batch : 0; }
+int Engine::qlen() const { return planned_ ? current_plan().header().qlen : 0; }
+std::string Engine::route() const { return planned_ ? std::string(to_string(current_plan().route())) : "none"; }
+
+void Engine::plan(HostInts1 seq_lens, HostInts2 block_tables, int qlen, const std::string& mode, uintptr_t stream) {
+  if (block_tables.shape(0) != seq_lens.shape(0))
+    fail("block_tables.shape[0]", block_tables.shape(0),
+         fmt::format("{} (B, the length of seq_lens): one table row per request", seq_lens.shape(0)));
+  if (block_tables.shape(1) > size_t(std::numeric_limits<int>::max()))
+    fail("block_tables.shape[1]", block_tables.shape(1), "a table width that fits int32");
+  const BatchDesc batch{{seq_lens.data(), seq_lens.size()}, qlen, {block_tables.data(), block_tables.size()},
+                        int(block_tables.shape(1)), parse_mode(mode)};
+  if (cpu_) {
+    cpu_->plan(batch);
+  } else {
+#ifdef DCPMLA_HAS_CUDA
+    DeviceScope scope(where_.device);
+    // A plan recorded into a graph would upload the staging copy of the capture, not the new one.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    cudaStreamIsCapturing(stream_of(stream), &capture);
+    if (capture != cudaStreamCaptureStatusNone)
+      fail("plan", "called while its stream captures a CUDA graph",
+           "plan() outside the capture: a replay computes the batch of the last plan()");
+    cuda_->attention.plan(batch, stream_of(stream));
+#else
+    (void)stream;
+#endif
+  }
+  planned_ = true;
+}
+
+void Engine::run(Tensor q, Tensor kv_cache, double kv_scale, std::optional<Tensor> kv_scale_tensor, OutTensor out,
+                 OutTensor lse, uintptr_t stream) {
+  if (!planned_) fail("plan", "none", "a plan: call plan(seq_lens, block_tables, qlen) before run()");
+  const PlanHeader& h = current_plan().header();
+  const int64_t B = h.batch, T = h.qlen, H = config_.heads, D = config_.dims.dim(), R = config_.dims.kv_lora_rank;
+  const bool cpu = where_.backend == Backend::cpu;
+  const uint32_t kinds = cpu ? kF32 | kBf16Like : kBf16Like;
+  const char* text = cpu ? "float32 or bfloat16 (or uint16 / int16 holding bf16 bits)" : kBf16Text;
+  check(q, "q", kinds, text, Dims{B, T, H, D}, "[B, qlen, H, D] (B and qlen of the plan)", where_, 16);
+  check(out, "out", kinds, text, Dims{B, T, H, R}, "[B, qlen, H, kv_lora_rank]", where_, 16);
+  check(lse, "lse", kF32, "float32", Dims{B, T, H}, "[B, qlen, H]", where_, 4);
+  const KvCache cache = cache_of(kv_cache, config_.kv_dtype, where_);
+  const KvScale scale = scale_of(kv_scale, kv_scale_tensor, config_.kv_dtype, where_);
+  if (cpu) {
+    std::vector<bf16> q16, out16;
+    const bf16* qp = host_bf16(q, q16);
+    bf16* op = host_bf16_out(out, out16);
+    {
+      nb::gil_scoped_release release;
+      cpu_->run(qp, cache, scale, op, static_cast<float*>(lse.data()));
+    }
+    widen(out16, out);
+    return;
+  }
+#ifdef DCPMLA_HAS_CUDA
+  DeviceScope scope(where_.device);
+  cuda_->attention.run(static_cast<const bf16*>(q.data()), cache, scale, static_cast<bf16*>(out.data()),
+                       static_cast<float*>(lse.data()), stream_of(stream));
+#else
+  (void)stream;
+#endif
+}
+
+void write_kv(OutTensor kv_cache, Tensor latent, Tensor slot_mapping, const std::string& kv_dtype, double kv_scale,
+              std::optional<Tensor> kv_scale_tensor, uintptr_t stream) {
+  const KvDtype dtype = parse_kv_dtype(kv_dtype);
+  const Placement where = placement_of(kv_cache, "kv_cache");
+  const KvCache cache = cache_of(kv_cache, dtype, where);
+  const bool cpu = where.backend == Backend::cpu;
+  const int64_t n = latent.ndim() >= 1 ? int64_t(latent.shape(0)) : -1;
+  check(latent, "latent", cpu ? kF32 | kBf16Like : kBf16Like,
+        cpu ? "float32 or bfloat16 (or uint16 / int16 holding bf16 bits)" : kBf16Text, Dims{-1, cache.dim},
+        "[T, D] (D of kv_cache)", where, 16);
+  check(slot_mapping, "slot_mapping", kI64, "int64", Dims{n}, "[T] (T of latent)", where, 8);
+  const KvScale scale = scale_of(kv_scale, kv_scale_tensor, dtype, where);
+  const auto* slots = static_cast<const int64_t*>(slot_mapping.data());
+  if (cpu) {
+    std::vector<bf16> scratch;
+    const bf16* values = host_bf16(latent, scratch);
+    nb::gil_scoped_release release;
+    dcpmla::write_kv(cache, values, slots, n, scale.value);
+    return;
+  }
+#ifdef DCPMLA_HAS_CUDA
+  DeviceScope scope(where.device);
+  cuda::write_kv(cache, static_cast<const bf16*>(latent.data()), slots, n, scale, stream_of(stream));
+#else
+  (void)stream;
+#endif
+}
+
+void merge_states(Tensor out_parts, Tensor lse_parts, OutTensor out, OutTensor lse, uintptr_t stream) {
+  const Placement where = placement_of(out_parts, "out_parts");
+  const bool cpu = where.backend == Backend::cpu;
+  const size_t nd = out_parts.ndim();
+  if (nd < 2 || nd > 8)
+    fail("out_parts.ndim", nd, "2..8: [N, ..., W] (N partials, then the rows, then the value width)");
+  const uint32_t kinds = cpu ? kF32 | kBf16Like : kBf16Like;
+  const char* text = cpu ? "float32 or bfloat16 (or uint16 / int16 holding bf16 bits)" : kBf16Text;
+  check(out_parts, "out_parts", kinds, text, Dims::any(nd), "[N, ..., W]", where, 16);
+  // lse_parts [N, ...] and out [..., W], lse [...]: the extents of out_parts.
+  Dims lse_parts_dims = Dims::any(nd - 1), out_dims = Dims::any(nd - 1), lse_dims = Dims::any(nd - 2);
+  int64_t rows = 1;
+  for (size_t i = 0; i < nd; ++i) {
+    const int64_t e = int64_t(out_parts.shape(i));
+    if (i + 1 < nd) lse_parts_dims.v[i] = e;
+    if (i >= 1) out_dims.v[i - 1] = e;
+    if (i >= 1 && i + 1 < nd) {
+      lse_dims.v[i - 1] = e;
+      rows *= e;
+    }
+  }
+  const int64_t n = int64_t(out_parts.shape(0)), width = int64_t(out_parts.shape(nd - 1));
+  if (n < 1 || n > std::numeric_limits<int>::max()) fail("out_parts.shape[0]", n, "N >= 1 partials that fit int32");
+  if (width > std::numeric_limits<int>::max()) fail("out_parts.shape[-1]", width, "a width that fits int32");
+  check(lse_parts, "lse_parts", kF32, "float32", lse_parts_dims, "[N, ...] (out_parts' shape without W)", where, 4);
+  check(out, "out", kind_of(out_parts.dtype()), "the dtype of out_parts", out_dims, "[..., W] (out_parts[0]'s shape)",
+        where, 16);
+  check(lse, "lse", kF32, "float32", lse_dims, "[...] (lse_parts[0]'s shape)", where, 4);
+  const auto* lp = static_cast<const float*>(lse_parts.data());
+  auto* lo = static_cast<float*>(lse.data());
+  if (cpu) {
+    std::vector<bf16> parts16, out16;
+    const bf16* pp = host_bf16(out_parts, parts16);
+    bf16* op = host_bf16_out(out, out16);
+    {
+      nb::gil_scoped_release release;
+      combine_partials(pp, lp, int(n), op, lo, rows, int(width));
+    }
+    widen(out16, out);
+    return;
+  }
+#ifdef DCPMLA_HAS_CUDA
+  DeviceScope scope(where.device);
+  cuda::combine_partials(static_cast<const bf16*>(out_parts.data()), lp, int(n), static_cast<bf16*>(out.data()), lo,
+                         rows, int(width), stream_of(stream));
+#else
+  (void)stream;
+#endif
+}
+
+}  // namespace dcpmla::python

@@ -1,0 +1,264 @@
+"""The engine API (SPEC §6) on the CPU: dcpmla.Attention / write_kv / merge_states on numpy
+arrays (and torch CPU tensors where torch is installed), one step per case as an engine drives
+it, merged over the ranks and compared with the float64 reference; bad input refused with
+ValueError naming the argument."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dcpmla
+from engine_case import (D, R, Step, attention_kwargs, empty_rows, engine_reference, make_inputs, scale_of,
+                         slots_and_latents)
+from reference import assert_close
+
+LIMITS = dict(max_batch=8, max_qlen=8, max_local_len=4096, device="cpu")
+
+# Every mode, dtype, route, N 1..4, interleave 1/2, block 1/16/64/256; padding requests and rows
+# that some ranks hold nothing of (short requests over several ranks) in every case.
+STEPS = [
+    Step(mode="decode", qlen=1, world=1, block=64, dtype="bf16", lengths=(300, 0, 1, 77)),
+    Step(mode="decode", qlen=1, world=4, interleave=2, block=16, dtype="fp8_e4m3", kv_scale=0.37,
+         lengths=(1, 0, 3, 200), seed=1),
+    Step(mode="verify", qlen=4, world=2, block=1, dtype="fp8_e5m2", kv_scale=2.5, lengths=(4, 0, 9, 70), seed=2),
+    Step(mode="verify", qlen=3, world=3, interleave=2, block=16, dtype="bf16", route="one_stage", seed=3),
+    Step(mode="verify", qlen=2, world=4, block=64, dtype="fp8_e4m3", kv_scale=0.5, route="split_k",
+         lengths=(700, 2, 0, 1500), seed=4),
+    Step(mode="draft", qlen=3, world=2, interleave=2, block=256, dtype="bf16", route="split_k",
+         lengths=(3, 600, 0, 1), seed=5),
+    Step(mode="draft", qlen=2, world=3, block=16, dtype="fp8_e5m2", kv_scale=0.37, heads=5, seed=6),
+]
+
+
+def numpy_cache(num_blocks, step):
+    """An engine's cache memory, NaN everywhere (0xff bytes) until written: uint16 bf16 bits or fp8 bytes."""
+    dtype = np.uint16 if step.dtype == "bf16" else np.uint8
+    return np.full((num_blocks, step.block, D), np.iinfo(dtype).max, dtype=dtype)
+
+
+def run_step(step, q, kv, t, num_blocks, *, cache_of=numpy_cache, convert=lambda x: x):
+    """One step on every rank: write the history, plan, run; returns the ranks' partials."""
+    outs, lses = [], []
+    for rank in range(step.world):
+        cache = cache_of(num_blocks, step)
+        latents, slots = slots_and_latents(step, kv, t, num_blocks, rank)
+        dcpmla.write_kv(cache, convert(latents), convert(slots), kv_dtype=step.dtype, kv_scale=scale_of(step))
+        att = dcpmla.Attention(**attention_kwargs(step, rank, **LIMITS))
+        att.plan(np.array(step.lengths, dtype=np.int32), t, step.qlen, mode=step.mode)
+        out, lse = att.run(convert(q), cache, kv_scale=scale_of(step))
+        outs.append(out)
+        lses.append(lse)
+    return outs, lses
+
+
+
+
+def check_partials(step, outs, lses):
+    for rank, (out, lse) in enumerate(zip(outs, lses)):
+        empty = empty_rows(step, rank)
+        assert np.all(np.isneginf(np.asarray(lse, dtype=np.float32)[empty])), f"rank {rank}: lse of empty rows"
+        assert np.all(np.asarray(out, dtype=np.float32)[empty] == 0), f"rank {rank}: out of empty rows"
+
+
+@pytest.mark.parametrize("step", STEPS + [Step(route="two_stage", world=2, seed=7)], ids=Step.id)
+def test_step_against_reference(step):
+    q, kv, t, num_blocks, ref = make_inputs(step)
+    outs, lses = run_step(step, q, kv, t, num_blocks)
+    check_partials(step, outs, lses)
+    out, lse = dcpmla.merge_states(np.stack(outs), np.stack(lses))
+    assert out.dtype == np.float32 and out.shape == (len(step.lengths), step.qlen, step.heads, R)
+    assert_close(out, lse, *engine_reference(step, q, kv, ref), what=step.id())
+
+
+def test_equals_the_conformance_entry_point():
+    step = STEPS[4]
+    q, kv, t, num_blocks, _ = make_inputs(step)
+    out, lse = dcpmla.merge_states(*map(np.stack, run_step(step, q, kv, t, num_blocks)))
+    want_out, want_lse = dcpmla.mla_attention(q, kv, np.array(step.lengths, dtype=np.int32), mode=step.mode,
+                                              world_size=step.world, block_size=step.block, kv_dtype=step.dtype,
+                                              kv_scale=step.kv_scale)
+    assert_close(out, lse, want_out.astype(np.float64), want_lse.astype(np.float64), bound=1e-2)
+
+
+def planned(step=Step(), **extra):
+    q, kv, t, num_blocks, _ = make_inputs(step)
+    att = dcpmla.Attention(**attention_kwargs(step, 0, **{**LIMITS, **extra}))
+    att.plan(np.array(step.lengths, dtype=np.int32), t, step.qlen, mode=step.mode)
+    cache = numpy_cache(num_blocks, step)
+    latents, slots = slots_and_latents(step, kv, t, num_blocks, 0)
+    dcpmla.write_kv(cache, latents, slots, kv_dtype=step.dtype, kv_scale=scale_of(step))
+    return att, q, cache, t
+
+
+def test_outputs_are_reused_and_plans_replace_each_other():
+    att, q, cache, t = planned()
+    out = np.zeros((4, 3, 16, R), dtype=np.float32)
+    lse = np.zeros((4, 3, 16), dtype=np.float32)
+    got = att.run(q, cache, out=out, lse=lse)
+    assert got[0] is out and got[1] is lse
+    first = out.copy()
+    # A new plan with other lengths: same buffers' shapes for the same B and qlen, new answer.
+    att.plan([30, 0, 5, 100], t, 3)
+    att.run(q, cache, out=out, lse=lse)
+    assert not np.array_equal(first, out)
+    assert att.batch == 4 and att.qlen == 3 and att.route in ("one_stage", "split_k")
+
+
+def test_plan_takes_lists_and_other_integer_arrays():
+    att, q, cache, t = planned()
+    att.plan([37, 0, 5, 129], t.tolist(), 3, mode="verify")
+    a = att.run(q, cache)
+    att.plan(np.array([37, 0, 5, 129], dtype=np.int64), t.astype(np.uint16), 3)
+    b = att.run(q, cache)
+    np.testing.assert_array_equal(a[0], b[0])
+
+
+def test_kv_scale_as_a_one_element_array():
+    step = Step(dtype="fp8_e4m3", kv_scale=0.5)
+    q, kv, t, num_blocks, ref = make_inputs(step)
+    scale = np.array([0.5], dtype=np.float32)
+    cache = numpy_cache(num_blocks, step)
+    latents, slots = slots_and_latents(step, kv, t, num_blocks, 0)
+    dcpmla.write_kv(cache, latents, slots, kv_dtype="fp8_e4m3", kv_scale=scale)
+    att = dcpmla.Attention(**attention_kwargs(step, 0, **LIMITS))
+    att.plan(list(step.lengths), t, step.qlen)
+    assert_close(*att.run(q, cache, kv_scale=scale), *ref)
+
+
+def error(match):
+    return pytest.raises(ValueError, match=match)
+
+
+def test_bad_input_names_the_argument():
+    att, q, cache, t = planned()
+    with error(r"field 'q.dtype' = float64"):
+        att.run(q.astype(np.float64), cache)
+    with error(r"field 'q.shape' = \[4, 3, 16, 512\]: expected \[B, qlen, H, D\]"):
+        att.run(q[..., :512].copy(), cache)
+    with error(r"field 'q.stride'"):
+        att.run(np.asfortranarray(q), cache)
+    with error(r"field 'kv_cache.stride'"):
+        att.run(q, cache[:, ::2])
+    with error(r"field 'kv_cache.dtype' = uint8: expected bfloat16"):
+        att.run(q, cache.view(np.uint8))
+    with error(r"field 'kv_cache block_size' = 32"):
+        att.run(q, cache.reshape(cache.shape[0] // 2, 32, D) if cache.shape[0] % 2 == 0 else
+                np.concatenate([cache, cache[:1]]).reshape(-1, 32, D))
+    with error(r"field 'kv_cache num_blocks' = 1"):
+        att.run(q, cache[:1])
+    with error(r"field 'out.shape'"):
+        att.run(q, cache, out=np.zeros((4, 3, 16, 576), np.float32))
+    with error(r"field 'lse.dtype' = float64"):
+        att.run(q, cache, lse=np.zeros((4, 3, 16)))
+    with error(r"field 'kv_scale' = 0.5: expected 1.0 for a bf16 cache"):
+        att.run(q, cache, kv_scale=0.5)
+    with error(r"field 'stream' = 7: expected None on the cpu device"):
+        att.run(q, cache, stream=7)
+    out, lse = att.run(q, cache)
+    with error(r"field 'q' = list: expected an array or tensor"):
+        att.run(q.tolist(), cache, out=out, lse=lse)
+    with error(r"field 'out' = None: expected a buffer"):
+        att.run(memoryview(q), cache)
+
+
+def test_bad_plans_are_refused_and_keep_the_last_plan():
+    att, q, cache, t = planned()
+    with error(r"field 'seq_lens\[1\]' = 3000000000: expected a value that fits int32"):
+        att.plan([37, 3_000_000_000, 5, 129], t, 3)
+    with error(r"field 'seq_lens.dtype' = float64"):
+        att.plan([37.0, 0, 5, 129], t, 3)
+    with error(r"field 'block_tables' = list"):
+        att.plan([37, 0, 5, 129], [[1, 2], [3]], 3)
+    with error(r"field 'block_tables.shape\[0\]' = 3"):
+        att.plan([37, 0, 5, 129], t[:3], 3)
+    with error(r"field 'batch' = 9"):  # beyond the capture limit max_batch = 8
+        att.plan([1] * 9, np.zeros((9, 1), np.int32), 1, mode="decode")
+    with error(r"field 'qlen' = 9"):
+        att.plan([37, 0, 5, 129], t, 9)
+    with error(r"field 'mode' = 'sideways'"):
+        att.plan([37, 0, 5, 129], t, 3, mode="sideways")
+    assert att.batch == 4 and att.qlen == 3  # the last good plan stands
+    att.run(q, cache)
+
+
+def test_bad_construction_and_run_before_plan():
+    with error(r"field 'device' = 'tpu'"):
+        dcpmla.Attention(heads=16, device="tpu")
+    with error(r"field 'rank' = 2"):
+        dcpmla.Attention(heads=16, world_size=2, rank=2, device="cpu")
+    with error(r"field 'kv_dtype' = 'fp16'"):
+        dcpmla.Attention(heads=16, kv_dtype="fp16", device="cpu")
+    att = dcpmla.Attention(heads=16, device="cpu", max_batch=4)
+    with error(r"field 'plan' = none"):
+        att.run(np.zeros((1, 1, 16, D), np.float32), np.zeros((4, 64, D), np.uint16))
+    if not dcpmla.cuda_available:
+        with error(r"field 'device' = cuda: expected 'cpu': the CUDA backend is not built"):
+            dcpmla.Attention(heads=16, device="cuda")
+
+
+def test_write_kv_and_merge_states_refuse_bad_input():
+    cache = np.zeros((4, 16, D), np.uint16)
+    latent = np.zeros((2, D), np.float32)
+    with error(r"field 'slot_mapping\[1\]' = 64: expected -1 \(PAD\) or a slot in \[0, 64\)"):
+        dcpmla.write_kv(cache, latent, [3, 64])
+    with error(r"field 'slot_mapping.dtype' = int32"):
+        dcpmla.write_kv(cache, latent, np.array([3, 4], np.int32))
+    with error(r"field 'latent.shape' = \[2, 512\]"):
+        dcpmla.write_kv(cache, latent[:, :512].copy(), [3, 4])
+    with error(r"field 'kv_cache.dtype' = uint16: expected uint8 / int8 or float8_e4m3fn"):
+        dcpmla.write_kv(cache, latent, [3, 4], kv_dtype="fp8_e4m3", kv_scale=0.5)
+    parts = np.zeros((2, 3, 5, R), np.float32)
+    with error(r"field 'lse_parts.shape' = \[2, 3\]"):
+        dcpmla.merge_states(parts, np.zeros((2, 3), np.float32))
+    with error(r"field 'out.dtype' = float64"):
+        dcpmla.merge_states(parts, np.zeros((2, 3, 5), np.float32), out=np.zeros((3, 5, R)))
+
+
+def test_merge_states_follows_the_lse_rule():
+    rng = np.random.default_rng(3)
+    parts = rng.standard_normal((3, 7, R)).astype(np.float32)
+    lse = rng.standard_normal((3, 7)).astype(np.float32)
+    lse[:, 0] = -np.inf  # a row no rank holds anything of
+    lse[1, 1] = -np.inf  # a rank with an empty window
+    out, merged = dcpmla.merge_states(parts, lse)
+    with np.errstate(invalid="ignore"):
+        want_lse = np.logaddexp.reduce(lse.astype(np.float64), axis=0)
+        w = np.exp(lse - want_lse)
+    want = np.nan_to_num((w[..., None] * parts.astype(np.float64)).sum(axis=0))
+    assert np.isneginf(merged[0]) and np.all(out[0] == 0)
+    np.testing.assert_allclose(merged[1:], want_lse[1:], rtol=1e-5)
+    np.testing.assert_allclose(out[1:], want[1:], atol=2e-2, rtol=1e-2)  # bf16 partials
+
+
+# ---- torch CPU tensors (skipped where torch is not installed) ---------------------------------
+
+
+def torch_cache(num_blocks, step):
+    torch = pytest.importorskip("torch")
+    dtype = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[step.dtype]
+    return torch.from_numpy(numpy_cache(num_blocks, step).view(np.int16 if step.dtype == "bf16" else np.int8)) \
+        .view(dtype)
+
+
+@pytest.mark.parametrize("step", STEPS[:5], ids=Step.id)
+def test_torch_cpu_tensors(step):
+    torch = pytest.importorskip("torch")
+    q, kv, t, num_blocks, ref = make_inputs(step)
+
+    def to_torch(x):
+        x = torch.from_numpy(np.ascontiguousarray(x))
+        return x.to(torch.bfloat16) if x.dtype == torch.float32 else x
+
+    outs, lses = run_step(step, q, kv, t, num_blocks, cache_of=torch_cache, convert=to_torch)
+    assert outs[0].dtype == torch.bfloat16 and lses[0].dtype == torch.float32
+    out, lse = dcpmla.merge_states(torch.stack(outs), torch.stack(lses))
+    assert_close(out.float().numpy(), lse.numpy(), *ref, what=step.id())
+
+
+def test_torch_fp8_cache_of_the_other_format_is_refused():
+    torch = pytest.importorskip("torch")
+    att, q, _, t = planned(Step(dtype="fp8_e4m3", kv_scale=0.5))
+    cache = torch.zeros((8, 16, D), dtype=torch.float8_e5m2)
+    with error(r"field 'kv_cache.dtype' = float8_e5m2: expected a dtype holding fp8_e4m3 values"):
+        att.run(torch.from_numpy(q), cache, kv_scale=0.5)
