@@ -1,6 +1,7 @@
 // _dcpmla: the one binding file. It only registers functions; host-side checks live in
 // the library (runner, layout: dcpmla::Error -> ValueError), in engine.cpp (the engine API's
 // tensors) and in the thin Python layer (python/dcpmla/: dtypes, ranks and shapes of arrays).
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -66,7 +67,7 @@ std::tuple<NumpyArray<float>, NumpyArray<float>, std::vector<std::string>> mla_a
     const std::string& mode, int world_size, int interleave, int block_size,
     const std::string& kv_dtype, double kv_scale, double softmax_scale, int kv_lora_rank,
     const std::string& route, const std::string& merge, const std::string& device,
-    uint64_t seed) {
+    uint64_t seed, std::optional<HostArray<int32_t, 1>> qlens) {
   dcpmla::AttentionOptions options;
   options.mode = dcpmla::parse_mode(mode);
   options.world_size = world_size;
@@ -82,8 +83,16 @@ std::tuple<NumpyArray<float>, NumpyArray<float>, std::vector<std::string>> mla_a
   options.backend = backend_of(device);
   options.seed = seed;
 
-  const int batch = int(q.shape(0)), qlen = int(q.shape(1)), heads = int(q.shape(2));
-  const int dim = int(q.shape(3));
+  // With qlens, q is [sum(qlens), 1, H, D] (the packed rows) and B is seq_lens'.
+  const int heads = int(q.shape(2)), dim = int(q.shape(3));
+  int batch = int(q.shape(0)), qlen = int(q.shape(1));
+  size_t rows = size_t(batch) * size_t(qlen);
+  if (qlens) {
+    options.qlens.assign(qlens->data(), qlens->data() + qlens->size());
+    batch = int(seq_lens.shape(0));
+    qlen = std::max(1, options.qlens.empty() ? 1 : *std::max_element(options.qlens.begin(), options.qlens.end()));
+    rows = q.shape(0);
+  }
   const int64_t max_len = int64_t(kv.shape(1));
   dcpmla::RankEngineFactory engines;  // empty: the CPU engines
 #ifdef DCPMLA_HAS_CUDA
@@ -99,15 +108,16 @@ std::tuple<NumpyArray<float>, NumpyArray<float>, std::vector<std::string>> mla_a
   const size_t rank_dim = size_t(kv_lora_rank);
   // NOTE: the numpy views below take the vectors as they are; a size the shapes do not
   // describe would be read out of bounds, so it is an internal error, not a view.
-  if (result.out.size() != size_t(batch) * qlen * heads * rank_dim ||
-      result.lse.size() != size_t(batch) * qlen * heads)
+  if (result.out.size() != rows * heads * rank_dim || result.lse.size() != rows * heads)
     throw std::runtime_error("dcpmla: internal error: mla_attention returned " +
                              std::to_string(result.out.size()) + " out / " +
-                             std::to_string(result.lse.size()) + " lse values for [B, qlen, H] = [" +
-                             std::to_string(batch) + ", " + std::to_string(qlen) + ", " +
-                             std::to_string(heads) + "]");
+                             std::to_string(result.lse.size()) + " lse values for " + std::to_string(rows) +
+                             " rows of " + std::to_string(heads) + " heads");
   std::vector<std::string> routes;
   for (dcpmla::Route r : result.routes) routes.emplace_back(dcpmla::to_string(r));
+  if (qlens)
+    return {to_numpy(std::move(result.out), {rows, size_t(heads), rank_dim}),
+            to_numpy(std::move(result.lse), {rows, size_t(heads)}), std::move(routes)};
   return {to_numpy(std::move(result.out), {size_t(batch), size_t(qlen), size_t(heads), rank_dim}),
           to_numpy(std::move(result.lse), {size_t(batch), size_t(qlen), size_t(heads)}),
           std::move(routes)};
@@ -156,9 +166,10 @@ NB_MODULE(_dcpmla, m) {
 
   m.def("_mla_attention", &mla_attention, "q"_a, "kv"_a, "seq_lens"_a, "mode"_a, "world_size"_a,
         "interleave"_a, "block_size"_a, "kv_dtype"_a, "kv_scale"_a, "softmax_scale"_a,
-        "kv_lora_rank"_a, "route"_a, "merge"_a, "device"_a, "seed"_a,
+        "kv_lora_rank"_a, "route"_a, "merge"_a, "device"_a, "seed"_a, "qlens"_a = nb::none(),
         "The whole DCP path (SPEC §5). Returns (out [B,qlen,H,R] float32, lse [B,qlen,H] float32 "
-        "natural log, routes taken per rank).");
+        "natural log, routes taken per rank); with qlens, q is [sum(qlens), 1, H, D] and the results "
+        "[sum(qlens), H, R] and [sum(qlens), H].");
   m.def("local_length", &local_length, "w"_a, "world_size"_a, "rank"_a, "interleave"_a,
         "n_r(w): positions of the global window [0, w) held by `rank`.");
   m.def("row_local_lengths", &row_local_lengths, "mode"_a, "seq_len"_a, "qlen"_a, "world_size"_a,
@@ -175,11 +186,14 @@ NB_MODULE(_dcpmla, m) {
            "heads"_a, "kv_dtype"_a, "block_size"_a, "world_size"_a, "rank"_a, "interleave"_a, "max_batch"_a,
            "max_qlen"_a, "max_local_len"_a, "softmax_scale"_a.none(), "kv_lora_rank"_a, "route"_a, "device"_a,
            "device_index"_a)
-      .def("plan", &Engine::plan, "seq_lens"_a, "block_tables"_a, "qlen"_a, "mode"_a, "stream"_a,
-           "Plans the step: seq_lens int32 [B], block_tables int32 [B, W] (host, C-contiguous).")
+      .def("plan", &Engine::plan, "seq_lens"_a, "block_tables"_a, "qlen"_a, "mode"_a, "qlens"_a.none(), "stream"_a,
+           "Plans the step: seq_lens int32 [B], block_tables int32 [B, W], qlens int32 [B] or None (host, "
+           "C-contiguous).")
       .def("run", &Engine::run, "q"_a, "kv_cache"_a, "kv_scale"_a, "kv_scale_tensor"_a.none(), "out"_a, "lse"_a,
            "stream"_a, "This rank's partial into out [B, qlen, H, R] and lse [B, qlen, H] (natural log).")
       .def_prop_ro("batch", &Engine::batch, "B of the current plan (0 before the first plan).")
+      .def_prop_ro("rows", &Engine::rows, "Query rows of the current plan: B x qlen, or sum(qlens).")
+      .def_prop_ro("packed", &Engine::packed, "True when the current plan has per-request qlens.")
       .def_prop_ro("qlen", &Engine::qlen, "qlen of the current plan (0 before the first plan).")
       .def_prop_ro("route", &Engine::route, "The route of the current plan ('none' before the first plan).")
       .def_prop_ro("device_index", [](const Engine& e) { return e.placement().device; },

@@ -272,17 +272,25 @@ const Plan& Engine::current_plan() const {
 }
 
 int Engine::batch() const { return planned_ ? current_plan().header().batch : 0; }
+int Engine::rows() const { return planned_ ? current_plan().header().rows : 0; }
 int Engine::qlen() const { return planned_ ? current_plan().header().qlen : 0; }
 std::string Engine::route() const { return planned_ ? std::string(to_string(current_plan().route())) : "none"; }
 
-void Engine::plan(HostInts1 seq_lens, HostInts2 block_tables, int qlen, const std::string& mode, uintptr_t stream) {
+void Engine::plan(HostInts1 seq_lens, HostInts2 block_tables, int qlen, const std::string& mode,
+                  std::optional<HostInts1> qlens, uintptr_t stream) {
   if (block_tables.shape(0) != seq_lens.shape(0))
     fail("block_tables.shape[0]", block_tables.shape(0),
          fmt::format("{} (B, the length of seq_lens): one table row per request", seq_lens.shape(0)));
   if (block_tables.shape(1) > size_t(std::numeric_limits<int>::max()))
     fail("block_tables.shape[1]", block_tables.shape(1), "a table width that fits int32");
-  const BatchDesc batch{{seq_lens.data(), seq_lens.size()}, qlen, {block_tables.data(), block_tables.size()},
-                        int(block_tables.shape(1)), parse_mode(mode)};
+  if (qlens && qlens->shape(0) != seq_lens.shape(0))
+    fail("qlens.shape[0]", qlens->shape(0), fmt::format("{} (B, the length of seq_lens)", seq_lens.shape(0)));
+  const BatchDesc batch{{seq_lens.data(), seq_lens.size()},
+                        qlen,
+                        {block_tables.data(), block_tables.size()},
+                        int(block_tables.shape(1)),
+                        parse_mode(mode),
+                        qlens ? std::span<const int32_t>(qlens->data(), qlens->size()) : std::span<const int32_t>()};
   if (cpu_) {
     cpu_->plan(batch);
   } else {
@@ -300,6 +308,7 @@ void Engine::plan(HostInts1 seq_lens, HostInts2 block_tables, int qlen, const st
 #endif
   }
   planned_ = true;
+  packed_ = bool(qlens);
 }
 
 void Engine::run(Tensor q, Tensor kv_cache, double kv_scale, std::optional<Tensor> kv_scale_tensor, OutTensor out,
@@ -310,9 +319,16 @@ void Engine::run(Tensor q, Tensor kv_cache, double kv_scale, std::optional<Tenso
   const bool cpu = where_.backend == Backend::cpu;
   const uint32_t kinds = cpu ? kF32 | kBf16Like : kBf16Like;
   const char* text = cpu ? "float32 or bfloat16 (or uint16 / int16 holding bf16 bits)" : kBf16Text;
-  check(q, "q", kinds, text, Dims{B, T, H, D}, "[B, qlen, H, D] (B and qlen of the plan)", where_, 16);
-  check(out, "out", kinds, text, Dims{B, T, H, R}, "[B, qlen, H, kv_lora_rank]", where_, 16);
-  check(lse, "lse", kF32, "float32", Dims{B, T, H}, "[B, qlen, H]", where_, 4);
+  if (packed_) {
+    const int64_t rows = h.rows;
+    check(q, "q", kinds, text, Dims{rows, H, D}, "[sum(qlens), H, D] (the plan's packed rows)", where_, 16);
+    check(out, "out", kinds, text, Dims{rows, H, R}, "[sum(qlens), H, kv_lora_rank]", where_, 16);
+    check(lse, "lse", kF32, "float32", Dims{rows, H}, "[sum(qlens), H]", where_, 4);
+  } else {
+    check(q, "q", kinds, text, Dims{B, T, H, D}, "[B, qlen, H, D] (B and qlen of the plan)", where_, 16);
+    check(out, "out", kinds, text, Dims{B, T, H, R}, "[B, qlen, H, kv_lora_rank]", where_, 16);
+    check(lse, "lse", kF32, "float32", Dims{B, T, H}, "[B, qlen, H]", where_, 4);
+  }
   const KvCache cache = cache_of(kv_cache, config_.kv_dtype, where_);
   const KvScale scale = scale_of(kv_scale, kv_scale_tensor, config_.kv_dtype, where_);
   if (cpu) {

@@ -45,7 +45,10 @@ class Engine {
   ~Engine();
 
   // The one place a step's host arrays become a BatchDesc (per-request qlens join it here).
-  void plan(HostInts1 seq_lens, HostInts2 block_tables, int qlen, const std::string& mode, uintptr_t stream);
+  // qlens (optional, one per request): per-request query rows; q, out and lse are then packed
+  // [sum(qlens), H, ...] instead of [B, qlen, H, ...].
+  void plan(HostInts1 seq_lens, HostInts2 block_tables, int qlen, const std::string& mode,
+            std::optional<HostInts1> qlens, uintptr_t stream);
   // kv_scale_tensor: a one-element float32 tensor on the engine's device (read when the kernels
   // run on CUDA), else kv_scale.
   void run(Tensor q, Tensor kv_cache, double kv_scale, std::optional<Tensor> kv_scale_tensor, OutTensor out,
@@ -55,6 +58,8 @@ class Engine {
   Placement placement() const { return where_; }
   bool planned() const { return planned_; }
   int batch() const;  // of the current plan
+  int rows() const;   // query rows of the current plan (B x qlen, or sum(qlens))
+  bool packed() const { return planned_ && packed_; }  // planned with qlens
   int qlen() const;
   std::string route() const;  // the current plan's route
 
@@ -67,6 +72,7 @@ class Engine {
   struct Cuda;  // cuda::Attention where the CUDA backend is built
   std::unique_ptr<Cuda> cuda_;
   bool planned_ = false;
+  bool packed_ = false;
 };
 
 // SPEC §3 write path on a tensor cache: latent [T, D], slot_mapping [T] int64 (-1 = PAD).

@@ -51,17 +51,31 @@ def _device(device):
 
 
 def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_dtype, kv_scale,
-               softmax_scale, kv_lora_rank, route, device, merge, seed):
-    q = _array("q", q, np.float32, 4, "[B, qlen, H, D]")
+               softmax_scale, kv_lora_rank, route, device, merge, seed, qlens=None):
     kv = _array("kv", kv, np.float32, 3, "[B, Lmax, D]")
-    seq_lens = _array("seq_lens", seq_lens, np.int32, 1, "[B]")
-    B, qlen, H, D = q.shape
+    seq_lens = _int_array("seq_lens", seq_lens, np.int32, "[B]")
+    if qlens is None:
+        q = _array("q", q, np.float32, 4, "[B, qlen, H, D]")
+        B, _, H, D = q.shape
+        what = f"the batch B of q {tuple(q.shape)}"
+    else:
+        # Per-request query rows: q [sum(qlens), H, D], packed by request.
+        qlens = _int_array("qlens", qlens, np.int32, "[B]")
+        q = _array("q", q, np.float32, 3, "[sum(qlens), H, D]")
+        B = seq_lens.shape[0]
+        _, H, D = q.shape
+        what = f"the batch B of seq_lens {tuple(seq_lens.shape)}"
+        if qlens.shape[0] != B:
+            raise _error("qlens.shape[0]", qlens.shape[0], f"{B} ({what})")
+        if q.shape[0] != int(qlens.sum(dtype=np.int64)):
+            raise _error("q.shape[0]", q.shape[0], f"{int(qlens.sum(dtype=np.int64))} (sum(qlens))")
+        q = q.reshape(q.shape[0], 1, H, D)
     if kv.shape[0] != B:
-        raise _error("kv.shape[0]", kv.shape[0], f"{B} (the batch B of q {tuple(q.shape)})")
+        raise _error("kv.shape[0]", kv.shape[0], f"{B} ({what})")
     if kv.shape[2] != D:
         raise _error("kv.shape[2]", kv.shape[2], f"{D} (the latent dim D of q {tuple(q.shape)})")
     if seq_lens.shape[0] != B:
-        raise _error("seq_lens.shape[0]", seq_lens.shape[0], f"{B} (the batch B of q {tuple(q.shape)})")
+        raise _error("seq_lens.shape[0]", seq_lens.shape[0], f"{B} ({what})")
     max_len = kv.shape[1]
     if seq_lens.size and seq_lens.max() > max_len:
         b = int(np.argmax(seq_lens > max_len))
@@ -86,13 +100,14 @@ def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_
         merge=_str("merge", merge),
         device=_device(device),
         seed=_int("seed", seed, 0, 2**64 - 1),
+        qlens=qlens,
     )
     return out, lse, list(routes)
 
 
 def mla_attention(q, kv, seq_lens, *, mode="verify", world_size=1, interleave=1, block_size=64,
                   kv_dtype="bf16", kv_scale=1.0, softmax_scale=None, kv_lora_rank=512,
-                  route="auto", device="cpu", merge="all_heads", seed=0):
+                  route="auto", device="cpu", merge="all_heads", seed=0, qlens=None):
     """Absorbed MLA attention over a DCP-sharded paged latent cache, end to end (SPEC §5).
 
     Shards ``kv`` over ``world_size`` ranks (round-robin in runs of ``interleave`` tokens),
@@ -126,10 +141,15 @@ def mla_attention(q, kv, seq_lens, *, mode="verify", world_size=1, interleave=1,
             (each rank keeps H/N heads; needs ``H % world_size == 0``); the returned
             arrays hold all heads either way.
         seed: draws the block tables.
+        qlens: per-request query rows (int ``[B]``, each >= 0; qo_indptr style): ``q`` is then
+            ``[sum(qlens), H, D]`` packed by request, and request b's row t sees the window of
+            its own ``qlens[b]`` (``[0, L_b - qlens[b] + t]`` when causal). ``None``: ``q`` is
+            ``[B, qlen, H, D]``. Not with ``route="two_stage"`` (uniform query blocks only).
 
     Returns:
-        ``(out, lse)``: ``out`` float32 ``[B, qlen, H, kv_lora_rank]`` (the values the bf16
-        output holds); ``lse`` float32 ``[B, qlen, H]``, the **natural** log of the sum of
+        ``(out, lse)``: ``out`` float32 ``[B, qlen, H, kv_lora_rank]`` (with ``qlens``:
+        ``[sum(qlens), H, kv_lora_rank]``; the values the bf16 output holds); ``lse`` float32
+        ``[B, qlen, H]`` (``[sum(qlens), H]``), the **natural** log of the sum of
         exp(scores) over the row's window. An empty window (padding request) gives
         ``out = 0`` and ``lse = -inf``, never NaN.
 
@@ -140,7 +160,7 @@ def mla_attention(q, kv, seq_lens, *, mode="verify", world_size=1, interleave=1,
                              interleave=interleave, block_size=block_size, kv_dtype=kv_dtype,
                              kv_scale=kv_scale, softmax_scale=softmax_scale,
                              kv_lora_rank=kv_lora_rank, route=route, device=device, merge=merge,
-                             seed=seed)
+                             seed=seed, qlens=qlens)
     return out, lse
 
 
@@ -148,7 +168,7 @@ def _mla_attention_with_routes(q, kv, seq_lens, **options):
     """:func:`mla_attention` that also returns the route each rank's planner took (tests)."""
     full = dict(mode="verify", world_size=1, interleave=1, block_size=64, kv_dtype="bf16",
                 kv_scale=1.0, softmax_scale=None, kv_lora_rank=512, route="auto", device="cpu",
-                merge="all_heads", seed=0)
+                merge="all_heads", seed=0, qlens=None)
     unknown = set(options) - set(full)
     if unknown:
         raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")

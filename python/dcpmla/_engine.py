@@ -208,7 +208,7 @@ class Attention:
         """The route the planner took for the current plan ('none' before the first)."""
         return self._native.route
 
-    def plan(self, seq_lens, block_tables, qlen, mode="verify", *, stream=None):
+    def plan(self, seq_lens, block_tables, qlen, mode="verify", *, qlens=None, stream=None):
         """Plans one step for every layer: host work, no allocation, no device synchronisation.
 
         Args:
@@ -218,6 +218,10 @@ class Attention:
                 ranks (SPEC §3).
             qlen: query rows per request (1 for decode; 1 + k to verify k draft tokens).
             mode: ``"decode"``, ``"verify"`` (causal) or ``"draft"`` (non-causal).
+            qlens: per-request query rows (int32 ``[B]``, each in ``[0, qlen]``; qo_indptr style),
+                or None for ``qlen`` rows each. With them ``run`` takes q ``[sum(qlens), H, D]``
+                packed by request (a mixed batch of decode rows and verify blocks), and request
+                b's rows see the windows of its own ``qlens[b]``.
             stream: CUDA only: where the plan's upload is ordered; the runs must be on it or after
                 it. None: torch's current stream when torch is imported, else the legacy default
                 stream. Never inside a graph capture: plan outside, then replay.
@@ -227,18 +231,22 @@ class Attention:
         """
         self._native.plan(_int_array("seq_lens", seq_lens, np.int32, "[B]"),
                           _int_array("block_tables", block_tables, np.int32, "[B, table_width]", ndim=2),
-                          _int("qlen", qlen), _str("mode", mode), _stream(stream, None, self._cuda_index) or 0)
+                          _int("qlen", qlen), _str("mode", mode),
+                          None if qlens is None else _int_array("qlens", qlens, np.int32, "[B]"),
+                          _stream(stream, None, self._cuda_index) or 0)
 
     def run(self, q, kv_cache, *, kv_scale=1.0, out=None, lse=None, stream=None):
         """This rank's partial attention of the planned batch over one layer's cache.
 
         Args:
-            q: ``[B, qlen, H, D]`` bfloat16 (CPU: float32 or bfloat16), D = kv_lora_rank + 64.
+            q: ``[B, qlen, H, D]`` bfloat16 (CPU: float32 or bfloat16), D = kv_lora_rank + 64;
+                ``[sum(qlens), H, D]`` when the plan had qlens.
             kv_cache: ``[num_blocks, block_size, D]``, contiguous, engine-owned: bfloat16 for a bf16
                 cache, one byte per value for fp8 (uint8, or torch.float8_e4m3fn / float8_e5m2).
             kv_scale: the fp8 scale, a float or a one-element float32 tensor on the device (read
                 when the kernels run, so a replayed graph sees its current value); 1.0 for bf16.
-            out: ``[B, qlen, H, kv_lora_rank]`` of q's dtype; lse: ``[B, qlen, H]`` float32. Reused
+            out: ``[B, qlen, H, kv_lora_rank]`` of q's dtype; lse: ``[B, qlen, H]`` float32 (packed
+                ``[sum(qlens), ...]`` when the plan had qlens). Reused
                 as given; when None, allocated in q's framework on q's device (torch.empty,
                 np.empty): pass both to keep the call allocation-free.
             stream: None for the producer's current stream (torch: torch.cuda.current_stream()),
@@ -249,10 +257,11 @@ class Attention:
             window is empty give out 0, lse -inf. Merge the ranks' with :func:`merge_states`.
         """
         s = _stream(stream, q, self._cuda_index)
+        rows = (self._native.rows,) if self._native.packed else (self.batch, self.qlen)
         if out is None:
-            out = _empty_like("out", q, (self.batch, self.qlen, self.heads, self.kv_lora_rank), True)
+            out = _empty_like("out", q, rows + (self.heads, self.kv_lora_rank), True)
         if lse is None:
-            lse = _empty_like("lse", q, (self.batch, self.qlen, self.heads), False)
+            lse = _empty_like("lse", q, rows + (self.heads,), False)
         value, tensor = _kv_scale(kv_scale, s)
         self._native.run(_dlpack("q", _raw("q", q), s), _dlpack("kv_cache", _raw("kv_cache", kv_cache, self.kv_dtype), s),
                          value, tensor, _dlpack("out", _raw("out", out), s), _dlpack("lse", lse, s), s or 0)

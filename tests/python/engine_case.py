@@ -105,3 +105,22 @@ def engine_reference(step, q, kv, ref):
 def attention_kwargs(step, rank, **extra):
     return dict(heads=step.heads, kv_dtype=step.dtype, block_size=step.block, world_size=step.world, rank=rank,
                 interleave=step.interleave, route=step.route, **extra)
+
+
+def packed_case(step, qlens):
+    """Per-request query rows (Attention.plan's qlens): q packed [sum(qlens), H, D] and the float64
+    reference of each request with its own qlen, packed alike (out [rows, 1, H, R], lse [rows, 1, H]
+    for assert_close)."""
+    q, kv, t, num_blocks, _ = make_inputs(step)
+    qlens = np.asarray(qlens, dtype=np.int32)
+    packed = np.concatenate([q[b, :n] for b, n in enumerate(qlens)])
+    outs, lses = [], []
+    for b, n in enumerate(qlens):
+        if n == 0:
+            continue
+        o, l = reference_attention(q[b:b + 1, :n], kv[b:b + 1], [step.lengths[b]], mode=step.mode,
+                                   kv_dtype=step.dtype, kv_scale=scale_of(step))
+        outs.append(o[0])
+        lses.append(l[0])
+    ref = (np.concatenate(outs)[:, None], np.concatenate(lses)[:, None])
+    return packed, kv, t, num_blocks, ref

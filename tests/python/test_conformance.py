@@ -191,6 +191,58 @@ def test_long_windows(world, route, device):
           interleave=2, block_size=64, route=route, seed=world, device=device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode,world,interleave,block,dtype,route", [
+    ("verify", 1, 1, 64, "bf16", "auto"), ("verify", 3, 2, 16, "fp8_e4m3", "split_k"),
+    ("draft", 8, 1, 1, "fp8_e5m2", "one_stage"), ("decode", 2, 1, 256, "bf16", "split_k"),
+    ("verify", 4, 4, 64, "bf16", "one_stage"), ("draft", 2, 2, 16, "bf16", "auto")])
+def test_per_request_query_lengths(mode, world, interleave, block, dtype, route, device):
+    """qlens (qo_indptr style): packed rows, each request's windows those of its own qlen;
+    requests without rows, a padding request, and rows whose rank-local window is empty."""
+    rng = np.random.default_rng(world * 13 + block)
+    lens = np.array([2600, 3, 0, 700, 1, 1800], dtype=np.int32)
+    top = 1 if mode == "decode" else 4
+    qlens = np.array([top, min(top, 3), top, 0, 1, max(top - 1, 0)], dtype=np.int32)
+    if mode == "draft":
+        qlens[4] = top
+    H = 8
+    q = rng.standard_normal((int(qlens.sum()), H, D), dtype=np.float32)
+    kv = rng.standard_normal((len(lens), int(lens.max()), D), dtype=np.float32)
+    scale = 1.0 if dtype == "bf16" else 0.37
+    out, lse = dcpmla.mla_attention(q, kv, lens, mode=mode, world_size=world, interleave=interleave,
+                                    block_size=block, kv_dtype=dtype, kv_scale=scale, route=route,
+                                    device=device, seed=5, qlens=qlens)
+    assert out.shape == (int(qlens.sum()), H, R) and lse.shape == (int(qlens.sum()), H)
+    # The reference request by request, each with its own qlen, packed alike.
+    ref_out, ref_lse, row = [], [], 0
+    for b, (L, n) in enumerate(zip(lens, qlens)):
+        if n == 0:
+            continue
+        o, l = reference_attention(q[row:row + n][None], kv[b:b + 1], [L], mode=mode, kv_dtype=dtype,
+                                   kv_scale=scale)
+        ref_out.append(o[0])
+        ref_lse.append(l[0])
+        row += n
+    ref_out, ref_lse = np.concatenate(ref_out), np.concatenate(ref_lse)
+    assert_close(out[:, None], lse[:, None], ref_out[:, None], ref_lse[:, None],
+                 what=f"qlens {qlens.tolist()} {mode} N={world} I={interleave} bs={block} {dtype} {route} {device}")
+    padding_rows = slice(int(qlens[:2].sum()), int(qlens[:3].sum()))
+    assert np.all(lse[padding_rows] == -np.inf) and np.all(out[padding_rows] == 0)
+
+
+def test_per_request_query_lengths_refused_plainly():
+    q = np.zeros((3, 2, D), dtype=np.float32)
+    kv = np.zeros((2, 8, D), dtype=np.float32)
+    with pytest.raises(ValueError, match=r"'q.shape\[0\]' = 3: expected 4 \(sum\(qlens\)\)"):
+        dcpmla.mla_attention(q, kv, [8, 8], qlens=[2, 2])
+    with pytest.raises(ValueError, match=r"'qlens.shape\[0\]' = 1"):
+        dcpmla.mla_attention(q, kv, [8, 8], qlens=[3])
+    with pytest.raises(ValueError, match=r"'qlens\[1\]' = -1"):
+        dcpmla.mla_attention(np.zeros((4, 2, D), np.float32), kv, [8, 8], qlens=[5, -1])
+    with pytest.raises(ValueError, match=r"qlens\[1\]"):
+        dcpmla.mla_attention(q, kv, [8, 8], qlens=[3, 0], route="two_stage")
+
+
 @pytest.mark.parametrize("world,interleave,block", [(2, 1, 1), (4, 2, 2), (8, 4, 4), (3, 1, 1)])
 def test_every_rank_short(world, interleave, block):
     """Lengths 1..N*I: most ranks hold nothing of the early rows."""

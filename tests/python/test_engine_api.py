@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import dcpmla
-from engine_case import (D, R, Step, attention_kwargs, empty_rows, engine_reference, make_inputs, scale_of,
-                         slots_and_latents)
+from engine_case import (D, R, Step, attention_kwargs, empty_rows, engine_reference, make_inputs, packed_case,
+                         scale_of, slots_and_latents)
 from reference import assert_close
 
 LIMITS = dict(max_batch=8, max_qlen=8, max_local_len=4096, device="cpu")
@@ -79,6 +79,38 @@ def test_equals_the_conformance_entry_point():
                                               world_size=step.world, block_size=step.block, kv_dtype=step.dtype,
                                               kv_scale=step.kv_scale)
     assert_close(out, lse, want_out.astype(np.float64), want_lse.astype(np.float64), bound=1e-2)
+
+
+@pytest.mark.parametrize("step,qlens", [
+    (Step(mode="verify", qlen=4, world=2, block=16, route="auto", lengths=(37, 0, 5, 129)), (4, 2, 0, 1)),
+    (Step(mode="draft", qlen=3, world=3, interleave=2, block=64, dtype="fp8_e4m3", kv_scale=0.37, route="split_k",
+          lengths=(700, 3, 0, 1500), seed=3), (0, 3, 2, 3)),
+    (Step(mode="decode", qlen=1, world=4, block=1, dtype="fp8_e5m2", kv_scale=2.5, route="one_stage",
+          lengths=(1, 90, 0, 2), seed=4), (1, 0, 1, 1)),
+], ids=lambda x: x.id() if isinstance(x, Step) else "q" + "_".join(map(str, x)))
+def test_per_request_query_lengths(step, qlens):
+    """plan(qlens=...): q, out and lse packed [sum(qlens), ...]; each request's windows those of
+    its own qlen; a request without rows, a padding request with rows, ranks holding nothing."""
+    q, kv, t, num_blocks, ref = packed_case(step, qlens)
+    outs, lses = [], []
+    for rank in range(step.world):
+        cache = numpy_cache(num_blocks, step)
+        latents, slots = slots_and_latents(step, kv, t, num_blocks, rank)
+        dcpmla.write_kv(cache, latents, slots, kv_dtype=step.dtype, kv_scale=scale_of(step))
+        att = dcpmla.Attention(**attention_kwargs(step, rank, **LIMITS))
+        att.plan(list(step.lengths), t, step.qlen, mode=step.mode, qlens=list(qlens))
+        out, lse = att.run(q, cache, kv_scale=scale_of(step))
+        assert out.shape == (sum(qlens), step.heads, R) and lse.shape == (sum(qlens), step.heads)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = dcpmla.merge_states(np.stack(outs), np.stack(lses))
+    assert_close(out[:, None], lse[:, None], *ref, what=f"{step.id()} qlens {qlens}")
+    att = dcpmla.Attention(**attention_kwargs(step, 0, **LIMITS))
+    with pytest.raises(ValueError, match=r"'qlens.shape\[0\]' = 3"):
+        att.plan(list(step.lengths), t, step.qlen, mode=step.mode, qlens=list(qlens)[:3])
+    att.plan(list(step.lengths), t, step.qlen, mode=step.mode, qlens=list(qlens))
+    with pytest.raises(ValueError, match=r"'q.shape"):
+        att.run(q[:-1], numpy_cache(num_blocks, step), kv_scale=scale_of(step))
 
 
 def planned(step=Step(), **extra):

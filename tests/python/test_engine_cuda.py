@@ -22,7 +22,7 @@ if not (dcpmla.cuda_available and dcpmla.cuda_device_available() and torch.cuda.
     pytest.skip("needs the CUDA backend, a usable GPU and torch with CUDA", allow_module_level=True)
 
 from engine_case import (D, R, Step, attention_kwargs, empty_rows, engine_reference, make_inputs,  # noqa: E402
-                         scale_of, slots_and_latents)
+                         packed_case, scale_of, slots_and_latents)
 from reference import assert_close, reference_attention  # noqa: E402
 
 DEV = torch.device("cuda", torch.cuda.current_device())
@@ -88,6 +88,35 @@ def test_step_against_reference(step):
         lses.append(lse)
     out, lse = dcpmla.merge_states(torch.stack(outs), torch.stack(lses))
     assert_close(out.float().cpu().numpy(), lse.cpu().numpy(), *engine_reference(step, q, kv, ref), what=step.id())
+
+
+@pytest.mark.parametrize("step,qlens", [
+    (Step(mode="verify", qlen=4, world=2, block=16, dtype="bf16", heads=128, lengths=(3000, 0, 5, 129)), (4, 2, 0, 1)),
+    (Step(mode="draft", qlen=3, world=3, interleave=2, block=64, dtype="fp8_e4m3", kv_scale=0.37, heads=16,
+          route="split_k", lengths=(700, 3, 0, 1500), seed=3), (0, 3, 2, 3)),
+    (Step(mode="decode", qlen=1, world=4, block=1, dtype="fp8_e5m2", kv_scale=2.5, heads=16, route="one_stage",
+          lengths=(1, 90, 0, 2000), seed=4), (1, 0, 1, 1)),
+    (Step(mode="verify", qlen=2, world=1, block=64, dtype="fp8_e4m3", kv_scale=0.5, heads=16,
+          lengths=(2000, 1, 4000, 2), seed=5), (2, 1, 1, 2)),
+], ids=lambda x: x.id() if isinstance(x, Step) else "q" + "_".join(map(str, x)))
+def test_per_request_query_lengths(step, qlens):
+    """plan(qlens=...) on the GPU: packed rows, each request's windows those of its own qlen."""
+    q, kv, t, num_blocks, ref = packed_case(step, qlens)
+    outs, lses = [], []
+    for rank in range(step.world):
+        c = cache(num_blocks, step)
+        latents, slots = slots_and_latents(step, kv, t, num_blocks, rank)
+        dcpmla.write_kv(c, bf16(latents), torch.from_numpy(slots).to(DEV), kv_dtype=step.dtype,
+                        kv_scale=scale_arg(step, rank))
+        att = dcpmla.Attention(**attention_kwargs(step, rank, **LIMITS, device=DEV))
+        att.plan(list(step.lengths), t, step.qlen, mode=step.mode, qlens=list(qlens))
+        out, lse = att.run(bf16(q), c, kv_scale=scale_arg(step, rank))
+        assert out.shape == (sum(qlens), step.heads, R)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = dcpmla.merge_states(torch.stack(outs), torch.stack(lses))
+    assert_close(out.float().cpu().numpy()[:, None], lse.cpu().numpy()[:, None], *ref,
+                 what=f"{step.id()} qlens {qlens}")
 
 
 # ---- a captured multi-layer DCP step, replayed after re-plans --------------------------------------
