@@ -321,9 +321,12 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
         break;
       }
       // It does not fit: cut it here (an empty chunk always takes a piece), or leave it to
-      // the next chunk. Rounded, not floored: the shares after it absorb the difference.
-      int64_t take = std::llround(room - cost.piece - cost.cut);
+      // the next chunk. Rounded up: the shares after it shrink by what it took over, so the
+      // last chunks get less, never the pile of every earlier chunk's rounding.
+      int64_t take = int64_t(std::ceil(room - cost.piece - cost.cut - 1e-9));
       if (used == 0.0) take = std::max(take, min_tiles);
+      // A rest too short to be a piece stays here only if no shorter cut leaves a whole one.
+      if (rest - take < min_tiles && rest - min_tiles >= min_tiles) take = std::min(take, rest - min_tiles);
       if (may_cut && take >= min_tiles && rest - take >= min_tiles) {
         emit(pos + take, true);
         cut = true;

@@ -30,8 +30,8 @@ inline constexpr int kCutTokens = 64;
 // run over its even share by `slack` of it rather than cut a request, so that a uniform
 // batch is not cut to win a few percent. (Calibrated on the H200: bench/NOTES.md.)
 struct ScheduleCost {
-  double piece = 2.0;
-  double cut = 1.0;
+  double piece = 1.0;
+  double cut = 0.5;
   double slack = 0.05;
 };
 
