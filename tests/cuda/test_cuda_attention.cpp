@@ -5,6 +5,8 @@
 // lse = -inf must be exactly zero. The KV write kernel must reproduce the CPU cache bytes.
 #include <gtest/gtest.h>
 
+#include <tuple>
+
 #include "scenario.h"
 
 namespace dcpmla::testing {
@@ -62,7 +64,24 @@ std::vector<Scenario> scenarios() {
     add(s);
   }
 
-  // Randomized sweep.
+  {
+    // Three chunks: each CTA runs many pieces back to back (short requests, and pieces of a long
+    // one cut on every tile edge), the kernels' unit loop at its longest.
+    const std::vector<int32_t> mix{70, 0, 64, 130, 3000, 1, 0, 129, 640, 63, 65, 2000, 5, 700};
+    for (const auto& [name, dtype, heads, qlen] :
+         {std::tuple{"chunks3_bf16_q1", K::bf16, 16, 1}, std::tuple{"chunks3_bf16_q4", K::bf16, 16, 4},
+          std::tuple{"chunks3_e4m3_q2", K::fp8_e4m3, 16, 2}, std::tuple{"chunks3_e5m2_h128", K::fp8_e5m2, 128, 1}}) {
+      std::vector<int32_t> lens;  // causal rows need L >= qlen (or 0)
+      for (int32_t L : mix) lens.push_back(L == 0 ? 0 : std::max<int32_t>(L, qlen));
+      Scenario s{name, qlen == 1 ? M::decode : M::verify, dtype, 16, heads, 2, 1, 1, R::automatic, qlen, qlen, lens,
+                 dtype == K::bf16 ? 1.0f : 0.37f};
+      s.num_workers = 3;
+      s.min_segment_tokens = 64;
+      add(s);
+    }
+  }
+
+  // Randomized sweep.  // Randomized sweep.
   std::mt19937_64 rng(20261129);
   auto pick = [&](auto const& options) { return options[size_t(rng() % options.size())]; };
   const std::vector<M> modes{M::decode, M::verify, M::draft};

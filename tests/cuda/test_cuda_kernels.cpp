@@ -340,8 +340,8 @@ TEST(CudaValidation, AttentionRefusesBadBatchesCachesAndRunWithoutPlan) {
   cuda_ok(cudaDeviceSynchronize(), "nothing was launched");
 }
 
-// Which kernel runs where (host-side dispatch, no device needed): the wgmma kernel serves
-// 64-row CTAs by default, the fp8 swap kernel 16-row CTAs of fp8 caches, the mma.sync
+// Which kernel runs where (host-side dispatch, no device needed): the fp8 swap kernel serves
+// every fp8 cache (in groups of 16 rows), the wgmma kernel bf16's 64-row CTAs, the mma.sync
 // kernel the other 16/32-row ones and every knob only it has; each can be forced at any
 // shape (the fp8 swap kernel for fp8 caches only); an unknown kernel is refused.
 TEST(CudaValidation, KernelVariantDispatch) {
@@ -349,11 +349,11 @@ TEST(CudaValidation, KernelVariantDispatch) {
   for (KvDtype d : {KvDtype::bf16, KvDtype::fp8_e4m3, KvDtype::fp8_e5m2}) {
     const bool fp8 = d != KvDtype::bf16;
     const cuda::AttentionVariant v128 = cuda::attention_variant(1, 128, d);
-    EXPECT_EQ(v128.kernel, 2);
-    EXPECT_EQ(v128.rows_per_cta, 64);
-    EXPECT_EQ(cuda::attention_variant(4, 16, d).kernel, 2);  // verify: 64 rows share each tile
+    EXPECT_EQ(v128.kernel, fp8 ? 3 : 2);
+    EXPECT_EQ(v128.rows_per_cta, fp8 ? 16 : 64);
+    EXPECT_EQ(cuda::attention_variant(4, 16, d).kernel, fp8 ? 3 : 2);  // verify: 64 rows share each tile
     EXPECT_EQ(cuda::attention_variant(1, 16, d).kernel, fp8 ? 3 : 1);
-    EXPECT_EQ(cuda::attention_variant(2, 16, d).kernel, 1);
+    EXPECT_EQ(cuda::attention_variant(2, 16, d).kernel, fp8 ? 3 : 1);
     const cuda::AttentionVariant forced = cuda::attention_variant(1, 16, d, AttentionTuning{0, 0, 2});
     EXPECT_EQ(forced.kernel, 2);
     EXPECT_EQ(forced.rows_per_cta, 64);  // 16 rows padded inside the CTA

@@ -9,13 +9,15 @@
 
 namespace dcpmla::cuda_detail {
 
-// The wgmma kernel serves 64-row CTAs (qlen x heads > 32: verify at 16 heads, 128 heads),
-// where the mma.sync kernel is bound by ldmatrix traffic (bench/NOTES.md). Below 64 rows
-// it would pad each CTA to 64 rows; the mma.sync kernel keeps those shapes, except fp8 up
-// to 32 rows, where the fp8 swap kernel reads the cache without dequantising it (32 rows as
-// two row groups of 16 that read each tile at the same time, the second from L2).
+// fp8 caches take the fp8 swap kernel at every row count: it reads the cache without
+// dequantising it, in row groups of 16 that read each tile at about the same time (all but
+// the first from L2); measured against the dequantising kernels it is 2.7-3x faster at 32
+// rows and as fast or 3-8 % faster at 64 rows and at 128 heads (bench/NOTES.md). For bf16
+// the wgmma kernel serves 64-row CTAs (qlen x heads > 32: verify at 16 heads, 128 heads),
+// where the mma.sync kernel is bound by ldmatrix traffic; below 64 rows it would pad each
+// CTA to 64 rows, and the mma.sync kernel keeps those shapes.
 int default_kernel(int rows_per_cta, bool fp8) {
-  if (fp8 && rows_per_cta <= 32) return kKernelFp8Swap;
+  if (fp8) return kKernelFp8Swap;
   if (rows_per_cta == 64) return kKernelWgmma;
   return kKernelMma;
 }
