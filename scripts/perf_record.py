@@ -16,6 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+ANCHORS = ROOT / "bench" / "anchors" / "flashmla_h200.json"
 PERF_MD = ROOT / "docs" / "perf.md"
 IMG = ROOT / "docs" / "img"
 BEGIN, END = "<!-- perf_record.py table: begin -->", "<!-- perf_record.py table: end -->"
@@ -54,14 +55,20 @@ def fmt(value, spec):
 
 
 def table(runs):
-    lines = ["| shape | batch | context | heads | qlen | kv | route | variant | µs | KV GB/s | TFLOP/s | ×copy "
-             "| ×GEMM | baseline µs | speedup | measured | results |",
-             "|" + "---|" * 17]
+    """The current rows; FlashMLA's time (bench/anchors) and its ratio to ours (> 1: dcpmla is faster)
+    where the anchors measured the same shape."""
+    flashmla = json.loads(ANCHORS.read_text())["us"]
+    lines = ["| shape | batch | context | heads | qlen | kv | route | variant | µs | graph µs | sync µs | KV GB/s "
+             "| TFLOP/s | ×copy | ×GEMM | FlashMLA µs | ×FlashMLA | baseline µs | speedup | measured | results |",
+             "|" + "---|" * 21]
     for name, (r, path, meta) in current_rows(runs).items():
+        anchor = flashmla.get(name)
         lines.append("| " + " | ".join([
             name, str(r["batch"]), str(r["context"]), str(r["heads"]), str(r["qlen"]), r["kv_dtype"], r["route"],
-            r["variant"], fmt(r["us"], ".1f"), fmt(r["kv_GBps"], ".0f"), fmt(r["TFLOPs"], ".1f"),
+            r["variant"], fmt(r["us"], ".1f"), fmt(r.get("graph_us"), ".1f"), fmt(r.get("sync_us"), ".1f"),
+            fmt(r["kv_GBps"], ".0f"), fmt(r["TFLOPs"], ".1f"),
             fmt(measured(r, "copy_ratio"), ".2f"), fmt(measured(r, "gemm_ratio"), ".2f"),
+            fmt(anchor, ".1f"), fmt(anchor / r["us"] if anchor else None, ".2f"),
             fmt(measured(r, "baseline_us"), ".1f"), fmt(measured(r, "speedup"), ".2f"),
             meta["date"][:16].replace("T", " "), f"[{path.name}](../bench/results/{path.name})"]) + " |")
     return "\n".join(lines)

@@ -223,9 +223,21 @@ inline ScenarioResult run_scenario(const Scenario& s) {
     for (size_t i = 0; i < cache_bytes; ++i) res.cache_mismatch += bytes[i] != want[i];
     res.cache_ok = res.cache_mismatch == 0;
 
+    // The device plan is what a host planner of the GPU's configuration writes (the CPU engine
+    // schedules for its own rows per unit, so its plan may cut elsewhere; its answer may not).
     gpu.plan(desc, stream);
-    const auto a = gpu.current_plan().arena(), b = cpu.current_plan().arena();
-    res.plan_ok = std::equal(a.begin(), a.end(), b.begin(), b.end());
+    cuda_ok(cudaStreamSynchronize(stream), "plan upload");
+    const Planner host(gpu.planner().config());
+    Plan planned = host.make_plan();
+    host.plan(desc, planned);
+    std::vector<int32_t> uploaded(planned.used_ints());
+    cuda_ok(cudaMemcpy(uploaded.data(), gpu.params(nullptr, cache.view, KvScale{s.kv_scale}, nullptr, nullptr).plan.header,
+                       uploaded.size() * sizeof(int32_t), cudaMemcpyDeviceToHost),
+            "plan download");
+    const auto staged = gpu.current_plan().arena(), expected = planned.arena();
+    res.plan_ok = gpu.current_plan().used_ints() == planned.used_ints() &&
+                  std::equal(uploaded.begin(), uploaded.end(), expected.begin()) &&
+                  std::equal(staged.begin(), staged.end(), expected.begin(), expected.end());
     res.route = gpu.current_plan().route();
     DeviceBuffer<bf16> q(d.q.empty() ? std::vector<bf16>(1) : d.q);
     DeviceBuffer<bf16> out(rows * 512);

@@ -47,16 +47,21 @@ __global__ void __launch_bounds__(32 * kCombineWarps) split_merge_kernel(const _
     const int b = p.plan.split_request[i];
     if (rr >= (p.plan.q_start[b + 1] - p.plan.q_start[b]) * p.heads) continue;  // uniform over the CTA
     const int first = p.plan.split_slot[i], count = p.plan.split_slot[i + 1] - first;
-    // The row's maximum over every piece holding a key (all lanes of all warps).
+    // The row's maximum over every piece holding a key (all lanes of all warps), and whether
+    // any does: a NaN l_s (a NaN score; its m_s may be -inf) is not empty and poisons the row.
     float m = kNegInf;
+    bool any = false;
     for (int s = threadIdx.x; s < count; s += blockDim.x) {
       const int64_t at = int64_t(first + s) * slot_rows + rr;
-      if (p.part_l[at] != 0.0f) m = nan_max(m, p.part_m[at]);
+      if (p.part_l[at] != 0.0f) {
+        any = true;
+        m = nan_max(m, p.part_m[at]);
+      }
     }
 #pragma unroll
     for (int d = 16; d; d >>= 1) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, d));
     if (lane == 0) red_m[warp] = m;
-    __syncthreads();
+    any = __syncthreads_or(any);
     m = kNegInf;
 #pragma unroll
     for (int w = 0; w < kCombineWarps; ++w) m = nan_max(m, red_m[w]);
@@ -65,7 +70,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps) split_merge_kernel(const _
     float4 acc[kCols / 4];
 #pragma unroll
     for (int k = 0; k < kCols / 4; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (m != kNegInf || isnan(m)) {
+    if (any) {
 #pragma unroll 4
       for (int s = warp; s < count; s += kCombineWarps) {
         const int64_t at = int64_t(first + s) * slot_rows + rr;
