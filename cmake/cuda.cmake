@@ -61,7 +61,8 @@ file(GLOB _dcpmla_attention_variants CONFIGURE_DEPENDS
 add_library(dcpmla_cuda STATIC
   src/cuda/common/device.cpp
   src/cuda/attention/attention.cpp
-  src/cuda/attention/launch.cu
+  src/cuda/attention/variants.cpp
+  src/cuda/attention/combine.cu
   ${_dcpmla_attention_variants}
   src/cuda/write/write_kv.cu
   src/cuda/write/write.cpp

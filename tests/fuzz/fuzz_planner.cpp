@@ -290,7 +290,10 @@ Batch read_batch(FuzzedDataProvider& in, const Fuzzed& f) {
   if (!b.tables.empty() && in.ConsumeIntegralInRange<int>(0, 15) == 0) b.tables.pop_back();  // wrong size
   // Per-request query lengths, sometimes: mostly within [0, qlen], sometimes out of range or short.
   if (in.ConsumeBool()) {
-    for (int r = 0; r < n; ++r) b.qlens.push_back(in.ConsumeIntegralInRange<int32_t>(-1, b.qlen + 1));
+    // In int64: qlen itself may be any int (a refused one included).
+    const int64_t lo = std::min<int64_t>(-1, b.qlen), hi = std::max<int64_t>(-1, int64_t(b.qlen) + 1);
+    for (int r = 0; r < n; ++r)
+      b.qlens.push_back(int32_t(std::clamp<int64_t>(in.ConsumeIntegralInRange<int64_t>(lo, hi), INT32_MIN, INT32_MAX)));
     if (!b.qlens.empty() && in.ConsumeIntegralInRange<int>(0, 15) == 0) b.qlens.pop_back();
   }
   return b;

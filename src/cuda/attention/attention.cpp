@@ -42,35 +42,10 @@ void validate_tuning(const cuda::AttentionTuning& t) {
           "0 (auto), 1 (mma.sync), 2 (wgmma) or 3 (fp8 swap)");
 }
 
-// The one place a runtime configuration becomes a compiled variant. grid = 0 only opts
+// The compiled variant (variants.cpp's table) that runs a configuration. grid = 0 only opts
 // the variant into its shared memory.
-void launch_attention(const AttentionParams& p, int grid, cudaStream_t stream, const cuda::AttentionVariant& v,
-                      bool fp8) {
-  if (v.kernel == cuda_detail::kKernelWgmma)
-    return fp8 ? cuda_detail::launch_attention_wgmma<true>(p, grid, stream)
-               : cuda_detail::launch_attention_wgmma<false>(p, grid, stream);
-  if (v.kernel == cuda_detail::kKernelFp8Swap)
-    return p.kv_dtype == KvDtype::fp8_e5m2 ? cuda_detail::launch_attention_fp8_swap<true>(p, grid, stream)
-                                           : cuda_detail::launch_attention_fp8_swap<false>(p, grid, stream);
-#define DCPMLA_CASE(ROWS, NT, CPS, FP8)                                                         \
-  if (v.rows_per_cta == ROWS && v.tile_tokens == NT && v.ctas_per_sm == CPS && fp8 == FP8)     \
-    return cuda_detail::launch_attention_variant<ROWS / 16, NT, CPS, FP8>(p, grid, stream)
-  DCPMLA_CASE(16, 32, 1, false);
-  DCPMLA_CASE(16, 32, 1, true);
-  DCPMLA_CASE(16, 64, 1, false);
-  DCPMLA_CASE(16, 64, 1, true);
-  DCPMLA_CASE(16, 32, 2, false);
-  DCPMLA_CASE(16, 32, 2, true);
-  DCPMLA_CASE(32, 32, 1, false);
-  DCPMLA_CASE(32, 32, 1, true);
-  DCPMLA_CASE(32, 64, 1, false);
-  DCPMLA_CASE(32, 64, 1, true);
-  DCPMLA_CASE(64, 32, 1, false);
-  DCPMLA_CASE(64, 32, 1, true);
-  DCPMLA_CASE(64, 64, 1, false);
-  DCPMLA_CASE(64, 64, 1, true);
-#undef DCPMLA_CASE
-  throw std::logic_error("dcpmla: no compiled attention variant for this configuration");
+void launch_attention(const AttentionParams& p, int grid, cudaStream_t stream, const cuda::AttentionVariant& v) {
+  find_variant(Kernel(v.kernel), v.rows_per_cta, v.tile_tokens, v.ctas_per_sm, p.kv_dtype).launch(p, grid, stream);
 }
 
 void validate_attention(const AttentionParams& p) {
@@ -117,40 +92,23 @@ AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const
   v.rows_per_cta = attention_rows_per_cta(max_qlen, heads);
   const bool mma_only_knobs = tuning.tile_tokens == 32 || tuning.ctas_per_sm == 2;
   // The fp8 swap kernel reads fp8 caches only; asked for with a bf16 cache, the default serves.
-  int kernel = tuning.kernel == cuda_detail::kKernelFp8Swap && !fp8 ? 0 : tuning.kernel;
-  if (kernel == 0) kernel = mma_only_knobs ? cuda_detail::kKernelMma : cuda_detail::default_kernel(v.rows_per_cta, fp8);
-  if (kernel != cuda_detail::kKernelMma) {
+  Kernel kernel = Kernel(tuning.kernel == int(Kernel::fp8_swap) && !fp8 ? 0 : tuning.kernel);
+  if (int(kernel) == 0) kernel = mma_only_knobs ? Kernel::mma : default_kernel(v.rows_per_cta, fp8);
+  v.kernel = int(kernel);
+  if (kernel == Kernel::mma) {
+    v.tile_tokens = tuning.tile_tokens ? tuning.tile_tokens : default_tile_tokens(v.rows_per_cta, fp8);
+    v.ctas_per_sm = tuning.ctas_per_sm ? tuning.ctas_per_sm : default_ctas_per_sm(v.rows_per_cta, fp8);
+    // Two CTAs per SM exist for 32-token tiles of 16 rows only (their shared memory and
+    // registers halve); elsewhere the knob falls back to one.
+    if (v.rows_per_cta != 16 || v.tile_tokens != 32) v.ctas_per_sm = 1;
+  } else {
     // Fixed row counts whatever qlen x heads is: the wgmma kernel pads fewer rows to 64
     // inside the CTA, the fp8 swap kernel takes more rows in more groups of 16.
-    const bool swap = kernel == cuda_detail::kKernelFp8Swap;
-    v.rows_per_cta = swap ? 16 : 64;
+    v.rows_per_cta = kernel == Kernel::fp8_swap ? 16 : 64;
     v.tile_tokens = 64;
     v.ctas_per_sm = 1;
-    v.smem_bytes = swap ? (dtype == KvDtype::fp8_e5m2 ? cuda_detail::attention_fp8_swap_smem_bytes<true>()
-                                                      : cuda_detail::attention_fp8_swap_smem_bytes<false>())
-                        : (fp8 ? cuda_detail::attention_wgmma_smem_bytes<true>()
-                               : cuda_detail::attention_wgmma_smem_bytes<false>());
-    v.kernel = kernel;
-    return v;
   }
-  v.kernel = cuda_detail::kKernelMma;
-  v.tile_tokens = tuning.tile_tokens ? tuning.tile_tokens : default_tile_tokens(v.rows_per_cta, fp8);
-  v.ctas_per_sm = tuning.ctas_per_sm ? tuning.ctas_per_sm : default_ctas_per_sm(v.rows_per_cta, fp8);
-  // Two CTAs per SM exist for 32-token tiles of 16 rows only (their shared memory and
-  // registers halve); elsewhere the knob falls back to one.
-  if (v.rows_per_cta != 16 || v.tile_tokens != 32) v.ctas_per_sm = 1;
-#define DCPMLA_SMEM(ROWS, NT, CPS)                                                                     \
-  if (v.rows_per_cta == ROWS && v.tile_tokens == NT && v.ctas_per_sm == CPS)                          \
-    v.smem_bytes = fp8 ? cuda_detail::attention_smem_bytes<ROWS / 16, NT, CPS, true>()                \
-                       : cuda_detail::attention_smem_bytes<ROWS / 16, NT, CPS, false>();
-  DCPMLA_SMEM(16, 32, 1)
-  DCPMLA_SMEM(16, 64, 1)
-  DCPMLA_SMEM(16, 32, 2)
-  DCPMLA_SMEM(32, 32, 1)
-  DCPMLA_SMEM(32, 64, 1)
-  DCPMLA_SMEM(64, 32, 1)
-  DCPMLA_SMEM(64, 64, 1)
-#undef DCPMLA_SMEM
+  v.smem_bytes = find_variant(kernel, v.rows_per_cta, v.tile_tokens, v.ctas_per_sm, dtype).smem_bytes();
   return v;
 }
 
@@ -162,7 +120,7 @@ void attention(const AttentionParams& p, cudaStream_t stream, int num_sms, bool 
   // fills the shared memory), each running its (row group, chunk) slots of the schedule.
   const int64_t groups = (int64_t(p.plan.max_qlen) * p.heads + v.rows_per_cta - 1) / v.rows_per_cta;
   const int grid = int(std::min<int64_t>(int64_t(p.plan.chunk_capacity) * groups, int64_t(num_sms) * v.ctas_per_sm));
-  launch_attention(p, grid, stream, v, p.kv_dtype != KvDtype::bf16);
+  launch_attention(p, grid, stream, v);
   if (merge) {
     // Cut requests' rows, at most max_batch x max_qlen x heads: one small CTA each.
     const int64_t rows_cap = int64_t(p.plan.max_batch) * p.plan.max_qlen * p.heads;
@@ -297,8 +255,7 @@ void Attention::run(const bf16* q, const KvCache& cache, const KvScale& scale, b
 void Attention::set_tuning(const AttentionTuning& tuning) {
   const auto& c = impl_->planner.config();
   const AttentionVariant v = attention_variant(c.limits.max_qlen, c.heads, c.kv_dtype, tuning);
-  launch_attention(params(nullptr, KvCache{}, KvScale{}, nullptr, nullptr), 0, nullptr, v,
-                   c.kv_dtype != KvDtype::bf16);
+  launch_attention(params(nullptr, KvCache{}, KvScale{}, nullptr, nullptr), 0, nullptr, v);
   impl_->tuning = tuning;
 }
 

@@ -38,8 +38,7 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
   using C = AttnConfig<MT, NT, CPS, FP8>;
   constexpr int M = C::M, STAGES = C::STAGES;
   static_assert(kThreads % NT == 0);
-  constexpr float kLog2e = 1.4426950408889634f;
-  const float kNegInf = -__int_as_float(0x7f800000);
+  const float kNegInf = neg_inf();
 
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* sQ = smem;                                   // (M, D) bf16 swizzled

@@ -95,8 +95,7 @@ template <bool E5M2>
 __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid_constant__ AttentionParams p) {
   using C = Fp8SwapConfig;
   constexpr int M = C::M, NT = C::NT, STAGES = C::STAGES;
-  constexpr float kLog2e = 1.4426950408889634f;
-  const float kNegInf = -__int_as_float(0x7f800000);
+  const float kNegInf = neg_inf();
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);

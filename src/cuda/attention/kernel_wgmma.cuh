@@ -83,8 +83,7 @@ template <bool FP8>
 __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_constant__ AttentionParams p) {
   using C = WgConfig<FP8>;
   constexpr int M = C::M, NT = C::NT;
-  constexpr float kLog2e = 1.4426950408889634f;
-  const float kNegInf = -__int_as_float(0x7f800000);
+  const float kNegInf = neg_inf();
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // Swizzle atoms must start on 1024-byte boundaries (descriptor base offset 0).

@@ -13,6 +13,12 @@
 
 namespace dcpmla::cuda_detail {
 
+// The kernels' constants, defined once: scores go to base 2 (exp2), lse back to natural log.
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+// -inf (the max of an empty row, the lse of a row with no key).
+__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return uint32_t(__cvta_generic_to_shared(p));
 }

@@ -11,7 +11,6 @@
 namespace dcpmla::cuda_detail {
 namespace {
 
-__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
 __device__ __forceinline__ float bf16f(bf16 v) { return __uint_as_float(uint32_t(v.bits) << 16); }
 __device__ __forceinline__ bf16 to_bf16(float x) {
   const __nv_bfloat16 h = __float2bfloat16_rn(x);
@@ -241,7 +240,6 @@ __device__ __forceinline__ float read_as_cache(bf16 v, float scale) {
 // pass instead of kept: the block is a handful of tokens.
 template <KvDtype DT>
 __global__ void __launch_bounds__(256) block_attention_kernel(const BlockParams p) {
-  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
   const int lane = threadIdx.x & 31;
   const int batch = p.plan_header[1], qlen = p.plan_header[2];
   const float kv_scale = p.kv_scale_dev != nullptr ? *p.kv_scale_dev : p.kv_scale;

@@ -1,26 +1,12 @@
-// Variant dispatch (in one place) and the split-K merge kernel.
+// The combine of the cut requests' partials (the split-K merge kernel).
 #include <cmath>
 
 #include "common/params.h"
 #include "common/utils.cuh"
 #include "config.h"
 #include "dcpmla/cuda.h"
-#include "variants.h"
 
 namespace dcpmla::cuda_detail {
-
-// fp8 caches take the fp8 swap kernel at every row count: it reads the cache without
-// dequantising it, in row groups of 16 that read each tile at about the same time (all but
-// the first from L2); measured against the dequantising kernels it is 2.7-3x faster at 32
-// rows and as fast or 3-8 % faster at 64 rows and at 128 heads (bench/NOTES.md). For bf16
-// the wgmma kernel serves 64-row CTAs (qlen x heads > 32: verify at 16 heads, 128 heads),
-// where the mma.sync kernel is bound by ldmatrix traffic; below 64 rows it would pad each
-// CTA to 64 rows, and the mma.sync kernel keeps those shapes.
-int default_kernel(int rows_per_cta, bool fp8) {
-  if (fp8) return kKernelFp8Swap;
-  if (rows_per_cta == 64) return kKernelWgmma;
-  return kKernelMma;
-}
 
 // The combine of the cut requests' rows (the schedule's partials): one CTA of kCombineWarps
 // warps per (cut request, row x head), the warps taking pieces k, k + kCombineWarps, ... so
@@ -34,8 +20,7 @@ constexpr int kCombineWarps = 4;
 
 __global__ void __launch_bounds__(32 * kCombineWarps) split_merge_kernel(const __grid_constant__ AttentionParams p) {
   const PlanHeader hdr = *p.plan.header;
-  const float kNegInf = -__int_as_float(0x7f800000);
-  constexpr float kLn2 = 0.6931471805599453f;
+  const float kNegInf = neg_inf();
   constexpr int kCols = kRank / 32;  // columns per lane: 4 float4
   __shared__ float4 red[kCombineWarps][32][kCols / 4];
   __shared__ float red_m[kCombineWarps], red_l[kCombineWarps];

@@ -1,0 +1,66 @@
+// The one table of compiled attention kernel variants, and the choice among them: adding a
+// variant is one line here (plus its instantiation file under instantiations/).
+#include "attention/variants.h"
+
+#include <stdexcept>
+
+#include "common/params.h"
+
+namespace dcpmla::cuda_detail {
+namespace {
+
+constexpr uint32_t kBf16 = 1u << int(KvDtype::bf16);
+constexpr uint32_t kE4m3 = 1u << int(KvDtype::fp8_e4m3);
+constexpr uint32_t kE5m2 = 1u << int(KvDtype::fp8_e5m2);
+
+// mma.sync: 16 MT rows per CTA, NT-token tiles, CPS CTAs per SM; fp8 caches dequantised.
+template <int MT, int NT, int CPS, bool FP8>
+constexpr KernelVariant mma() {
+  return {Kernel::mma, 16 * MT, NT, CPS, FP8 ? kE4m3 | kE5m2 : kBf16, &launch_attention_variant<MT, NT, CPS, FP8>,
+          &attention_smem_bytes<MT, NT, CPS, FP8>};
+}
+template <bool FP8>
+constexpr KernelVariant wgmma() {
+  return {Kernel::wgmma, 64, 64, 1, FP8 ? kE4m3 | kE5m2 : kBf16, &launch_attention_wgmma<FP8>,
+          &attention_wgmma_smem_bytes<FP8>};
+}
+template <bool E5M2>
+constexpr KernelVariant fp8_swap() {
+  return {Kernel::fp8_swap, 16, 64, 1, E5M2 ? kE5m2 : kE4m3, &launch_attention_fp8_swap<E5M2>,
+          &attention_fp8_swap_smem_bytes<E5M2>};
+}
+
+constexpr KernelVariant kVariants[] = {
+    mma<1, 32, 1, false>(), mma<1, 32, 1, true>(), mma<1, 64, 1, false>(), mma<1, 64, 1, true>(),
+    mma<1, 32, 2, false>(), mma<1, 32, 2, true>(), mma<2, 32, 1, false>(), mma<2, 32, 1, true>(),
+    mma<2, 64, 1, false>(), mma<2, 64, 1, true>(), mma<4, 32, 1, false>(), mma<4, 32, 1, true>(),
+    mma<4, 64, 1, false>(), mma<4, 64, 1, true>(), wgmma<false>(),         wgmma<true>(),
+    fp8_swap<false>(),      fp8_swap<true>(),
+};
+
+}  // namespace
+
+std::span<const KernelVariant> variant_table() { return kVariants; }
+
+const KernelVariant& find_variant(Kernel kernel, int rows_per_cta, int tile_tokens, int ctas_per_sm, KvDtype dtype) {
+  for (const KernelVariant& v : kVariants)
+    if (v.kernel == kernel && v.rows_per_cta == rows_per_cta && v.tile_tokens == tile_tokens &&
+        v.ctas_per_sm == ctas_per_sm && (v.dtypes & (1u << int(dtype))))
+      return v;
+  throw std::logic_error("dcpmla: no compiled attention variant for this configuration");
+}
+
+// fp8 caches take the fp8 swap kernel at every row count: it reads the cache without
+// dequantising it, in row groups of 16 that read each tile at about the same time (all but
+// the first from L2); measured against the dequantising kernels it is 2.7-3x faster at 32
+// rows and as fast or 3-8 % faster at 64 rows and at 128 heads (bench/NOTES.md). For bf16
+// the wgmma kernel serves 64-row CTAs (qlen x heads > 32: verify at 16 heads, 128 heads),
+// where the mma.sync kernel is bound by ldmatrix traffic; below 64 rows it would pad each
+// CTA to 64 rows, and the mma.sync kernel keeps those shapes.
+Kernel default_kernel(int rows_per_cta, bool fp8) {
+  if (fp8) return Kernel::fp8_swap;
+  if (rows_per_cta == 64) return Kernel::wgmma;
+  return Kernel::mma;
+}
+
+}  // namespace dcpmla::cuda_detail
