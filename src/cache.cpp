@@ -19,17 +19,18 @@ int subpage_size(int block_size) {
 
 namespace {
 
+// Checked by every run and write_kv (KvCache::validate): messages are formatted only on failure.
 void validate_shape(int64_t num_blocks, int block_size, int dim, KvDtype dtype) {
   require(num_blocks >= 1, "num_blocks", num_blocks, ">= 1");
-  require(block_size >= 1 && block_size <= kMaxBlockSize, "block_size", block_size,
-          fmt::format("in [1, {}]", kMaxBlockSize));
+  if (block_size < 1 || block_size > kMaxBlockSize)
+    fail("block_size", block_size, fmt::format("in [1, {}]", kMaxBlockSize));
   require(dim >= 1, "dim", dim, ">= 1");
   require(dtype == KvDtype::bf16 || dtype == KvDtype::fp8_e4m3 || dtype == KvDtype::fp8_e5m2, "kv_dtype",
           int(dtype), "bf16, fp8_e4m3 or fp8_e5m2");
   // bytes = num_blocks x block_size x dim x bytes per value must not overflow int64.
-  const int64_t row_bytes = int64_t(block_size) * dim * bytes_per_value(dtype);
-  require(num_blocks <= std::numeric_limits<int64_t>::max() / row_bytes, "num_blocks", num_blocks,
-          fmt::format("<= {} (the cache's byte count must fit int64)", std::numeric_limits<int64_t>::max() / row_bytes));
+  const int64_t max_blocks = std::numeric_limits<int64_t>::max() / (int64_t(block_size) * dim * bytes_per_value(dtype));
+  if (num_blocks > max_blocks)
+    fail("num_blocks", num_blocks, fmt::format("<= {} (the cache's byte count must fit int64)", max_blocks));
 }
 
 }  // namespace

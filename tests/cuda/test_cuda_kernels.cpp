@@ -337,6 +337,8 @@ TEST(CudaValidation, AttentionRefusesBadBatchesCachesAndRunWithoutPlan) {
   bad.block_size = 16;
   expect_field([&] { a.run(q.get(), bad, KvScale{}, out.get(), lse.get(), nullptr); }, "block_size");
   expect_field([&] { a.run(q.get(), good, KvScale{0.5f}, out.get(), lse.get(), nullptr); }, "kv_scale");
+  expect_field([&] { a.run(nullptr, good, KvScale{}, out.get(), lse.get(), nullptr); }, "'q/out/lse' = null");
+  expect_field([&] { a.run(q.get(), good, KvScale{}, out.get(), nullptr, nullptr); }, "'q/out/lse' = null");
   cuda_ok(cudaDeviceSynchronize(), "nothing was launched");
 }
 

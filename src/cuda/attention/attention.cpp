@@ -42,10 +42,23 @@ void validate_tuning(const cuda::AttentionTuning& t) {
           "0 (auto), 1 (mma.sync), 2 (wgmma) or 3 (fp8 swap)");
 }
 
-// The compiled variant (variants.cpp's table) that runs a configuration. grid = 0 only opts
-// the variant into its shared memory.
-void launch_attention(const AttentionParams& p, int grid, cudaStream_t stream, const cuda::AttentionVariant& v) {
-  find_variant(Kernel(v.kernel), v.rows_per_cta, v.tile_tokens, v.ctas_per_sm, p.kv_dtype).launch(p, grid, stream);
+// The compiled variant (variants.cpp's table) that runs a configuration.
+const KernelVariant& compiled(const cuda::AttentionVariant& v, KvDtype dtype) {
+  return find_variant(Kernel(v.kernel), v.rows_per_cta, v.tile_tokens, v.ctas_per_sm, dtype);
+}
+
+// The launches of a validated call: the attention kernel on a fixed grid from the capacities
+// (graph-safe: ctas_per_sm CTAs per SM, each running its (row group, chunk) slots of the
+// schedule), then the combine of the cut requests unless no plan can cut one.
+void launch(const AttentionParams& p, cudaStream_t stream, int num_sms, bool merge, const KernelVariant& k) {
+  const int64_t groups = (int64_t(p.plan.max_qlen) * p.heads + k.rows_per_cta - 1) / k.rows_per_cta;
+  k.launch(p, int(std::min<int64_t>(int64_t(p.plan.chunk_capacity) * groups, int64_t(num_sms) * k.ctas_per_sm)),
+           stream);
+  if (merge) {
+    // Cut requests' rows, at most max_batch x max_qlen x heads: one small CTA each.
+    const int64_t rows_cap = int64_t(p.plan.max_batch) * p.plan.max_qlen * p.heads;
+    launch_split_merge(p, int(std::min<int64_t>(rows_cap, int64_t(num_sms) * 16)), stream);
+  }
 }
 
 void validate_attention(const AttentionParams& p) {
@@ -68,11 +81,12 @@ void validate_attention(const AttentionParams& p) {
     require(p.kv_scale == 1.0f, "kv_scale", p.kv_scale, "1.0 for a bf16 cache (the scale is for fp8)");
   else
     require_scale("kv_scale", p.kv_scale);
-  require(p.plan.max_qlen >= 1 && p.plan.max_batch >= 1 && p.plan.work_capacity >= 1 && p.plan.chunk_capacity >= 1,
-          "plan capacities",
-          fmt::format("max_batch {}, max_qlen {}, work_capacity {}, chunk_capacity {}", p.plan.max_batch,
-                      p.plan.max_qlen, p.plan.work_capacity, p.plan.chunk_capacity),
-          ">= 1 each");
+  // Every run passes here: the message is formatted only on failure.
+  if (p.plan.max_qlen < 1 || p.plan.max_batch < 1 || p.plan.work_capacity < 1 || p.plan.chunk_capacity < 1)
+    fail("plan capacities",
+         fmt::format("max_batch {}, max_qlen {}, work_capacity {}, chunk_capacity {}", p.plan.max_batch,
+                     p.plan.max_qlen, p.plan.work_capacity, p.plan.chunk_capacity),
+         ">= 1 each");
 }
 
 }  // namespace
@@ -108,24 +122,14 @@ AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const
     v.tile_tokens = 64;
     v.ctas_per_sm = 1;
   }
-  v.smem_bytes = find_variant(kernel, v.rows_per_cta, v.tile_tokens, v.ctas_per_sm, dtype).smem_bytes();
+  v.smem_bytes = compiled(v, dtype).smem_bytes();
   return v;
 }
 
 void attention(const AttentionParams& p, cudaStream_t stream, int num_sms, bool merge, const AttentionTuning& tuning) {
   validate_attention(p);
-  const AttentionVariant v = attention_variant(p.plan.max_qlen, p.heads, p.kv_dtype, tuning);
   if (num_sms <= 0) num_sms = device_sms(current_device());
-  // Fixed grid from the capacities (graph-safe): ctas_per_sm CTAs per SM (the kernel
-  // fills the shared memory), each running its (row group, chunk) slots of the schedule.
-  const int64_t groups = (int64_t(p.plan.max_qlen) * p.heads + v.rows_per_cta - 1) / v.rows_per_cta;
-  const int grid = int(std::min<int64_t>(int64_t(p.plan.chunk_capacity) * groups, int64_t(num_sms) * v.ctas_per_sm));
-  launch_attention(p, grid, stream, v);
-  if (merge) {
-    // Cut requests' rows, at most max_batch x max_qlen x heads: one small CTA each.
-    const int64_t rows_cap = int64_t(p.plan.max_batch) * p.plan.max_qlen * p.heads;
-    cuda_detail::launch_split_merge(p, int(std::min<int64_t>(rows_cap, int64_t(num_sms) * 16)), stream);
-  }
+  launch(p, stream, num_sms, merge, compiled(attention_variant(p.plan.max_qlen, p.heads, p.kv_dtype, tuning), p.kv_dtype));
 }
 
 }  // namespace cuda
@@ -188,6 +192,7 @@ struct Attention::Impl {
   int current = 1;  // plans[current] is the last plan; the next goes to the other copy
   bool planned = false;
   AttentionTuning tuning;
+  const KernelVariant* kernel = nullptr;  // the tuning's variant (set_tuning), what run() launches
   DeviceBuffer owned;
   int32_t* plan_dev = nullptr;
   float* split = nullptr;
@@ -246,17 +251,20 @@ void Attention::run(const bf16* q, const KvCache& cache, const KvScale& scale, b
   const Impl& m = *impl_;
   if (!m.planned) fail("plan", "none", "a plan: call plan(batch, stream) before run()");
   validate_run(m.planner.config(), current_plan(), cache, scale);
+  // The rest of the parameters are the configuration's, checked when it was built.
+  if (q == nullptr || out == nullptr || lse == nullptr) fail("q/out/lse", "null", "device pointers");
   // The combine reads the cut requests from the device plan; it is skipped only where no plan
   // of this planner cuts a request.
   const bool may_cut = m.planner.config().route != Route::one_stage;
-  attention(params(q, cache, scale, out, lse), stream, m.sms, may_cut, m.tuning);
+  launch(params(q, cache, scale, out, lse), stream, m.sms, may_cut, *m.kernel);
 }
 
 void Attention::set_tuning(const AttentionTuning& tuning) {
   const auto& c = impl_->planner.config();
-  const AttentionVariant v = attention_variant(c.limits.max_qlen, c.heads, c.kv_dtype, tuning);
-  launch_attention(params(nullptr, KvCache{}, KvScale{}, nullptr, nullptr), 0, nullptr, v);
+  const KernelVariant& k = compiled(attention_variant(c.limits.max_qlen, c.heads, c.kv_dtype, tuning), c.kv_dtype);
+  k.launch(params(nullptr, KvCache{}, KvScale{}, nullptr, nullptr), 0, nullptr);  // its shared memory, once
   impl_->tuning = tuning;
+  impl_->kernel = &k;
 }
 
 }  // namespace cuda
