@@ -171,11 +171,10 @@ Plan Planner::make_plan(int32_t* storage) const {
   return Plan(config_.limits, table_capacity_, work_capacity_, config_.num_workers, storage);
 }
 
-int Planner::groups_of(int64_t max_rows) const {
-  return int(std::max<int64_t>(1, ceil_div(max_rows, config_.rows_per_unit)));
+int Planner::chunks_of(int64_t max_rows) const {
+  const int64_t groups = std::max<int64_t>(1, ceil_div(max_rows, config_.rows_per_unit));
+  return int(std::max<int64_t>(1, config_.num_workers / groups));
 }
-
-int Planner::chunks_of(int64_t max_rows) const { return std::max(1, config_.num_workers / groups_of(max_rows)); }
 
 // Every check branches first and formats only when it fails: this runs every step over
 // every table entry.
@@ -312,36 +311,29 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
       const int64_t rest = tiles - pos;
       const double whole = double(rest) + cost.piece + (cut ? cost.cut : 0.0);
       const double room = budget - used;
-      // The slack spares a whole request its cut; a cut one's rest has nothing to spare.
-      if (k == chunks - 1 || whole <= room + (cut ? 0.0 : slack * budget)) {
+      // The rest fits (the slack spares a whole request its cut; a cut one's rest has nothing
+      // to spare), or it is cut here, or it goes to the next chunk. A cut is rounded up: the
+      // shares after it shrink by what it took over, so the last chunks get less, never the
+      // pile of every earlier chunk's rounding. An empty chunk always takes a piece, and a
+      // rest too short to be a piece stays only if no shorter cut leaves a whole one.
+      const bool fits = k == chunks - 1 || whole <= room + (cut ? 0.0 : slack * budget);
+      int64_t take = int64_t(std::ceil(room - cost.piece - cost.cut - 1e-9));
+      if (used == 0.0) take = std::max(take, min_tiles);
+      if (rest - take < min_tiles && rest - min_tiles >= min_tiles) take = std::min(take, rest - min_tiles);
+      const bool cuttable = may_cut && take >= min_tiles && rest - take >= min_tiles;
+      if (fits || (!cuttable && used == 0.0)) {  // the rest here (uncuttable: it takes the chunk)
         emit(tiles, cut);
         used += whole;
         tiles_left -= rest;
         --parts_left;
         break;
       }
-      // It does not fit: cut it here (an empty chunk always takes a piece), or leave it to
-      // the next chunk. Rounded up: the shares after it shrink by what it took over, so the
-      // last chunks get less, never the pile of every earlier chunk's rounding.
-      int64_t take = int64_t(std::ceil(room - cost.piece - cost.cut - 1e-9));
-      if (used == 0.0) take = std::max(take, min_tiles);
-      // A rest too short to be a piece stays here only if no shorter cut leaves a whole one.
-      if (rest - take < min_tiles && rest - min_tiles >= min_tiles) take = std::min(take, rest - min_tiles);
-      if (may_cut && take >= min_tiles && rest - take >= min_tiles) {
+      if (cuttable) {
         emit(pos + take, true);
         cut = true;
         used += double(take) + cost.piece + cost.cut;
         tiles_left -= take;
         pos += take;
-        close_chunk();
-        continue;
-      }
-      if (used == 0.0) {  // uncuttable (one_stage, or too short to cut): it takes this chunk
-        emit(tiles, cut);
-        used += whole;
-        tiles_left -= rest;
-        --parts_left;
-        break;
       }
       close_chunk();
     }

@@ -201,11 +201,10 @@ class Planner {
   // O(batch + table entries); no allocation, and no formatting unless it throws.
   void plan(const BatchDesc& batch, Plan& plan) const;
 
-  // Row groups and chunks of a step whose largest request has `max_rows` query rows.
-  int groups_of(int64_t max_rows) const;
-  int chunks_of(int64_t max_rows) const;
-
  private:
+  // Chunks of a step whose widest request (with tokens) has `max_rows` query rows: the workers
+  // over its ceil(max_rows / rows_per_unit) row groups.
+  int chunks_of(int64_t max_rows) const;
   // Checks the batch; returns the largest block id its tables name (-1: none).
   int64_t validate(const BatchDesc& batch) const;
   // Deals the requests' tokens (longest[b]: request b's longest row) into the plan's
