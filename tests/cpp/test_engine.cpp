@@ -150,6 +150,21 @@ AttentionConfig rank_config(const Case& c, const Sequence& s, int rank) {
   return a;
 }
 
+// The conformance entry point's options for the same case (its own block tables: `seed`).
+AttentionOptions conformance_options(const Case& c, float scale, uint64_t seed) {
+  AttentionOptions o;
+  o.mode = c.mode;
+  o.world_size = c.world;
+  o.interleave = c.interleave;
+  o.block_size = c.block_size;
+  o.kv_dtype = c.dtype;
+  o.kv_scale = scale;
+  o.route = c.route;
+  o.min_segment_tokens = kMinSegment;
+  o.seed = seed;
+  return o;
+}
+
 class Engine : public ::testing::TestWithParam<Case> {};
 
 TEST_P(Engine, EveryLayerMatchesItsReferenceAndMlaAttention) {
@@ -260,17 +275,8 @@ TEST_P(Engine, EveryLayerMatchesItsReferenceAndMlaAttention) {
       // The conformance entry point on the same arrays: the same plan and kernels, the same
       // bits. Once per step (it runs every rank again), on the layer written last.
       if (l != kLayers - 1) continue;
-      AttentionOptions o;
-      o.mode = c.mode;
-      o.world_size = N;
-      o.interleave = c.interleave;
-      o.block_size = c.block_size;
-      o.kv_dtype = c.dtype;
-      o.kv_scale = scale;
-      o.route = c.route;
-      o.min_segment_tokens = kMinSegment;
-      o.seed = rng();
-      const auto conf = mla_attention(q, kv[size_t(l)], lens, B, qlen, kHeads, s.max_len, kDim, o);
+      const auto conf =
+          mla_attention(q, kv[size_t(l)], lens, B, qlen, kHeads, s.max_len, kDim, conformance_options(c, scale, rng()));
       EXPECT_EQ(conf.routes[0], route);
       EXPECT_TRUE(std::equal(got.begin(), got.end(), conf.out.begin())) << "out differs from mla_attention's";
       EXPECT_TRUE(std::equal(lse.begin(), lse.end(), conf.lse.begin())) << "lse differs from mla_attention's";
@@ -332,17 +338,8 @@ TEST_P(Engine, EveryRequestsOwnQueryLength) {
                                 << err.max_rel_l2 << " lse " << err.max_lse_err << " nan " << err.nan_count;
 
   // The conformance entry point with the same qlens: the same plans and kernels, the same bits.
-  AttentionOptions o;
-  o.mode = c.mode;
-  o.world_size = N;
-  o.interleave = c.interleave;
-  o.block_size = c.block_size;
-  o.kv_dtype = c.dtype;
-  o.kv_scale = scale;
-  o.route = c.route;
-  o.min_segment_tokens = kMinSegment;
+  AttentionOptions o = conformance_options(c, scale, rng());
   o.qlens = qlens;
-  o.seed = rng();
   const auto conf = mla_attention(q, kv, lens, B, qlen, kHeads, s.max_len, kDim, o);
   const auto got = to_float(out);
   EXPECT_TRUE(std::equal(got.begin(), got.end(), conf.out.begin(), conf.out.end())) << "out differs from mla_attention's";

@@ -37,15 +37,16 @@ def numpy_cache(num_blocks, step):
     return np.full((num_blocks, step.block, D), np.iinfo(dtype).max, dtype=dtype)
 
 
-def run_step(step, q, kv, t, num_blocks, *, cache_of=numpy_cache, convert=lambda x: x):
-    """One step on every rank: write the history, plan, run; returns the ranks' partials."""
+def run_step(step, q, kv, t, num_blocks, *, cache_of=numpy_cache, convert=lambda x: x, qlens=None):
+    """One step on every rank: write the history, plan (with per-request qlens when given), run;
+    returns the ranks' partials."""
     outs, lses = [], []
     for rank in range(step.world):
         cache = cache_of(num_blocks, step)
         latents, slots = slots_and_latents(step, kv, t, num_blocks, rank)
         dcpmla.write_kv(cache, convert(latents), convert(slots), kv_dtype=step.dtype, kv_scale=scale_of(step))
         att = dcpmla.Attention(**attention_kwargs(step, rank, **LIMITS))
-        att.plan(np.array(step.lengths, dtype=np.int32), t, step.qlen, mode=step.mode)
+        att.plan(np.array(step.lengths, dtype=np.int32), t, step.qlen, mode=step.mode, qlens=qlens)
         out, lse = att.run(convert(q), cache, kv_scale=scale_of(step))
         outs.append(out)
         lses.append(lse)
@@ -92,17 +93,9 @@ def test_per_request_query_lengths(step, qlens):
     """plan(qlens=...): q, out and lse packed [sum(qlens), ...]; each request's windows those of
     its own qlen; a request without rows, a padding request with rows, ranks holding nothing."""
     q, kv, t, num_blocks, ref = packed_case(step, qlens)
-    outs, lses = [], []
-    for rank in range(step.world):
-        cache = numpy_cache(num_blocks, step)
-        latents, slots = slots_and_latents(step, kv, t, num_blocks, rank)
-        dcpmla.write_kv(cache, latents, slots, kv_dtype=step.dtype, kv_scale=scale_of(step))
-        att = dcpmla.Attention(**attention_kwargs(step, rank, **LIMITS))
-        att.plan(list(step.lengths), t, step.qlen, mode=step.mode, qlens=list(qlens))
-        out, lse = att.run(q, cache, kv_scale=scale_of(step))
+    outs, lses = run_step(step, q, kv, t, num_blocks, qlens=list(qlens))
+    for out, lse in zip(outs, lses):
         assert out.shape == (sum(qlens), step.heads, R) and lse.shape == (sum(qlens), step.heads)
-        outs.append(out)
-        lses.append(lse)
     out, lse = dcpmla.merge_states(np.stack(outs), np.stack(lses))
     assert_close(out[:, None], lse[:, None], *ref, what=f"{step.id()} qlens {qlens}")
     att = dcpmla.Attention(**attention_kwargs(step, 0, **LIMITS))

@@ -68,19 +68,24 @@ def scale_arg(step, rank):
 
 
 
+def rank_partial(step, q, kv, t, num_blocks, rank, qlens=None):
+    """One rank's step on the GPU: its own cache written with its share of the history, a plan, a run."""
+    c = cache(num_blocks, step)
+    latents, slots = slots_and_latents(step, kv, t, num_blocks, rank)
+    dcpmla.write_kv(c, bf16(latents), torch.from_numpy(slots).to(DEV), kv_dtype=step.dtype,
+                    kv_scale=scale_arg(step, rank))
+    att = dcpmla.Attention(**attention_kwargs(step, rank, **LIMITS, device=DEV))
+    att.plan(np.array(step.lengths, dtype=np.int32), t, step.qlen, mode=step.mode, qlens=qlens)
+    return att.run(q, c, kv_scale=scale_arg(step, rank))
+
+
 @pytest.mark.parametrize("step", STEPS, ids=Step.id)
 def test_step_against_reference(step):
     q, kv, t, num_blocks, ref = make_inputs(step)
     qd = bf16(q)
     outs, lses = [], []
     for rank in range(step.world):
-        c = cache(num_blocks, step)
-        latents, slots = slots_and_latents(step, kv, t, num_blocks, rank)
-        dcpmla.write_kv(c, bf16(latents), torch.from_numpy(slots).to(DEV), kv_dtype=step.dtype,
-                        kv_scale=scale_arg(step, rank))
-        att = dcpmla.Attention(**attention_kwargs(step, rank, **LIMITS, device=DEV))
-        att.plan(np.array(step.lengths, dtype=np.int32), t, step.qlen, mode=step.mode)
-        out, lse = att.run(qd, c, kv_scale=scale_arg(step, rank))
+        out, lse = rank_partial(step, qd, kv, t, num_blocks, rank)
         assert out.device == DEV and out.dtype == torch.bfloat16 and lse.dtype == torch.float32
         empty = torch.from_numpy(empty_rows(step, rank)).to(DEV)
         assert torch.all(torch.isneginf(lse[empty])) and torch.all(out[empty] == 0), f"rank {rank}: empty rows"
@@ -102,15 +107,10 @@ def test_step_against_reference(step):
 def test_per_request_query_lengths(step, qlens):
     """plan(qlens=...) on the GPU: packed rows, each request's windows those of its own qlen."""
     q, kv, t, num_blocks, ref = packed_case(step, qlens)
+    qd = bf16(q)
     outs, lses = [], []
     for rank in range(step.world):
-        c = cache(num_blocks, step)
-        latents, slots = slots_and_latents(step, kv, t, num_blocks, rank)
-        dcpmla.write_kv(c, bf16(latents), torch.from_numpy(slots).to(DEV), kv_dtype=step.dtype,
-                        kv_scale=scale_arg(step, rank))
-        att = dcpmla.Attention(**attention_kwargs(step, rank, **LIMITS, device=DEV))
-        att.plan(list(step.lengths), t, step.qlen, mode=step.mode, qlens=list(qlens))
-        out, lse = att.run(bf16(q), c, kv_scale=scale_arg(step, rank))
+        out, lse = rank_partial(step, qd, kv, t, num_blocks, rank, qlens=list(qlens))
         assert out.shape == (sum(qlens), step.heads, R)
         outs.append(out)
         lses.append(lse)

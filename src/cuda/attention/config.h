@@ -1,6 +1,6 @@
 // Tile shapes of the sm_90a attention kernel (mma.sync m16n8k16 + cp.async pipeline).
-// One CTA of 8 warps serves M = 16 * MT query rows (qlen x heads, flattened) of one
-// work item, streaming its KV in tiles of NT tokens through a ring of stages.
+// One CTA of 8 warps serves M = 16 * MT query rows (qlen x heads, flattened) of each
+// piece of its chunk, streaming its KV in tiles of NT tokens through a ring of stages.
 #pragma once
 
 namespace dcpmla::cuda_detail {

@@ -1,14 +1,14 @@
-// Attention over a plan on sm_90a: one CTA per (work item, head group), persistent over a
-// fixed grid. The kernel reads batch, qlen, route and work_count from the device plan
-// header, never from launch arguments, so a captured graph replays after any re-plan.
+// Attention over a plan on sm_90a: each CTA of a fixed grid runs its chunk of the plan's
+// schedule for one row group (unit.cuh), reading the schedule and its scalars from the device
+// plan, never from launch arguments, so a captured graph replays after any re-plan.
 //
-// Per work item (request b, local tokens [tile_begin, tile_end) x page) and row group
-// (M rows of the flattened qlen x heads block), with the scalar loop it computes:
+// Per piece (request b, local tokens [tok_begin, tok_end)) and row group (M rows of the
+// request's flattened qlen x heads block), with the scalar loop it computes:
 //   for j in tokens: for r in rows: if j < len[r]:
 //     s = <q_r, k_j> * scale * log2e;  m' = max(m, s);  o = o 2^(m-m') + 2^(s-m') v_j;  l likewise
 // The KV of the request is read once for all qlen x heads rows; each row is masked at its
-// own rank-local length (plan.row_local_len). split_k writes (o / l, m, l) partials; the
-// other routes write bf16 out and natural-log lse directly.
+// own rank-local length (plan.row_local_len). A piece of a cut request writes (o / l, m, l)
+// partials into its slot; a whole request writes bf16 out and natural-log lse directly.
 #pragma once
 
 #include <cstdint>

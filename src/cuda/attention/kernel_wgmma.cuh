@@ -1,9 +1,9 @@
 // Attention over a plan on sm_90a with warpgroup MMA: 64 query rows per CTA, KV tiles of 64
 // tokens in 128B-swizzled shared memory, S = Q K^T and O += P V on wgmma with the
 // accumulators in registers. Same contract as kernel.cuh (the mma.sync reference variant,
-// which the tests run beside this one): one CTA per (work item, row group) unit, persistent
-// over a fixed grid; batch, qlen, route and work_count come from the device plan header;
-// rows with no local key give out = 0, lse = -inf; split_k writes (o / l, m, l) partials.
+// which the tests run beside this one): each CTA of a fixed grid runs its chunk of the
+// schedule for one row group, from the device plan; rows with no local key give out = 0,
+// lse = -inf; pieces of cut requests write (o / l, m, l) partials.
 //
 // Two warpgroups (256 threads), one CTA per SM (smem: Q 72 KiB + 2 KV stages of 72 KiB):
 //   WG0 ("softmax"): waits for tile i, S = Q K_i^T (36 wgmma m64n64k16, A and B from shared
