@@ -20,7 +20,8 @@ inline std::string schedule_error(const PlannerConfig& c, const Plan& plan) {
   for (int k = 0; k < h.chunks; ++k)
     if (v.chunk_work[k] > v.chunk_work[k + 1]) return bad("chunk offsets decrease", k);
   if (v.q_start[0] != 0 || v.q_start[h.batch] != h.rows) return bad("query row offsets do not span the rows", 0);
-  const int64_t min_tiles = (c.min_segment_tokens + kCutTokens - 1) / kCutTokens;
+  // In int64: min_segment_tokens may be any positive int (found by fuzz_planner).
+  const int64_t min_tiles = (int64_t(c.min_segment_tokens) + kCutTokens - 1) / kCutTokens;
 
   int w = 0, splits = 0, slots = 0, widest = 0;
   for (int b = 0; b < h.batch; ++b) {
@@ -56,7 +57,7 @@ inline std::string schedule_error(const PlannerConfig& c, const Plan& plan) {
       return bad("the cut requests' list misses a cut request", b);
     for (int i = first; i < w; ++i) {
       if (v.work[i].slot != slots++) return bad("partial slots are not consecutive", i);
-      const int64_t tiles = (v.work[i].tok_end - v.work[i].tok_begin + kCutTokens - 1) / kCutTokens;
+      const int64_t tiles = (int64_t(v.work[i].tok_end) - v.work[i].tok_begin + kCutTokens - 1) / kCutTokens;
       if (tiles < min_tiles) return bad("a piece shorter than min_segment_tokens", i);
     }
     ++splits;
