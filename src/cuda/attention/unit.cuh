@@ -26,7 +26,10 @@ __device__ __forceinline__ float kv_scale_of(const AttentionParams& p) {
 struct PlanScalars {
   int page, page_shift;  // page is a power of two
   int slot_rows;         // rows of a partial slot: the step's qlen x heads
-  int groups, chunks;    // CTA slot c runs chunk c % chunks for row group c / chunks
+  // CTA slot c runs chunk c / groups for row group c % groups: the CTAs that read the same
+  // tokens for different row groups are neighbours (launched together, on one GPC: they
+  // share their L2 partition instead of crossing the L2 fabric).
+  int groups, chunks;
 };
 
 template <int M>
@@ -61,8 +64,8 @@ __device__ __forceinline__ bool next_unit(const AttentionParams& p, const PlanSc
     }
     cur.slot += gridDim.x;
     if (cur.slot >= ps.groups * ps.chunks) return false;
-    cur.group = cur.slot / ps.chunks;
-    const int k = cur.slot % ps.chunks;
+    cur.group = cur.slot % ps.groups;
+    const int k = cur.slot / ps.groups;
     cur.w = p.plan.chunk_work[k] - 1;
     cur.w_end = p.plan.chunk_work[k + 1];
   }
@@ -140,12 +143,13 @@ __device__ __forceinline__ void store_row_stats(const AttentionParams& p, const 
 }
 
 // Launches attention kernel K (`name` in errors) on `grid` CTAs of `threads` with `smem`
-// bytes of dynamic shared memory; grid = 0 only opts K into its shared memory. The opt-in is
+// bytes of dynamic shared memory, with the kernel's parameters after p (extra); grid = 0 only
+// opts K into its shared memory. The opt-in is
 // per function and device, set once per device (a host-side call, also legal while a stream
 // is being captured).
-template <auto K>
+template <auto K, typename... Extra>
 void launch_attention_kernel(const AttentionParams& p, int grid, int threads, int smem, cudaStream_t stream,
-                             const char* name) {
+                             const char* name, const Extra&... extra) {
   static std::atomic<uint64_t> configured{0};
   int device = 0;
   check(cudaGetDevice(&device), "cudaGetDevice");
@@ -156,7 +160,7 @@ void launch_attention_kernel(const AttentionParams& p, int grid, int threads, in
     configured.fetch_or(bit);
   }
   if (grid > 0) {
-    K<<<grid, threads, smem, stream>>>(p);
+    K<<<grid, threads, smem, stream>>>(p, extra...);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) check(e, (std::string(name) + " launch").c_str());
   }
