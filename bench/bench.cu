@@ -269,7 +269,6 @@ void measure_ceilings(int runs) {
 std::string variant_name(const cuda::AttentionVariant& v) {
   if (v.kernel == 2) return "wg" + std::to_string(v.rows_per_cta) + "_n" + std::to_string(v.tile_tokens);
   if (v.kernel == 3) return "f8swap" + std::to_string(v.rows_per_cta);
-  if (v.kernel == 4) return "seesaw" + std::to_string(v.rows_per_cta);
   return "m" + std::to_string(v.rows_per_cta) + "_n" + std::to_string(v.tile_tokens) + "_c" + std::to_string(v.ctas_per_sm);
 }
 double bf16_bits_to_double(uint16_t h) {
@@ -376,7 +375,7 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, const Schedul
   row.sync_us = sync_median_ms(runs, st, call) * 1e3;
   for (cudaGraphExec_t e : graphs) cudaGraphExecDestroy(e);
   ck(cudaDeviceSynchronize(), "timed runs");
-  const cuda::AttentionVariant chosen = cuda::attention_variant(s.qlen, s.heads, s.dtype, p.plan.page);
+  const cuda::AttentionVariant chosen = cuda::attention_variant(s.qlen, s.heads, s.dtype);
   row.variant = variant_name(chosen);
   if (sweep) {
     // Every kernel variant at this shape (same plan, same caches): the mma.sync kernel's
@@ -392,8 +391,8 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, const Schedul
     std::vector<cuda::AttentionVariant> seen;
     for (const cuda::AttentionTuning t : {cuda::AttentionTuning{32, 1, 1}, cuda::AttentionTuning{64, 1, 1},
                                           cuda::AttentionTuning{32, 2, 1}, cuda::AttentionTuning{0, 0, 2},
-                                          cuda::AttentionTuning{0, 0, 3}, cuda::AttentionTuning{0, 0, 4}}) {
-      const cuda::AttentionVariant v = cuda::attention_variant(s.qlen, s.heads, s.dtype, p.plan.page, t);
+                                          cuda::AttentionTuning{0, 0, 3}}) {
+      const cuda::AttentionVariant v = cuda::attention_variant(s.qlen, s.heads, s.dtype, t);
       if (t.kernel == 1 && (v.tile_tokens != t.tile_tokens || v.ctas_per_sm != t.ctas_per_sm)) continue;  // not built
       if (std::any_of(seen.begin(), seen.end(), [&](const auto& u) { return same_variant(u, v); })) continue;
       seen.push_back(v);

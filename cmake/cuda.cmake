@@ -63,7 +63,6 @@ add_library(dcpmla_cuda STATIC
   src/cuda/attention/attention.cpp
   src/cuda/attention/variants.cpp
   src/cuda/attention/combine.cu
-  src/cuda/attention/kernel_seesaw.cu
   ${_dcpmla_attention_variants}
   src/cuda/write/write_kv.cu
   src/cuda/write/write.cpp

@@ -114,8 +114,7 @@ PlanView Plan::view_at(const int32_t* base) const {
                   limits_.max_batch,
                   limits_.max_qlen,
                   work_capacity_,
-                  chunk_capacity_,
-                  header().page};
+                  chunk_capacity_};
 }
 
 Planner::Planner(const PlannerConfig& config) : config_(config) {

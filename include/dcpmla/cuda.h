@@ -38,9 +38,7 @@ struct AttentionTuning {
   int ctas_per_sm = 0;  // 1, or 2 (applies to 16-row CTAs, i.e. qlen x heads <= 16; else 1)
   // 1: the mma.sync kernel (16/32/64-row CTAs, the reference variant); 2: the wgmma kernel
   // (64-row CTAs on warpgroup MMA); 3: the fp8 swap kernel (16-row CTAs on native fp8
-  // warpgroup MMA, fp8 caches only: with a bf16 cache 3 acts as 0); 4: the seesaw kernel
-  // (64-row CTAs, softmax overlapped with warpgroup MMA, TMA loads; bf16 caches with
-  // sub-pages of >= 8 tokens: with an fp8 cache 4 acts as 0, with smaller sub-pages as 2). tile_tokens and
+  // warpgroup MMA, fp8 caches only: with a bf16 cache 3 acts as 0). tile_tokens and
   // ctas_per_sm apply to the mma.sync kernel only. 0 picks the measured default per shape
   // (fp8 swap for every fp8 cache, wgmma for bf16 at 64 rows, else mma.sync), unless the
   // knobs above ask for a variant only the mma.sync kernel has (32-token tiles, 2 CTAs per SM).
@@ -63,10 +61,9 @@ int attention_rows_per_cta(int max_qlen, int heads);
 // The variant attention() runs for these capacities, dtype and tuning (for logs and the bench).
 struct AttentionVariant {
   int rows_per_cta, tile_tokens, ctas_per_sm, smem_bytes;
-  int kernel;  // 1 mma.sync, 2 wgmma, 3 fp8 swap, 4 seesaw (AttentionTuning::kernel)
+  int kernel;  // 1 mma.sync, 2 wgmma, 3 fp8 swap (AttentionTuning::kernel)
 };
-// page: the plan's sub-page tokens (PlanView::page).
-AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, int page, const AttentionTuning& tuning = {});
+AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const AttentionTuning& tuning = {});
 
 // KV write (SPEC §3) on the device, capturable: latents bf16 [n, D] -> cache slots[n] (device
 // int64, rank-local); kPadSlot (-1) is skipped. A slot outside [0, cache.num_slots()) is never

@@ -114,7 +114,6 @@ struct PlanView {
   int32_t max_qlen;              // capacity
   int32_t work_capacity;         // capacity (also of partial slots)
   int32_t chunk_capacity;        // capacity
-  int32_t page;                  // sub-page tokens: header->page of the host plan (0 before the first plan)
 };
 
 // Statistics the planner computed, for tests, logs and the bench (padding excluded).

@@ -34,7 +34,7 @@ std::vector<Scenario> scenarios() {
   add({"block1_world8_draft", M::draft, K::fp8_e5m2, 1, 16, 8, 7, 1, R::automatic, 3, 3, {9, 100, 777}, 1.0f});
   add({"block256_il64", M::verify, K::bf16, 256, 40, 4, 2, 64, R::automatic, 3, 3, {5000, 3, 0, 1234}});
   add({"heads5_verify", M::verify, K::bf16, 16, 5, 1, 0, 1, R::one_stage, 3, 3, {77, 1500, 3}});
-  // Sub-pages of 8 and 32 tokens: the seesaw kernel's 8-row TMA boxes, one or four per sub-page.
+  // Sub-pages of 8 and 32 tokens (between the block sizes the random sweep draws).
   add({"block8_heads128_verify", M::verify, K::bf16, 8, 128, 1, 0, 1, R::automatic, 2, 2, {1000, 77, 0, 130}});
   add({"block32_world2_il4", M::verify, K::bf16, 32, 24, 2, 1, 4, R::automatic, 3, 3, {2100, 9, 640}});
   add({"two_stage_stageA", M::verify, K::bf16, 64, 16, 2, 0, 1, R::two_stage, 4, 4, {4, 5, 3000, 0}});

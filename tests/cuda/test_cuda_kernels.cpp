@@ -253,8 +253,7 @@ TEST(CudaValidation, AttentionRefusesBadParamsBeforeLaunch) {
                     1,
                     1,
                     1,
-                    1,
-                    64};
+                    1};
   p.kv_dtype = KvDtype::bf16;
   p.kv_scale = 1.0f;
   p.softmax_scale = 0.05f;
@@ -346,42 +345,32 @@ TEST(CudaValidation, AttentionRefusesBadBatchesCachesAndRunWithoutPlan) {
 // Which kernel runs where (host-side dispatch, no device needed): the fp8 swap kernel serves
 // every fp8 cache (in groups of 16 rows), the wgmma kernel bf16's 64-row CTAs, the mma.sync
 // kernel the other 16/32-row ones and every knob only it has; each can be forced at any
-// shape (the fp8 swap kernel for fp8 caches only, the seesaw kernel for bf16 caches of
-// sub-pages >= 8 tokens); an unknown kernel is refused.
+// shape (the fp8 swap kernel for fp8 caches only); an unknown kernel is refused.
 TEST(CudaValidation, KernelVariantDispatch) {
   using cuda::AttentionTuning;
   for (KvDtype d : {KvDtype::bf16, KvDtype::fp8_e4m3, KvDtype::fp8_e5m2}) {
     const bool fp8 = d != KvDtype::bf16;
-    const cuda::AttentionVariant v128 = cuda::attention_variant(1, 128, d, 64);
+    const cuda::AttentionVariant v128 = cuda::attention_variant(1, 128, d);
     EXPECT_EQ(v128.kernel, fp8 ? 3 : 2);
     EXPECT_EQ(v128.rows_per_cta, fp8 ? 16 : 64);
-    EXPECT_EQ(cuda::attention_variant(4, 16, d, 64).kernel, fp8 ? 3 : 2);  // verify: 64 rows share each tile
-    EXPECT_EQ(cuda::attention_variant(1, 16, d, 64).kernel, fp8 ? 3 : 1);
-    EXPECT_EQ(cuda::attention_variant(2, 16, d, 64).kernel, fp8 ? 3 : 1);
-    const cuda::AttentionVariant forced = cuda::attention_variant(1, 16, d, 64, AttentionTuning{0, 0, 2});
+    EXPECT_EQ(cuda::attention_variant(4, 16, d).kernel, fp8 ? 3 : 2);  // verify: 64 rows share each tile
+    EXPECT_EQ(cuda::attention_variant(1, 16, d).kernel, fp8 ? 3 : 1);
+    EXPECT_EQ(cuda::attention_variant(2, 16, d).kernel, fp8 ? 3 : 1);
+    const cuda::AttentionVariant forced = cuda::attention_variant(1, 16, d, AttentionTuning{0, 0, 2});
     EXPECT_EQ(forced.kernel, 2);
     EXPECT_EQ(forced.rows_per_cta, 64);  // 16 rows padded inside the CTA
     EXPECT_GT(forced.smem_bytes, 200 * 1024);
-    const cuda::AttentionVariant swap = cuda::attention_variant(1, 128, d, 64, AttentionTuning{0, 0, 3});
+    const cuda::AttentionVariant swap = cuda::attention_variant(1, 128, d, AttentionTuning{0, 0, 3});
     EXPECT_EQ(swap.kernel, fp8 ? 3 : 2);  // bf16: the default (wgmma at 128 heads)
     EXPECT_EQ(swap.rows_per_cta, fp8 ? 16 : 64);
-    EXPECT_EQ(cuda::attention_variant(1, 16, d, 64, AttentionTuning{0, 0, 1}).kernel, 1);
-    EXPECT_EQ(cuda::attention_variant(1, 16, d, 64, AttentionTuning{32, 2, 0}).kernel, 1);  // 2 CTAs per SM
-    EXPECT_EQ(cuda::attention_variant(1, 128, d, 64, AttentionTuning{0, 0, 1}).kernel, 1);
-    EXPECT_EQ(cuda::attention_variant(1, 128, d, 64, AttentionTuning{32, 0, 0}).kernel, 1);  // 32-token tiles
-    EXPECT_EQ(cuda::attention_variant(1, 128, d, 64, AttentionTuning{64, 1, 0}).kernel, fp8 ? 3 : 2);
-    // The seesaw kernel: bf16 caches with sub-pages of >= 8 tokens, 64 rows at any shape; it
-    // gives way to the default for fp8 and to the wgmma kernel below 8-token sub-pages.
-    for (const int page : {8, 16, 64, 128}) {
-      const cuda::AttentionVariant s = cuda::attention_variant(1, 16, d, page, AttentionTuning{0, 0, 4});
-      EXPECT_EQ(s.kernel, fp8 ? 3 : 4) << page;
-      EXPECT_EQ(s.rows_per_cta, fp8 ? 16 : 64) << page;
-    }
-    for (const int page : {1, 2, 4})
-      EXPECT_EQ(cuda::attention_variant(1, 128, d, page, AttentionTuning{0, 0, 4}).kernel, fp8 ? 3 : 2) << page;
+    EXPECT_EQ(cuda::attention_variant(1, 16, d, AttentionTuning{0, 0, 1}).kernel, 1);
+    EXPECT_EQ(cuda::attention_variant(1, 16, d, AttentionTuning{32, 2, 0}).kernel, 1);  // 2 CTAs per SM
+    EXPECT_EQ(cuda::attention_variant(1, 128, d, AttentionTuning{0, 0, 1}).kernel, 1);
+    EXPECT_EQ(cuda::attention_variant(1, 128, d, AttentionTuning{32, 0, 0}).kernel, 1);  // 32-token tiles
+    EXPECT_EQ(cuda::attention_variant(1, 128, d, AttentionTuning{64, 1, 0}).kernel, fp8 ? 3 : 2);
   }
-  EXPECT_THROW(cuda::attention_variant(1, 16, KvDtype::bf16, 64, AttentionTuning{0, 0, 5}), Error);
-  EXPECT_THROW(cuda::attention_variant(1, 16, KvDtype::bf16, 64, AttentionTuning{0, 0, -1}), Error);
+  EXPECT_THROW(cuda::attention_variant(1, 16, KvDtype::bf16, AttentionTuning{0, 0, 4}), Error);
+  EXPECT_THROW(cuda::attention_variant(1, 16, KvDtype::bf16, AttentionTuning{0, 0, -1}), Error);
 }
 
 }  // namespace

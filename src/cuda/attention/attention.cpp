@@ -6,7 +6,6 @@
 
 #include <cuda_runtime.h>  // the typed cudaMalloc overloads
 
-#include "dcpmla/cache.h"
 #include "dcpmla/cuda.h"
 #include "dcpmla/error.h"
 #include "dcpmla/layout.h"
@@ -39,8 +38,8 @@ void validate_tuning(const cuda::AttentionTuning& t) {
   require(t.tile_tokens == 0 || t.tile_tokens == 32 || t.tile_tokens == 64, "tuning.tile_tokens", t.tile_tokens,
           "0 (auto), 32 or 64");
   require(t.ctas_per_sm >= 0 && t.ctas_per_sm <= 2, "tuning.ctas_per_sm", t.ctas_per_sm, "0 (auto), 1 or 2");
-  require(t.kernel >= 0 && t.kernel <= 4, "tuning.kernel", t.kernel,
-          "0 (auto), 1 (mma.sync), 2 (wgmma), 3 (fp8 swap) or 4 (seesaw)");
+  require(t.kernel >= 0 && t.kernel <= 3, "tuning.kernel", t.kernel,
+          "0 (auto), 1 (mma.sync), 2 (wgmma) or 3 (fp8 swap)");
 }
 
 // The compiled variant (variants.cpp's table) that runs a configuration.
@@ -100,19 +99,15 @@ int attention_rows_per_cta(int max_qlen, int heads) {
   return rows <= 16 ? 16 : rows <= 32 ? 32 : 64;
 }
 
-AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, int page, const AttentionTuning& tuning) {
+AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const AttentionTuning& tuning) {
   validate_tuning(tuning);
   const bool fp8 = dtype != KvDtype::bf16;
   AttentionVariant v{};
   v.rows_per_cta = attention_rows_per_cta(max_qlen, heads);
   const bool mma_only_knobs = tuning.tile_tokens == 32 || tuning.ctas_per_sm == 2;
-  Kernel kernel = Kernel(tuning.kernel);
-  // Asked for where it cannot read the cache, a kernel gives way: the fp8 swap kernel reads
-  // fp8 caches only (else the default serves), the seesaw kernel bf16 caches of sub-pages of
-  // at least 8 tokens (else the default, or the wgmma kernel for bf16).
-  if (kernel == Kernel::fp8_swap && !fp8) kernel = Kernel(0);
-  if (kernel == Kernel::seesaw && (fp8 || page < kSeesawMinPage)) kernel = fp8 ? Kernel(0) : Kernel::wgmma;
-  if (int(kernel) == 0) kernel = mma_only_knobs ? Kernel::mma : default_kernel(v.rows_per_cta, fp8, page);
+  // The fp8 swap kernel reads fp8 caches only; asked for with a bf16 cache, the default serves.
+  Kernel kernel = Kernel(tuning.kernel == int(Kernel::fp8_swap) && !fp8 ? 0 : tuning.kernel);
+  if (int(kernel) == 0) kernel = mma_only_knobs ? Kernel::mma : default_kernel(v.rows_per_cta, fp8);
   v.kernel = int(kernel);
   if (kernel == Kernel::mma) {
     v.tile_tokens = tuning.tile_tokens ? tuning.tile_tokens : default_tile_tokens(v.rows_per_cta, fp8);
@@ -121,8 +116,8 @@ AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, int p
     // registers halve); elsewhere the knob falls back to one.
     if (v.rows_per_cta != 16 || v.tile_tokens != 32) v.ctas_per_sm = 1;
   } else {
-    // Fixed row counts whatever qlen x heads is: the wgmma and seesaw kernels pad fewer rows
-    // to 64 inside the CTA, the fp8 swap kernel takes more rows in more groups of 16.
+    // Fixed row counts whatever qlen x heads is: the wgmma kernel pads fewer rows to 64
+    // inside the CTA, the fp8 swap kernel takes more rows in more groups of 16.
     v.rows_per_cta = kernel == Kernel::fp8_swap ? 16 : 64;
     v.tile_tokens = 64;
     v.ctas_per_sm = 1;
@@ -134,7 +129,7 @@ AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, int p
 void attention(const AttentionParams& p, cudaStream_t stream, int num_sms, bool merge, const AttentionTuning& tuning) {
   validate_attention(p);
   if (num_sms <= 0) num_sms = device_sms(current_device());
-  launch(p, stream, num_sms, merge, compiled(attention_variant(p.plan.max_qlen, p.heads, p.kv_dtype, p.plan.page, tuning), p.kv_dtype));
+  launch(p, stream, num_sms, merge, compiled(attention_variant(p.plan.max_qlen, p.heads, p.kv_dtype, tuning), p.kv_dtype));
 }
 
 }  // namespace cuda
@@ -177,7 +172,7 @@ struct Attention::Impl {
     (void)softmax_scale_of(c);
     // The schedule's row groups follow the default variant's rows per CTA.
     return planner_config(c, Backend::cuda, device < 0 ? 1 : device_sms(device),
-                          attention_variant(c.limits.max_qlen, c.heads, c.kv_dtype, subpage_size(c.block_size)).rows_per_cta);
+                          attention_variant(c.limits.max_qlen, c.heads, c.kv_dtype).rows_per_cta);
   }
   // The device plan (256-byte aligned), then the split-K partials.
   static size_t plan_region(const Planner& p) { return (p.plan_ints() * sizeof(int32_t) + 255) / 256 * 256; }
@@ -266,8 +261,7 @@ void Attention::run(const bf16* q, const KvCache& cache, const KvScale& scale, b
 
 void Attention::set_tuning(const AttentionTuning& tuning) {
   const auto& c = impl_->planner.config();
-  const KernelVariant& k =
-      compiled(attention_variant(c.limits.max_qlen, c.heads, c.kv_dtype, impl_->planner.page(), tuning), c.kv_dtype);
+  const KernelVariant& k = compiled(attention_variant(c.limits.max_qlen, c.heads, c.kv_dtype, tuning), c.kv_dtype);
   k.launch(params(nullptr, KvCache{}, KvScale{}, nullptr, nullptr), 0, nullptr);  // its shared memory, once
   impl_->tuning = tuning;
   impl_->kernel = &k;

@@ -143,13 +143,12 @@ __device__ __forceinline__ void store_row_stats(const AttentionParams& p, const 
 }
 
 // Launches attention kernel K (`name` in errors) on `grid` CTAs of `threads` with `smem`
-// bytes of dynamic shared memory, with the kernel's parameters after p (extra); grid = 0 only
-// opts K into its shared memory. The opt-in is
+// bytes of dynamic shared memory; grid = 0 only opts K into its shared memory. The opt-in is
 // per function and device, set once per device (a host-side call, also legal while a stream
 // is being captured).
-template <auto K, typename... Extra>
+template <auto K>
 void launch_attention_kernel(const AttentionParams& p, int grid, int threads, int smem, cudaStream_t stream,
-                             const char* name, const Extra&... extra) {
+                             const char* name) {
   static std::atomic<uint64_t> configured{0};
   int device = 0;
   check(cudaGetDevice(&device), "cudaGetDevice");
@@ -160,7 +159,7 @@ void launch_attention_kernel(const AttentionParams& p, int grid, int threads, in
     configured.fetch_or(bit);
   }
   if (grid > 0) {
-    K<<<grid, threads, smem, stream>>>(p, extra...);
+    K<<<grid, threads, smem, stream>>>(p);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) check(e, (std::string(name) + " launch").c_str());
   }

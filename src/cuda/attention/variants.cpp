@@ -24,9 +24,6 @@ constexpr KernelVariant wgmma() {
   return {Kernel::wgmma, 64, 64, 1, FP8 ? kE4m3 | kE5m2 : kBf16, &launch_attention_wgmma<FP8>,
           &attention_wgmma_smem_bytes<FP8>};
 }
-constexpr KernelVariant seesaw() {
-  return {Kernel::seesaw, 64, 64, 1, kBf16, &launch_attention_seesaw, &attention_seesaw_smem_bytes};
-}
 template <bool E5M2>
 constexpr KernelVariant fp8_swap() {
   return {Kernel::fp8_swap, 16, 64, 1, E5M2 ? kE5m2 : kE4m3, &launch_attention_fp8_swap<E5M2>,
@@ -38,7 +35,7 @@ constexpr KernelVariant kVariants[] = {
     mma<1, 32, 2, false>(), mma<1, 32, 2, true>(), mma<2, 32, 1, false>(), mma<2, 32, 1, true>(),
     mma<2, 64, 1, false>(), mma<2, 64, 1, true>(), mma<4, 32, 1, false>(), mma<4, 32, 1, true>(),
     mma<4, 64, 1, false>(), mma<4, 64, 1, true>(), wgmma<false>(),         wgmma<true>(),
-    fp8_swap<false>(),      fp8_swap<true>(),          seesaw(),
+    fp8_swap<false>(),      fp8_swap<true>(),
 };
 
 }  // namespace
@@ -60,7 +57,7 @@ const KernelVariant& find_variant(Kernel kernel, int rows_per_cta, int tile_toke
 // the wgmma kernel serves 64-row CTAs (qlen x heads > 32: verify at 16 heads, 128 heads),
 // where the mma.sync kernel is bound by ldmatrix traffic; below 64 rows it would pad each
 // CTA to 64 rows, and the mma.sync kernel keeps those shapes.
-Kernel default_kernel(int rows_per_cta, bool fp8, int /*page*/) {
+Kernel default_kernel(int rows_per_cta, bool fp8) {
   if (fp8) return Kernel::fp8_swap;
   if (rows_per_cta == 64) return Kernel::wgmma;
   return Kernel::mma;

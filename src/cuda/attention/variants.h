@@ -1,10 +1,9 @@
 // Which attention kernel serves which configuration: the one table of compiled kernel
-// variants (variants.cpp) and the library's choice among them. Four kernels compute the same
+// variants (variants.cpp) and the library's choice among them. Three kernels compute the same
 // function: the mma.sync kernel (kernel.cuh: 16, 32 or 64 rows per CTA, 32- or 64-token
 // tiles, the simple reference variant), the wgmma kernel (kernel_wgmma.cuh: 64 rows per CTA
-// on warpgroup MMA), the seesaw kernel (kernel_seesaw.cu: 64 rows per CTA, bf16, the softmax
-// overlapped with warpgroup MMA, TMA loads) and the fp8 swap kernel (kernel_fp8_swap.cuh: 16
-// rows per CTA, fp8 caches on native fp8 wgmma). The tests run every scenario on each.
+// on warpgroup MMA) and the fp8 swap kernel (kernel_fp8_swap.cuh: 16 rows per CTA, fp8 caches
+// on native fp8 wgmma). The tests run every scenario on each.
 #pragma once
 
 #include <cstdint>
@@ -17,10 +16,7 @@
 namespace dcpmla::cuda_detail {
 
 // The kernels; the values are AttentionTuning::kernel's and AttentionVariant::kernel's.
-enum class Kernel : int { mma = 1, wgmma = 2, fp8_swap = 3, seesaw = 4 };
-
-// The seesaw kernel's smallest sub-page: its TMA boxes of 8 rows each fill one swizzle atom.
-inline constexpr int kSeesawMinPage = 8;
+enum class Kernel : int { mma = 1, wgmma = 2, fp8_swap = 3 };
 
 // One compiled variant: its kernel and shape, the cache dtypes it reads (bit per KvDtype),
 // its launcher (grid = 0 only opts it into its shared memory) and its shared memory.
@@ -38,9 +34,8 @@ std::span<const KernelVariant> variant_table();
 // is compiled (a dispatch bug: attention_variant() only asks for compiled ones).
 const KernelVariant& find_variant(Kernel kernel, int rows_per_cta, int tile_tokens, int ctas_per_sm, KvDtype dtype);
 
-// The library's choice where the tuning leaves the kernel open (from the H200 sweeps); page:
-// the plan's sub-page tokens.
-Kernel default_kernel(int rows_per_cta, bool fp8, int page);
+// The library's choice where the tuning leaves the kernel open (from the H200 sweeps).
+Kernel default_kernel(int rows_per_cta, bool fp8);
 
 template <bool FP8>
 void launch_attention_wgmma(const AttentionParams& p, int grid, cudaStream_t stream);
@@ -50,7 +45,5 @@ template <bool E5M2>
 void launch_attention_fp8_swap(const AttentionParams& p, int grid, cudaStream_t stream);
 template <bool E5M2>
 int attention_fp8_swap_smem_bytes();
-void launch_attention_seesaw(const AttentionParams& p, int grid, cudaStream_t stream);
-int attention_seesaw_smem_bytes();
 
 }  // namespace dcpmla::cuda_detail
