@@ -19,6 +19,9 @@ namespace dcpmla::cuda_detail {
 constexpr int kCombineWarps = 4;
 
 __global__ void __launch_bounds__(32 * kCombineWarps) split_merge_kernel(const __grid_constant__ AttentionParams p) {
+  // Launched early (launch_split_merge): the attention grid's partials are complete and
+  // visible only after this.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
   const PlanHeader hdr = *p.plan.header;
   const float kNegInf = neg_inf();
   constexpr int kCols = kRank / 32;  // columns per lane: 4 float4
@@ -109,9 +112,23 @@ __global__ void __launch_bounds__(32 * kCombineWarps) split_merge_kernel(const _
   }
 }
 
+// A programmatic dependent launch behind the attention kernel (the stream's previous kernel):
+// its launch is processed while the attention kernel runs, and its CTAs start as the
+// attention CTAs exit (the implicit trigger) and wait in the kernel for the partials, instead
+// of the launch starting after the grid has completed. Also under graph capture (a
+// programmatic edge). The attention kernels do not trigger earlier: griddepcontrol in their
+// unit loop cost ptxas 25 more registers in the wgmma kernel.
 void launch_split_merge(const AttentionParams& p, int grid, cudaStream_t stream) {
-  split_merge_kernel<<<grid, 32 * kCombineWarps, 0, stream>>>(p);
-  check(cudaGetLastError(), "split_merge_kernel launch");
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(grid));
+  cfg.blockDim = dim3(32 * kCombineWarps);
+  cfg.stream = stream;
+  cudaLaunchAttribute early{};
+  early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  early.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &early;
+  cfg.numAttrs = 1;
+  check(cudaLaunchKernelEx(&cfg, split_merge_kernel, p), "split_merge_kernel launch");
 }
 
 }  // namespace dcpmla::cuda_detail

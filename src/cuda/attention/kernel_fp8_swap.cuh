@@ -40,8 +40,8 @@
 //   - k index 4 c + j of each 16-token half of a k32 step is token 2 c + (j & 1) + 8 (j >> 1)
 //     of that half (the order ldmatrix.trans delivers).
 //
-// Shared memory (from a 1024-byte aligned base; every operand is a stack of column blocks of
-// 128-byte rows, chunk c of row r stored at chunk c ^ (r & 7), the 128-byte swizzle):
+// Shared memory (Fp8SwapShared, from a 1024-byte aligned base; every operand is a stack of
+// column blocks of 128-byte rows, chunk c of row r stored at chunk c ^ (r & 7), the 128-byte swizzle):
 //   sKV  4 x (64, 576) e4m3/e5m2 in 5 blocks of (64, 128 B) (the last half used): the ring
 //   sQ   (32, 576) e4m3 in 5 blocks: rows 0-15 Q_hi, 16-31 Q_lo; sP 2 x {hi, lo} (16, 64)
 //        e4m3 in rows of 128 B
@@ -69,20 +69,25 @@ struct Fp8SwapConfig {
   static constexpr int TILE_BYTES = BLOCKS * NT * 128;  // 40 KiB
   static constexpr int Q_BYTES = BLOCKS * 2 * M * 128;  // 20 KiB
   static constexpr int P_BYTES = M * 128;               // 2 KiB
-  static constexpr int OFF_KV = 0;
-  static constexpr int OFF_Q = OFF_KV + STAGES * TILE_BYTES;
-  static constexpr int OFF_P = OFF_Q + Q_BYTES;  // [consumer][hi, lo]
-  static constexpr int OFF_O1 = OFF_P + 4 * P_BYTES;
-  static constexpr int OFF_QSCALE = OFF_O1 + 4 * 64 * 128;
-  static constexpr int OFF_LEN = OFF_QSCALE + 4 * M;
-  static constexpr int OFF_RED = OFF_LEN + 4 * M;
-  static constexpr int OFF_L = OFF_RED + 4 * 2 * 4 * M;
-  static constexpr int OFF_M1 = OFF_L + 4 * 2 * 4 * M;
-  static constexpr int OFF_BAR = OFF_M1 + 4 * M;  // full[s] at + 8 s, empty[s] at + 8 (STAGES + s)
-  static constexpr int SMEM_BYTES = OFF_BAR + 16 * STAGES + 1024;  // + slack to align the base to 1024
-  static_assert(SMEM_BYTES <= kSmemPerCta, "fp8 swap tiles do not fit in shared memory");
-  static_assert(TILE_BYTES % 1024 == 0 && Q_BYTES % 1024 == 0 && P_BYTES % 1024 == 0 && OFF_BAR % 8 == 0);
+  static_assert(TILE_BYTES % 1024 == 0 && Q_BYTES % 1024 == 0 && P_BYTES % 1024 == 0);
 };
+
+// The kernel's shared memory (from a 1024-byte aligned base; the operands on swizzle atoms).
+struct Fp8SwapShared {
+  using C = Fp8SwapConfig;
+  alignas(1024) uint8_t kv[C::STAGES][C::TILE_BYTES];  // the ring
+  alignas(1024) uint8_t q[C::Q_BYTES];                 // rows 0-15 Q_hi, 16-31 Q_lo
+  alignas(1024) uint8_t p[2][2][C::P_BYTES];           // [consumer][hi, lo]
+  float o1[64 * 128];                                  // the second consumer's O, for the merge
+  float qscale[C::M];
+  int len[C::M];
+  float red[2][4 * C::M];  // [consumer][warp x row]: tile maxima
+  float l[2][4 * C::M];    // [consumer][warp x row]
+  float m1[C::M];          // the second consumer's running max
+  uint64_t full[C::STAGES], empty[C::STAGES];
+};
+inline constexpr int kFp8SwapSmemBytes = int(sizeof(Fp8SwapShared)) + 1024;  // + slack to align the base
+static_assert(kFp8SwapSmemBytes <= kSmemPerCta, "fp8 swap tiles do not fit in shared memory");
 
 // x = hi + lo in e4m3 for two values (low byte first), as above.
 __device__ __forceinline__ void split_e4m3x2(float a, float b, uint16_t& hi, uint16_t& lo) {
@@ -99,10 +104,10 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
   const float kNegInf = neg_inf();
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint8_t* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
-  const uint32_t base = smem_addr(smem);
-  const uint32_t sKV_a = base + C::OFF_KV, sQ_a = base + C::OFF_Q;
-  const uint32_t full_a = base + C::OFF_BAR, empty_a = full_a + 8 * STAGES;  // + 8 s
+  Fp8SwapShared& sh =
+      *reinterpret_cast<Fp8SwapShared*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
+  const uint32_t sKV_a = smem_addr(sh.kv[0]), sQ_a = smem_addr(sh.q);
+  const uint32_t full_a = smem_addr(sh.full), empty_a = smem_addr(sh.empty);  // + 8 s
 
   const int tid = threadIdx.x, role = tid >> 7, t = tid & 127;
   const int w = t >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
@@ -169,15 +174,15 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
   // =================== consumers ==================================================================
   setmaxnreg_inc<232>();
   const int cw = role - 1;  // consumer index: tiles cw, cw + 2, ... of each unit
-  float* sQscale = reinterpret_cast<float*>(smem + C::OFF_QSCALE);
-  int* sLen = reinterpret_cast<int*>(smem + C::OFF_LEN);
-  float* sRed = reinterpret_cast<float*>(smem + C::OFF_RED) + cw * (4 * M);
-  float* sL = reinterpret_cast<float*>(smem + C::OFF_L);
-  float* sM1 = reinterpret_cast<float*>(smem + C::OFF_M1);
-  float* sO1 = reinterpret_cast<float*>(smem + C::OFF_O1);
-  const uint32_t sPh_a = base + C::OFF_P + cw * 2 * C::P_BYTES, sPl_a = sPh_a + C::P_BYTES;
-  uint8_t* sPh = smem + C::OFF_P + cw * 2 * C::P_BYTES;
-  uint8_t* sPl = sPh + C::P_BYTES;
+  float* sQscale = sh.qscale;
+  int* sLen = sh.len;
+  float* sRed = sh.red[cw];
+  float* sL = &sh.l[0][0];  // consumer k's warp w, row r at (4 k + w) M + r
+  float* sM1 = sh.m1;
+  float* sO1 = sh.o1;
+  const uint32_t sPh_a = smem_addr(sh.p[cw][0]), sPl_a = smem_addr(sh.p[cw][1]);
+  uint8_t* sPh = sh.p[cw][0];
+  uint8_t* sPl = sh.p[cw][1];
   // Named barriers (immediate ids): 1, 2 this consumer's warpgroup; 3 both consumers.
   auto wg_sync = [&] {
     if (cw == 0) asm volatile("bar.sync 1, 128;\n" ::: "memory");
@@ -248,8 +253,8 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
         }
         const int byte = ch * 8, within = byte & 127;
         const int off = (byte >> 7) * (2 * M * 128) + r * 128 + ((((within >> 4) ^ (r & 7))) << 4) + (within & 15);
-        *reinterpret_cast<uint2*>(smem + C::OFF_Q + off) = make_uint2(hi[0], hi[1]);
-        *reinterpret_cast<uint2*>(smem + C::OFF_Q + M * 128 + off) = make_uint2(lo[0], lo[1]);
+        *reinterpret_cast<uint2*>(sh.q + off) = make_uint2(hi[0], hi[1]);
+        *reinterpret_cast<uint2*>(sh.q + M * 128 + off) = make_uint2(lo[0], lo[1]);
       }
     }
     fence_proxy_async();  // Q is read by wgmma (async proxy)
@@ -474,12 +479,12 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
 
 template <bool E5M2>
 int attention_fp8_swap_smem_bytes() {
-  return Fp8SwapConfig::SMEM_BYTES;
+  return kFp8SwapSmemBytes;
 }
 
 template <bool E5M2>
 void launch_attention_fp8_swap(const AttentionParams& p, int grid, cudaStream_t stream) {
-  launch_attention_kernel<attention_fp8_swap_kernel<E5M2>>(p, grid, Fp8SwapConfig::THREADS, Fp8SwapConfig::SMEM_BYTES,
+  launch_attention_kernel<attention_fp8_swap_kernel<E5M2>>(p, grid, Fp8SwapConfig::THREADS, kFp8SwapSmemBytes,
                                                            stream, "attention_fp8_swap_kernel");
 }
 

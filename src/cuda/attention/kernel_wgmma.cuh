@@ -22,7 +22,7 @@
 //     iteration, then dequantises them (exact; kv_scale folded into the softmax and output
 //     scales) into the free bf16 stage, fences them for the async proxy and arrives.
 //
-// Shared memory (from a 1024-byte aligned base; every buffer is a stack of (rows, 64)
+// Shared memory (WgShared, from a 1024-byte aligned base; every buffer is a stack of (rows, 64)
 // column blocks of 128-byte rows, the 16-byte chunk c of row r at chunk c ^ (r & 7)):
 //   sQ   (64, 576) bf16      9 blocks of (64, 64)
 //   sKV  2 x (64, 576) bf16  K for S (K-major B) and V for P V (MN-major B) alike
@@ -50,27 +50,35 @@ struct WgConfig {
   static constexpr int KSTEPS = kDim / 16;                  // 36 k16 steps of S
   static constexpr int Q_BYTES = M * kDim * 2;              // (64, 576) bf16
   static constexpr int TILE_BYTES = NT * kDim * 2;          // (64, 576) bf16
-  static constexpr int OFF_Q = 0;
-  static constexpr int OFF_KV = OFF_Q + Q_BYTES;
-  static constexpr int OFF_P = OFF_KV + STAGES * TILE_BYTES;
-  static constexpr int OFF_ALPHA = OFF_P + M * NT * 2;
-  static constexpr int OFF_L = OFF_ALPHA + 4 * M;
-  static constexpr int OFF_M = OFF_L + 4 * M;
-  static constexpr int OFF_LEN = OFF_M + 4 * M;
-  static constexpr int OFF_BAR = OFF_LEN + 4 * M;
-  static constexpr int SMEM_BYTES = OFF_BAR + 3 * 8 + 1024;  // + slack to align the base to 1024
-  static_assert(SMEM_BYTES <= kSmemPerCta, "wgmma tiles do not fit in shared memory");
+  static constexpr int P_BYTES = M * NT * 2;                // (64, 64) bf16
   static_assert(M == NT, "Q and KV column blocks share the k-step offsets of S");
-  static_assert(Q_BYTES % 1024 == 0 && TILE_BYTES % 1024 == 0 && (M * NT * 2) % 1024 == 0);
+  static_assert(Q_BYTES % 1024 == 0 && TILE_BYTES % 1024 == 0 && P_BYTES % 1024 == 0);
 };
 
 // Named barriers from WG0 (bar.arrive) to WG1 (bar.sync), 256 threads each time.
-inline constexpr int kBarPReady = 1;  // P(i) and alpha(i) are in shared memory
-inline constexpr int kBarSFree = 3;   // WG0 is done with tile i's stage
-// WG1 -> WG0: WG1 has consumed P(i) and alpha(i); sP may be rewritten. An mbarrier (index
-// 2 beside full[0], full[1]; one arrival per WG1 thread): WG0 waits on it from its own
-// branch, where a named barrier would have to be the slower unaligned barrier.sync.
-inline constexpr int kMbarPFree = 2;
+enum WgBarrier : int {
+  kBarPReady = 1,  // P(i) and alpha(i) are in shared memory
+  kBarSFree = 3,   // WG0 is done with tile i's stage
+};
+// The mbarriers (WgShared::bar): full[0], full[1] ("stage s holds a tile"; one arrival per
+// loader thread), then "P free": WG1 has consumed P(i) and alpha(i), sP may be rewritten (one
+// arrival per WG1 thread; WG0 waits on it from its own branch, where a named barrier would
+// have to be the slower unaligned barrier.sync).
+enum WgMbarrier : int { kMbarFull0 = 0, kMbarFull1 = 1, kMbarPFree = 2 };
+
+// The kernel's shared memory (from a 1024-byte aligned base; the operands on swizzle atoms).
+struct WgShared {
+  using C = WgConfig<false>;  // the layout is the same for both caches (fp8 is dequantised into bf16 stages)
+  alignas(1024) uint8_t q[C::Q_BYTES];
+  alignas(1024) uint8_t kv[C::STAGES][C::TILE_BYTES];  // K for S (K-major B) and V for P V (MN-major B)
+  alignas(1024) uint8_t p[C::P_BYTES];                 // A of WG1's P V
+  float alpha[C::M], l[C::M], m[C::M];
+  int len[C::M];
+  uint64_t bar[3];
+};
+inline constexpr int kWgSmemBytes = int(sizeof(WgShared)) + 1024;  // + slack to align the base
+static_assert(kWgSmemBytes <= kSmemPerCta, "wgmma tiles do not fit in shared memory");
+
 
 // Byte offset of 16-byte chunk `chunk` (0..71 along D) of row `row` in a (ROWS, 576) bf16
 // buffer stored as 9 column blocks of (ROWS, 64) with the 128-byte swizzle.
@@ -87,15 +95,14 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // Swizzle atoms must start on 1024-byte boundaries (descriptor base offset 0).
-  uint8_t* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
-  const uint32_t base = smem_addr(smem);
-  const uint32_t sQ_a = base + C::OFF_Q, sKV_a = base + C::OFF_KV, sP_a = base + C::OFF_P;
-  const uint32_t bar_a = base + C::OFF_BAR;  // full[s] at bar_a + 8 s
-  uint8_t* sP = smem + C::OFF_P;
-  float* sAlpha = reinterpret_cast<float*>(smem + C::OFF_ALPHA);
-  float* sL = reinterpret_cast<float*>(smem + C::OFF_L);
-  float* sM = reinterpret_cast<float*>(smem + C::OFF_M);
-  int* sLen = reinterpret_cast<int*>(smem + C::OFF_LEN);
+  WgShared& sh = *reinterpret_cast<WgShared*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
+  const uint32_t sQ_a = smem_addr(sh.q), sKV_a = smem_addr(sh.kv[0]), sP_a = smem_addr(sh.p);
+  const uint32_t bar_a = smem_addr(sh.bar);  // mbarrier k (WgMbarrier) at bar_a + 8 k
+  uint8_t* sP = sh.p;
+  float* sAlpha = sh.alpha;
+  float* sL = sh.l;
+  float* sM = sh.m;
+  int* sLen = sh.len;
 
   const int tid = threadIdx.x, wg = tid >> 7, t = tid & 127;
   const int lane = tid & 31, g = lane >> 2, c = lane & 3;
@@ -103,8 +110,8 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
 
   if (tid == 0) {
     // bf16: one cp.async arrival per loader thread; fp8: one plain arrival per loader thread.
-    mbar_init(bar_a, 128);
-    mbar_init(bar_a + 8, 128);
+    mbar_init(bar_a + 8 * kMbarFull0, 128);
+    mbar_init(bar_a + 8 * kMbarFull1, 128);
     mbar_init(bar_a + 8 * kMbarPFree, 128);
   }
   __syncthreads();
@@ -188,7 +195,7 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
     // fp8: dequantise the registers into stage s (exact: every e4m3 / e5m2 value is a
     // bf16 value; kv_scale is applied outside), then publish the stage.
     auto store_tile_fp8 = [&](int s) {
-      uint8_t* st = smem + C::OFF_KV + s * C::TILE_BYTES;
+      uint8_t* st = sh.kv[s];
 #pragma unroll
       for (int k = 0; k < (FP8 ? 18 : 1); ++k) {
         const int ch = 2 * k + half;  // fp8 chunk: dims [16 ch, 16 ch + 16) = bf16 chunks 2 ch, 2 ch + 1
@@ -398,12 +405,12 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
 
 template <bool FP8>
 int attention_wgmma_smem_bytes() {
-  return WgConfig<FP8>::SMEM_BYTES;
+  return kWgSmemBytes;
 }
 
 template <bool FP8>
 void launch_attention_wgmma(const AttentionParams& p, int grid, cudaStream_t stream) {
-  launch_attention_kernel<attention_wgmma_kernel<FP8>>(p, grid, WgConfig<FP8>::THREADS, WgConfig<FP8>::SMEM_BYTES, stream,
+  launch_attention_kernel<attention_wgmma_kernel<FP8>>(p, grid, WgConfig<FP8>::THREADS, kWgSmemBytes, stream,
                                                        "attention_wgmma_kernel");
 }
 
