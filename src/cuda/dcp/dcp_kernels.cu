@@ -145,14 +145,9 @@ void launch_copy_2d(const Copy2dParams& p, cudaStream_t stream) {
 __global__ void __launch_bounds__(256) correct_kernel(const CorrectParams p) {
   const int lane = threadIdx.x & 31;
   const HeadGroups& g = p.g;
-  const int64_t per_dest = g.rows * g.hl;
-  const int64_t total = int64_t(g.world) * per_dest;
   const int64_t stride = int64_t(g.world / g.rg) * g.rows * g.hg;  // one rank's gathered lse
-  for (int64_t item = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5); item < total; item += int64_t(gridDim.x) * 8) {
-    const int dest = int(item / per_dest);
-    const int64_t rem = item % per_dest, row = rem / g.hl;
-    const int h = int(rem % g.hl);
-    const int64_t c = g.cell(dest, row, h);
+  for (int64_t item = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5); item < g.items(); item += int64_t(gridDim.x) * 8) {
+    const auto [dest, at, c] = g.item(item);
     // A NaN partial poisons its cell rather than being dropped as an empty rank (the
     // library's NaN rule, docs/design.md); fmaxf alone would skip it.
     float m = neg_inf();
@@ -182,12 +177,12 @@ __global__ void __launch_bounds__(256) correct_kernel(const CorrectParams p) {
         *reinterpret_cast<uint32_t*>(static_cast<bf16*>(p.send) + item * p.width + col) = packed;
       }
     }
-    if (dest == g.me && lane == 0) p.out_lse[row * g.hl + h] = global;
+    if (dest == g.me && lane == 0) p.out_lse[at] = global;
   }
 }
 
 void launch_correct(const CorrectParams& p, cudaStream_t stream) {
-  const int64_t items = int64_t(p.g.world) * p.g.rows * p.g.hl;
+  const int64_t items = p.g.items();
   if (items == 0) return;
   correct_kernel<<<grid_for(items, 8), 256, 0, stream>>>(p);
   check(cudaGetLastError(), "correct_kernel launch");
@@ -198,24 +193,19 @@ void launch_correct(const CorrectParams& p, cudaStream_t stream) {
 __global__ void __launch_bounds__(256) pack_kernel(const PackParams p) {
   const int lane = threadIdx.x & 31;
   const HeadGroups& g = p.g;
-  const int64_t per_dest = g.rows * g.hl;
-  const int64_t total = int64_t(g.world) * per_dest;
   const int vecs = p.width / 8;  // 16-byte vectors per row
-  for (int64_t item = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5); item < total; item += int64_t(gridDim.x) * 8) {
-    const int dest = int(item / per_dest);
-    const int64_t rem = item % per_dest, row = rem / g.hl;
-    const int h = int(rem % g.hl);
-    const int64_t c = g.cell(dest, row, h);
+  for (int64_t item = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5); item < g.items(); item += int64_t(gridDim.x) * 8) {
+    const auto [dest, at, c] = g.item(item);
     const uint4* src = reinterpret_cast<const uint4*>(p.o + c * p.width);
     uint8_t* chunk = p.send + dest * p.chunk_bytes;
-    uint4* dst = reinterpret_cast<uint4*>(chunk + rem * p.width * 2);
+    uint4* dst = reinterpret_cast<uint4*>(chunk + at * p.width * 2);
     for (int v = lane; v < vecs; v += 32) dst[v] = src[v];
-    if (lane == 0) reinterpret_cast<float*>(chunk + p.lse_offset)[rem] = p.lse[c];
+    if (lane == 0) reinterpret_cast<float*>(chunk + p.lse_offset)[at] = p.lse[c];
   }
 }
 
 void launch_pack(const PackParams& p, cudaStream_t stream) {
-  const int64_t items = int64_t(p.g.world) * p.g.rows * p.g.hl;
+  const int64_t items = p.g.items();
   if (items == 0) return;
   pack_kernel<<<grid_for(items, 8), 256, 0, stream>>>(p);
   check(cudaGetLastError(), "pack_kernel launch");

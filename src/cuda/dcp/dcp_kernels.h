@@ -46,6 +46,18 @@ struct HeadGroups {
   __host__ __device__ int64_t cell(int peer, int64_t row, int h) const {
     return (int64_t(peer / rg) * rows + row) * hg + int64_t(peer % rg) * hl + h;
   }
+  // The merge kernels' items, a warp each: (destination, row, local head), destination-major.
+  // Item i is entry `at` = row x hl + head of dest's chunk, reading `cell` of the gathered data.
+  struct Item {
+    int dest;
+    int64_t at, cell;
+  };
+  __host__ __device__ int64_t items() const { return int64_t(world) * rows * hl; }
+  __host__ __device__ Item item(int64_t i) const {
+    const int64_t per_dest = rows * hl, at = i % per_dest;
+    const int dest = int(i / per_dest);
+    return Item{dest, at, cell(dest, at / hl, int(at % hl))};
+  }
 };
 
 // Merge form (i): with every rank's lse gathered [N][groups x rows x hg], scale this rank's
