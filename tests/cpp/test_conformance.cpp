@@ -9,6 +9,7 @@
 
 #include "dcpmla/reference.h"
 #include "dcpmla/runner.h"
+#include "../common/case_options.h"
 #include "test_helpers.h"
 
 namespace dcpmla {
@@ -74,16 +75,8 @@ TEST_P(Conformance, MatchesFloat64Reference) {
   const int64_t max_len = *std::max_element(lens.begin(), lens.end());
   const auto q = testing::random_normal(size_t(B) * qlen * c.heads * 576, rng());
   const auto kv = testing::random_normal(size_t(B) * size_t(max_len) * 576, rng());
-  AttentionOptions o;
-  o.mode = c.mode;
-  o.world_size = c.world;
-  o.interleave = c.interleave;
-  o.block_size = c.block_size;
-  o.kv_dtype = c.dtype;
-  o.kv_scale = c.dtype == KvDtype::bf16 ? 1.0f : 0.05f;
-  o.route = c.route;
+  AttentionOptions o = testing::case_options(c, c.dtype == KvDtype::bf16 ? 1.0f : 0.05f, rng());
   o.merge = c.merge;
-  o.seed = rng();
   o.min_segment_tokens = 16;  // several split_k segments even on short rows
   const auto got = mla_attention(q, kv, lens, B, qlen, c.heads, max_len, 576, o);
   const auto ref = reference_attention(q, kv, lens, B, qlen, c.heads, max_len, 576, c.mode, c.dtype, o.kv_scale,

@@ -20,6 +20,7 @@
 #include "dcpmla/merge.h"
 #include "dcpmla/reference.h"
 #include "dcpmla/runner.h"
+#include "../common/case_options.h"
 #include "test_helpers.h"
 
 namespace dcpmla {
@@ -152,16 +153,8 @@ AttentionConfig rank_config(const Case& c, const Sequence& s, int rank) {
 
 // The conformance entry point's options for the same case (its own block tables: `seed`).
 AttentionOptions conformance_options(const Case& c, float scale, uint64_t seed) {
-  AttentionOptions o;
-  o.mode = c.mode;
-  o.world_size = c.world;
-  o.interleave = c.interleave;
-  o.block_size = c.block_size;
-  o.kv_dtype = c.dtype;
-  o.kv_scale = scale;
-  o.route = c.route;
+  AttentionOptions o = testing::case_options(c, scale, seed);
   o.min_segment_tokens = kMinSegment;
-  o.seed = seed;
   return o;
 }
 

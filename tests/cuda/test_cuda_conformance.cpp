@@ -7,6 +7,7 @@
 #include <random>
 #include <string>
 
+#include "../common/case_options.h"
 #include "cuda_helpers.h"
 #include "dcpmla/runner.h"
 
@@ -51,16 +52,8 @@ TEST(CudaConformance, CudaEnginesMatchCpuEngines) {
     for (int32_t L : c.lens) max_len = std::max<int64_t>(max_len, L);
     const auto q = normal(size_t(B) * c.qlen * c.heads * D, 1);
     const auto kv = normal(size_t(B) * size_t(max_len) * D, 2);
-    AttentionOptions o;
-    o.mode = c.mode;
-    o.world_size = c.world;
-    o.interleave = c.interleave;
-    o.block_size = c.block_size;
-    o.kv_dtype = c.dtype;
-    o.kv_scale = c.kv_scale;
-    o.route = c.route;
+    AttentionOptions o = testing::case_options(c, c.kv_scale, 3);
     o.merge = c.merge;
-    o.seed = 3;
     const AttentionResult cpu = mla_attention(q, kv, c.lens, B, c.qlen, c.heads, max_len, D, o);
     o.backend = Backend::cuda;
     const AttentionResult gpu = mla_attention(q, kv, c.lens, B, c.qlen, c.heads, max_len, D, o, cuda::rank_engine_factory());
