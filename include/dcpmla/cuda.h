@@ -40,7 +40,7 @@ struct AttentionTuning {
   // (64-row CTAs on warpgroup MMA); 3: the fp8 swap kernel (16-row CTAs on native fp8
   // warpgroup MMA, fp8 caches only: with a bf16 cache 3 acts as 0). tile_tokens and
   // ctas_per_sm apply to the mma.sync kernel only. 0 picks the measured default per shape
-  // (fp8 swap for every fp8 cache, wgmma for bf16 at 64 rows, else mma.sync), unless the
+  // (wgmma at 64 rows for every cache; below, fp8 swap for fp8, mma.sync for bf16), unless the
   // knobs above ask for a variant only the mma.sync kernel has (32-token tiles, 2 CTAs per SM).
   int kernel = 0;
 };

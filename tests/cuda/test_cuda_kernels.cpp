@@ -342,18 +342,21 @@ TEST(CudaValidation, AttentionRefusesBadBatchesCachesAndRunWithoutPlan) {
   cuda_ok(cudaDeviceSynchronize(), "nothing was launched");
 }
 
-// Which kernel runs where (host-side dispatch, no device needed): the fp8 swap kernel serves
-// every fp8 cache (in groups of 16 rows), the wgmma kernel bf16's 64-row CTAs, the mma.sync
-// kernel the other 16/32-row ones and every knob only it has; each can be forced at any
-// shape (the fp8 swap kernel for fp8 caches only); an unknown kernel is refused.
+// Which kernel runs where (host-side dispatch, no device needed): the wgmma kernel serves
+// 64-row CTAs of every cache, the fp8 swap kernel fp8 caches below 64 rows (in groups of 16
+// rows), the mma.sync kernel bf16's 16/32-row CTAs and every knob only it has; each can be
+// forced at any shape (the fp8 swap kernel for fp8 caches only); an unknown kernel is refused.
 TEST(CudaValidation, KernelVariantDispatch) {
   using cuda::AttentionTuning;
   for (KvDtype d : {KvDtype::bf16, KvDtype::fp8_e4m3, KvDtype::fp8_e5m2}) {
     const bool fp8 = d != KvDtype::bf16;
+    // 64-row CTAs take the wgmma kernel for every cache (fp8 through its dequantising
+    // producer); fewer rows take the fp8 swap kernel (fp8) or mma.sync (bf16).
     const cuda::AttentionVariant v128 = cuda::attention_variant(1, 128, d);
-    EXPECT_EQ(v128.kernel, fp8 ? 3 : 2);
-    EXPECT_EQ(v128.rows_per_cta, fp8 ? 16 : 64);
-    EXPECT_EQ(cuda::attention_variant(4, 16, d).kernel, fp8 ? 3 : 2);  // verify: 64 rows share each tile
+    EXPECT_EQ(v128.kernel, 2);
+    EXPECT_EQ(v128.rows_per_cta, 64);
+    EXPECT_EQ(cuda::attention_variant(4, 16, d).kernel, 2);  // verify: 64 rows share each tile
+    EXPECT_EQ(cuda::attention_variant(1, 32, d).kernel, fp8 ? 3 : 1);
     EXPECT_EQ(cuda::attention_variant(1, 16, d).kernel, fp8 ? 3 : 1);
     EXPECT_EQ(cuda::attention_variant(2, 16, d).kernel, fp8 ? 3 : 1);
     const cuda::AttentionVariant forced = cuda::attention_variant(1, 16, d, AttentionTuning{0, 0, 2});
@@ -367,7 +370,7 @@ TEST(CudaValidation, KernelVariantDispatch) {
     EXPECT_EQ(cuda::attention_variant(1, 16, d, AttentionTuning{32, 2, 0}).kernel, 1);  // 2 CTAs per SM
     EXPECT_EQ(cuda::attention_variant(1, 128, d, AttentionTuning{0, 0, 1}).kernel, 1);
     EXPECT_EQ(cuda::attention_variant(1, 128, d, AttentionTuning{32, 0, 0}).kernel, 1);  // 32-token tiles
-    EXPECT_EQ(cuda::attention_variant(1, 128, d, AttentionTuning{64, 1, 0}).kernel, fp8 ? 3 : 2);
+    EXPECT_EQ(cuda::attention_variant(1, 128, d, AttentionTuning{64, 1, 0}).kernel, 2);
   }
   EXPECT_THROW(cuda::attention_variant(1, 16, KvDtype::bf16, AttentionTuning{0, 0, 4}), Error);
   EXPECT_THROW(cuda::attention_variant(1, 16, KvDtype::bf16, AttentionTuning{0, 0, -1}), Error);

@@ -5,30 +5,33 @@
 // schedule for one row group, from the device plan; rows with no local key give out = 0,
 // lse = -inf; pieces of cut requests write (o / l, m, l) partials.
 //
-// Two warpgroups (256 threads), one CTA per SM (smem: Q 72 KiB + 2 KV stages of 72 KiB):
+// Two consumer warpgroups, one CTA per SM (smem: Q 72 KiB + 2 KV stages of 72 KiB):
 //   WG0 ("softmax"): waits for tile i, S = Q K_i^T (36 wgmma m64n64k16, A and B from shared
 //       memory), masks each row at its own local length, online softmax (base 2) in
 //       registers (a row's 64 scores live in one quad of lanes), hands P (bf16) and the
 //       rescale factors to WG1 through shared memory, then O[:, 0:256] += P V_i with P
 //       from registers (4 wgmma m64n256k16, V read MN-major from the same tile).
-//   WG1 ("loader"): O[:, 256:512] += P V_i with P from shared memory, then loads tile i + 2
-//       into the stage of tile i once both halves of P V_i are done.
+//   WG1: O[:, 256:512] += P V_i with P from shared memory.
 //   Per tile the tensor cores run S, then (after softmax) both halves of P V together; WG1's
 //   half may still run while WG0 starts the next S. (Overlapping softmax with the tensor
 //   cores needs another schedule: bench/NOTES.md, next steps.)
-//   bf16 cache: cp.async straight into the swizzled stage; each loader thread's copies
-//     arrive on the stage's mbarrier when they land (cp.async.mbarrier.arrive.noinc).
-//   fp8 cache: the loader keeps the raw bytes of the next tile in registers for one
-//     iteration, then dequantises them (exact; kv_scale folded into the softmax and output
-//     scales) into the free bf16 stage, fences them for the async proxy and arrives.
+// Who fills the stages depends on the cache:
+//   bf16 (256 threads): WG1 also loads tile i + 2 into the stage of tile i once both halves
+//     of P V_i are done, by cp.async straight into the swizzled stage; each loader thread's
+//     copies arrive on the stage's mbarrier when they land (cp.async.mbarrier.arrive.noinc).
+//   fp8 (384 threads): a third warpgroup, the producer (104 registers; the consumers take 200),
+//     keeps the raw bytes of the next tile in registers, dequantises them (exact; kv_scale
+//     folded into the softmax and output scales) into the stage as soon as both consumers
+//     have released it ("empty" mbarriers), fences them for the async proxy and arrives. It
+//     runs ahead across units, so the dequantise pass is off the consumers' path.
+// Tiles are numbered across a CTA's units (gt): tile gt sits in stage gt % 2.
 //
 // Shared memory (WgShared, from a 1024-byte aligned base; every buffer is a stack of (rows, 64)
 // column blocks of 128-byte rows, the 16-byte chunk c of row r at chunk c ^ (r & 7)):
 //   sQ   (64, 576) bf16      9 blocks of (64, 64)
 //   sKV  2 x (64, 576) bf16  K for S (K-major B) and V for P V (MN-major B) alike
 //   sP   (64, 64) bf16       A of WG1's P V
-//   sAlpha, sL, sM (64) f32, sLen (64) i32, 3 mbarriers (full[0], full[1]: "stage s holds a
-//   tile"; P free)
+//   sAlpha, sL, sM (64) f32, sLen (64) i32, mbarriers (WgMbarrier)
 #pragma once
 
 #include <cstdint>
@@ -45,7 +48,14 @@ template <bool FP8>
 struct WgConfig {
   static constexpr int M = 64;         // query rows per CTA: one wgmma M
   static constexpr int NT = 64;        // KV tokens per tile: N of S, K of P V
-  static constexpr int THREADS = 256;  // two warpgroups
+  // Two consumer warpgroups; fp8 adds the dequantising producer.
+  static constexpr int THREADS = FP8 ? 384 : 256;
+  static constexpr int CONSUMERS = 256;
+  // fp8's register split. setmaxnreg moves registers only within the CTA's launch
+  // allocation (168 per thread at 384 threads): the three warpgroups' shares must sum to
+  // 3 x 168, or the consumers' increase waits forever.
+  static constexpr int PRODUCER_REGS = 104, CONSUMER_REGS = 200;
+  static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * (65536 / 384 / 8 * 8));
   static constexpr int STAGES = 2;
   static constexpr int KSTEPS = kDim / 16;                  // 36 k16 steps of S
   static constexpr int Q_BYTES = M * kDim * 2;              // (64, 576) bf16
@@ -55,16 +65,19 @@ struct WgConfig {
   static_assert(Q_BYTES % 1024 == 0 && TILE_BYTES % 1024 == 0 && P_BYTES % 1024 == 0);
 };
 
-// Named barriers from WG0 (bar.arrive) to WG1 (bar.sync), 256 threads each time.
+// Named barriers, 256 threads each time: from WG0 (bar.arrive) to WG1 (bar.sync), and the
+// two consumer warpgroups together.
 enum WgBarrier : int {
-  kBarPReady = 1,  // P(i) and alpha(i) are in shared memory
-  kBarSFree = 3,   // WG0 is done with tile i's stage
+  kBarPReady = 1,     // P(i) and alpha(i) are in shared memory
+  kBarSFree = 3,      // bf16: WG0 is done with tile i's stage
+  kBarConsumers = 4,  // both consumers (the whole CTA for bf16)
 };
 // The mbarriers (WgShared::bar): full[0], full[1] ("stage s holds a tile"; one arrival per
 // loader thread), then "P free": WG1 has consumed P(i) and alpha(i), sP may be rewritten (one
 // arrival per WG1 thread; WG0 waits on it from its own branch, where a named barrier would
-// have to be the slower unaligned barrier.sync).
-enum WgMbarrier : int { kMbarFull0 = 0, kMbarFull1 = 1, kMbarPFree = 2 };
+// have to be the slower unaligned barrier.sync), then for fp8 empty[0], empty[1] ("both
+// consumers are done with stage s"; one arrival per consumer thread).
+enum WgMbarrier : int { kMbarFull0 = 0, kMbarFull1 = 1, kMbarPFree = 2, kMbarEmpty0 = 3, kMbarEmpty1 = 4 };
 
 // The kernel's shared memory (from a 1024-byte aligned base; the operands on swizzle atoms).
 struct WgShared {
@@ -74,7 +87,7 @@ struct WgShared {
   alignas(1024) uint8_t p[C::P_BYTES];                 // A of WG1's P V
   float alpha[C::M], l[C::M], m[C::M];
   int len[C::M];
-  uint64_t bar[3];
+  uint64_t bar[5];
 };
 inline constexpr int kWgSmemBytes = int(sizeof(WgShared)) + 1024;  // + slack to align the base
 static_assert(kWgSmemBytes <= kSmemPerCta, "wgmma tiles do not fit in shared memory");
@@ -87,8 +100,68 @@ __device__ __forceinline__ uint32_t swz128(int row, int chunk) {
   return uint32_t((chunk >> 3) * (ROWS * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
 }
 
+// fp8 producer warpgroup (thread t of 128): streams the raw bytes of each tile into
+// registers one tile ahead (two threads per token, alternating 16-byte chunks of its row),
+// waits until both consumers have released the tile's stage, dequantises into it (exact:
+// every e4m3 / e5m2 value is a bf16 value; kv_scale is applied outside), fences the stores
+// for the async proxy and arrives on the stage's full barrier.
+// One body per format: a run-time choice per chunk keeps both conversions' registers live.
+template <bool E5M2>
+__device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, const PlanScalars& ps, WgShared& sh,
+                                                   int t) {
+  using C = WgConfig<true>;
+  constexpr int M = C::M, NT = C::NT;
+  const uint32_t bar_a = smem_addr(sh.bar);
+  const int tk = t >> 1, half = t & 1;
+  uint4 raw[kDim / 32];  // this thread's 18 chunks of the next tile
+  uint32_t gbase = 0;
+  for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
+    const UnitSpan u = unit_span<M, NT>(p, cur, ps);
+    // Sub-page of this thread's token of tile i (0 past the end: never dereferenced).
+    auto subpage = [&](int i) {
+      const int j = u.tok_lo + i * NT + tk;
+      return (i < u.ntiles && j < u.tok_hi) ? u.subpages[j >> ps.page_shift] : 0;
+    };
+    // Raw bytes of tile i (zeros past tok_hi).
+    auto read = [&](int i, int sp) {
+      const int j = u.tok_lo + i * NT + tk;
+      const bool ok = j < u.tok_hi;
+      const uint8_t* src = p.kv + (int64_t(sp) * ps.page + (j & (ps.page - 1))) * kDim;
+#pragma unroll
+      for (int k = 0; k < kDim / 32; ++k)
+        raw[k] = ok ? __ldg(reinterpret_cast<const uint4*>(src + (2 * k + half) * 16)) : make_uint4(0u, 0u, 0u, 0u);
+    };
+    if (u.ntiles > 0) read(0, subpage(0));
+    int sp_next = subpage(1);
+    for (int i = 0; i < u.ntiles; ++i) {
+      const uint32_t gt = gbase + uint32_t(i), s = gt & 1u, n = gt >> 1;
+      if (n > 0) mbar_wait(bar_a + 8 * (kMbarEmpty0 + s), (n - 1) & 1u);
+      // fp8 chunk 2 k + half = bf16 chunks 4 k + 2 half + e (e < 2): column block k / 2,
+      // chunk 4 (k & 1) + 2 half + e of the token's row, swizzled (swz128) by tk & 7.
+      uint8_t* row = sh.kv[s] + tk * 128;
+#pragma unroll
+      for (int k = 0; k < kDim / 32; ++k) {
+        uint32_t v[8];
+        fp8x16_to_bf16x16(raw[k], E5M2, v);
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          *reinterpret_cast<uint4*>(row + (k >> 1) * (NT * 128) + (((4 * (k & 1) + 2 * half + e) ^ (tk & 7)) << 4)) =
+              make_uint4(v[4 * e], v[4 * e + 1], v[4 * e + 2], v[4 * e + 3]);
+      }
+      fence_proxy_async();  // the stores are read by wgmma (async proxy)
+      mbar_arrive(bar_a + 8 * (kMbarFull0 + s));
+      if (i + 1 < u.ntiles) {
+        read(i + 1, sp_next);
+        sp_next = subpage(i + 2);
+      }
+    }
+    gbase += uint32_t(u.ntiles);
+  }
+}
+
 template <bool FP8>
-__global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_constant__ AttentionParams p) {
+__global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
+    attention_wgmma_kernel(const __grid_constant__ AttentionParams p) {
   using C = WgConfig<FP8>;
   constexpr int M = C::M, NT = C::NT;
   const float kNegInf = neg_inf();
@@ -109,26 +182,41 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
   const int r0 = (t >> 5) * 16 + g, r1 = r0 + 8;  // the two accumulator rows of this thread
 
   if (tid == 0) {
-    // bf16: one cp.async arrival per loader thread; fp8: one plain arrival per loader thread.
+    // bf16: one cp.async arrival per loader thread; fp8: one plain arrival per producer thread.
     mbar_init(bar_a + 8 * kMbarFull0, 128);
     mbar_init(bar_a + 8 * kMbarFull1, 128);
     mbar_init(bar_a + 8 * kMbarPFree, 128);
+    if constexpr (FP8) {
+      mbar_init(bar_a + 8 * kMbarEmpty0, C::CONSUMERS);
+      mbar_init(bar_a + 8 * kMbarEmpty1, C::CONSUMERS);
+    }
   }
   __syncthreads();
 
   const PlanScalars ps = plan_scalars<M>(p);
+  if constexpr (FP8) {
+    if (wg == 2) {
+      setmaxnreg_dec<C::PRODUCER_REGS>();
+      if (p.kv_dtype == KvDtype::fp8_e5m2) wgmma_fp8_producer<true>(p, ps, sh, t);
+      else wgmma_fp8_producer<false>(p, ps, sh, t);
+      return;
+    }
+    setmaxnreg_inc<C::CONSUMER_REGS>();
+  }
+  auto consumers_sync = [] { named_sync(kBarConsumers, C::CONSUMERS); };
+
   const float kv_scale = FP8 ? kv_scale_of(p) : 1.0f;
   const float sl2 = p.softmax_scale * kv_scale * kLog2e;
   const float out_scale = kv_scale;  // v = stored * kv_scale
-  const bool e5m2 = p.kv_dtype == KvDtype::fp8_e5m2;
-  constexpr int kRowBytes = FP8 ? kDim : kDim * 2;  // a stored token
 
-  // Loader (WG1) mappings. bf16: eight threads per token (chunks lc + 8 m, m < 9: one
-  // 128-byte row of each column block), tokens lt + 16 j (j < 4); a warp's copy reads 4 tokens
-  // x 128 contiguous bytes. fp8: two threads per token, alternating 16-byte chunks of its row.
+  // bf16 loader (WG1) mapping: eight threads per token (chunks lc + 8 m, m < 9: one 128-byte
+  // row of each column block), tokens lt + 16 j (j < 4); a warp's copy reads 4 tokens x 128
+  // contiguous bytes.
   const int lt = t >> 3, lc = t & 7;
-  const int tk = t >> 1, half = t & 1;
   uint32_t phase = 0;  // bit k: parity of the next completion of mbarrier k this thread waits for
+  // The unit's first tile, numbered across the CTA's units for fp8 (whose producer runs
+  // ahead); bf16 units start from stage 0, the CTA syncing between units.
+  uint32_t gbase = 0;
 
   float o[128];  // (64, 256) slice of O: this warpgroup's columns [256 wg, 256 wg + 256)
   // O's rows r0, r1 times alpha; once the running maxima settle alpha is exactly 1 (skipped).
@@ -143,7 +231,6 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
       }
     }
   };
-  uint4 raw[FP8 ? 18 : 1];  // fp8: the loader's share of the next tile, (64, 576) bytes / 128
 
   for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
     const UnitSpan u = unit_span<M, NT>(p, cur, ps);
@@ -152,83 +239,46 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
     const int32_t *lens = u.lens, *subpages = u.subpages;
     if (tid < M) sLen[tid] = tid < nr ? lens[(row0 + tid) / p.heads] : 0;
 
-    // ---- loader helpers (WG1) -------------------------------------------------------------
-    // Sub-page id of token `tok` of tile i (0 past the end: never dereferenced).
-    auto fetch_subpage = [&](int i, int tok) {
-      const int j = tok_lo + i * NT + tok;
-      return (i < ntiles && j < tok_hi) ? subpages[j >> ps.page_shift] : 0;
-    };
-    auto token_src = [&](int i, int tok, int subpage) {
-      const int j = tok_lo + i * NT + tok;
-      return p.kv + (int64_t(subpage) * ps.page + (j & (ps.page - 1))) * kRowBytes;
-    };
-    // bf16: the sub-pages of this thread's four tokens of tile i.
+    // ---- bf16 loader helpers (WG1) ------------------------------------------------------------
+    // The sub-pages of this thread's four tokens of tile i (0 past the end: never dereferenced).
     auto fetch_subpages_bf16 = [&](int i, int (&sp)[4]) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) sp[j] = fetch_subpage(i, lt + 16 * j);
+      for (int j = 0; j < 4; ++j) {
+        const int jt = tok_lo + i * NT + lt + 16 * j;
+        sp[j] = (i < ntiles && jt < tok_hi) ? subpages[jt >> ps.page_shift] : 0;
+      }
     };
-    // bf16: tile i -> stage s by cp.async (tokens at or past tok_hi are zero-filled), then
-    // one arrival on full[s] when this thread's copies have landed.
+    // Tile i -> stage s by cp.async (tokens at or past tok_hi are zero-filled), then one
+    // arrival on full[s] when this thread's copies have landed.
     auto load_tile_bf16 = [&](int i, int s, const int (&sp)[4]) {
       const uint32_t dst = sKV_a + s * C::TILE_BYTES;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const int tok = lt + 16 * j;
-        const bool ok = tok_lo + i * NT + tok < tok_hi;
-        const uint8_t* src = ok ? token_src(i, tok, sp[j]) : p.kv;
+        const int tok = lt + 16 * j, jt = tok_lo + i * NT + tok;
+        const bool ok = jt < tok_hi;
+        const uint8_t* src = ok ? p.kv + (int64_t(sp[j]) * ps.page + (jt & (ps.page - 1))) * (kDim * 2) : p.kv;
 #pragma unroll
         for (int m = 0; m < kDim / 64; ++m) {
           const int ch = lc + 8 * m;
           cp_async_16(dst + swz128<NT>(tok, ch), src + ch * 16, ok ? 16 : 0);
         }
       }
-      cp_async_mbar_arrive(bar_a + 8 * s);
-    };
-    // fp8: raw bytes of tile i into registers (zeros past tok_hi).
-    auto read_tile_fp8 = [&](int i, int subpage) {
-      const bool ok = i < ntiles && tok_lo + i * NT + tk < tok_hi;
-      const uint8_t* src = token_src(i, tk, subpage);
-#pragma unroll
-      for (int k = 0; k < (FP8 ? 18 : 1); ++k)
-        raw[k] = ok ? __ldg(reinterpret_cast<const uint4*>(src + (2 * k + half) * 16)) : make_uint4(0u, 0u, 0u, 0u);
-    };
-    // fp8: dequantise the registers into stage s (exact: every e4m3 / e5m2 value is a
-    // bf16 value; kv_scale is applied outside), then publish the stage.
-    auto store_tile_fp8 = [&](int s) {
-      uint8_t* st = sh.kv[s];
-#pragma unroll
-      for (int k = 0; k < (FP8 ? 18 : 1); ++k) {
-        const int ch = 2 * k + half;  // fp8 chunk: dims [16 ch, 16 ch + 16) = bf16 chunks 2 ch, 2 ch + 1
-        uint32_t v[8];
-        fp8x16_to_bf16x16(raw[k], e5m2, v);
-        *reinterpret_cast<uint4*>(st + swz128<NT>(tk, 2 * ch)) = make_uint4(v[0], v[1], v[2], v[3]);
-        *reinterpret_cast<uint4*>(st + swz128<NT>(tk, 2 * ch + 1)) = make_uint4(v[4], v[5], v[6], v[7]);
-      }
-      fence_proxy_async();  // the stores are read by wgmma (async proxy)
-      mbar_arrive(bar_a + 8 * s);
+      cp_async_mbar_arrive(bar_a + 8 * (kMbarFull0 + s));
     };
 
-    int next_subpage = 0;
-    if (wg == 1) {
-      if constexpr (!FP8) {
+    if constexpr (!FP8) {
+      if (wg == 1) {
         int sp[4];
         for (int i = 0; i < 2 && i < ntiles; ++i) {
           fetch_subpages_bf16(i, sp);
-          load_tile_bf16(i, i, sp);
+          load_tile_bf16(i, (gbase + i) & 1, sp);
         }
-      } else {
-        for (int i = 0; i < 2 && i < ntiles; ++i) {
-          read_tile_fp8(i, fetch_subpage(i, tk));
-          store_tile_fp8(i);
-        }
-        if (ntiles > 2) read_tile_fp8(2, fetch_subpage(2, tk));
       }
-      if constexpr (FP8) next_subpage = fetch_subpage(3, tk);
     }
 
     // Q rows [row0, row0 + nr) of request b; padding rows of the CTA are zero.
     const bf16* qb = p.q + u.q_row * kDim;
-    for (int idx = tid; idx < M * (kDim / 8); idx += C::THREADS) {
+    for (int idx = tid; idx < M * (kDim / 8); idx += C::CONSUMERS) {
       const int r = idx / (kDim / 8), ch = idx % (kDim / 8);
       const bool ok = r < nr;
       cp_async_16(sQ_a + swz128<M>(r, ch), ok ? static_cast<const void*>(qb + int64_t(r) * kDim + ch * 8) : p.q,
@@ -236,7 +286,7 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
     }
     cp_async_wait_all();
     fence_proxy_async();
-    __syncthreads();  // Q and sLen visible to both warpgroups
+    consumers_sync();  // Q and sLen visible to both warpgroups
 
 #pragma unroll
     for (int k = 0; k < 128; ++k) o[k] = 0.0f;
@@ -246,16 +296,15 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
       // ================= WG0: S, softmax, O[:, 0:256] ==========================================
       const int lim0 = min(sLen[r0], tok_hi), lim1 = min(sLen[r1], tok_hi);
       for (int i = 0; i < ntiles; ++i) {
-        const int s = i & 1;
+        const int s = (gbase + i) & 1;
         // No proxy fence after the wait: cp.async bytes, completed through
         // cp.async.mbarrier.arrive, go to wgmma straight after the barrier (as in
-        // FlashAttention-3's paged-KV path); fp8 loaders fence their own stores before
+        // FlashAttention-3's paged-KV path); the fp8 producer fences its own stores before
         // arriving. Here fence.proxy.async is a MEMBAR that also waits for this thread's loads
         // in flight: dropping it took verify16_q4 from 225 to 204 us (bench/NOTES.md).
-        mbar_wait(bar_a + 8 * s, (phase >> s) & 1u);
+        mbar_wait(bar_a + 8 * (kMbarFull0 + s), (phase >> s) & 1u);
         phase ^= 1u << s;
         const uint32_t sK = sKV_a + s * C::TILE_BYTES;
-
         // S (64, 64) = Q (64, 576) K^T: k16 step ks reads 32 bytes of column block ks / 4.
         // sc[4 j + e]: row r0, token 8 j + 2 c + e; sc[4 j + 2 + e]: row r1.
         float sc[32];
@@ -338,7 +387,8 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(o);
-        if (i + 2 < ntiles) named_arrive(kBarSFree, 256);
+        if constexpr (FP8) mbar_arrive(bar_a + 8 * (kMbarEmpty0 + s));
+        else if (i + 2 < ntiles) named_arrive(kBarSFree, 256);
       }
       // l over the quad of lanes that share a row (each summed its own tokens).
 #pragma unroll
@@ -353,11 +403,11 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
         sM[r1] = m_run[1];
       }
     } else {
-      // ================= WG1: O[:, 256:512], loads ============================================
+      // ================= WG1: O[:, 256:512] (bf16: and the loads) =============================
       for (int i = 0; i < ntiles; ++i) {
-        const int s = i & 1;
+        const int s = (gbase + i) & 1;
         named_sync(kBarPReady, 256);
-        mbar_wait(bar_a + 8 * s, (phase >> s) & 1u);  // long complete (no proxy fence: see WG0)
+        mbar_wait(bar_a + 8 * (kMbarFull0 + s), (phase >> s) & 1u);  // long complete (no proxy fence: see WG0)
         phase ^= 1u << s;
         // The sub-page lookup for the next load has P V to land.
         int subpage_next[4];
@@ -372,15 +422,11 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(o);
-        if (i + 2 < ntiles) {
+        if constexpr (FP8) {
+          mbar_arrive(bar_a + 8 * (kMbarEmpty0 + s));
+        } else if (i + 2 < ntiles) {
           named_sync(kBarSFree, 256);  // WG0 has finished reading stage s
-          if constexpr (!FP8) {
-            load_tile_bf16(i + 2, s, subpage_next);
-          } else {
-            store_tile_fp8(s);  // tile i + 2, read into registers one iteration ago
-            read_tile_fp8(i + 3, next_subpage);
-            next_subpage = fetch_subpage(i + 4, tk);
-          }
+          load_tile_bf16(i + 2, s, subpage_next);
         }
         // sP and sAlpha may be rewritten once every WG1 thread has arrived (its reads above
         // are released to WG0's writes of the next tile). After the stage handover, so that
@@ -388,7 +434,7 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
         if (i + 1 < ntiles) mbar_arrive(bar_a + 8 * kMbarPFree);
       }
     }
-    __syncthreads();  // sL, sM
+    consumers_sync();  // sL, sM
 
     // ---- epilogue: normalise, write this warpgroup's 256 columns ----------------------------
 #pragma unroll
@@ -399,7 +445,8 @@ __global__ void __launch_bounds__(256, 1) attention_wgmma_kernel(const __grid_co
                             [&](int j) { return make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]); });
     }
     if (tid < nr) store_row_stats(p, u, tid, sM[tid], sL[tid]);
-    __syncthreads();  // shared memory is reused by the next unit
+    if constexpr (FP8) gbase += uint32_t(ntiles);
+    consumers_sync();  // shared memory is reused by the next unit
   }
 }
 

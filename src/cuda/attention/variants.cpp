@@ -50,16 +50,16 @@ const KernelVariant& find_variant(Kernel kernel, int rows_per_cta, int tile_toke
   throw std::logic_error("dcpmla: no compiled attention variant for this configuration");
 }
 
-// fp8 caches take the fp8 swap kernel at every row count: it reads the cache without
-// dequantising it, in row groups of 16 that read each tile at about the same time (all but
-// the first from L2); measured against the dequantising kernels it is 2.7-3x faster at 32
-// rows and as fast or 3-8 % faster at 64 rows and at 128 heads (bench/NOTES.md). For bf16
-// the wgmma kernel serves 64-row CTAs (qlen x heads > 32: verify at 16 heads, 128 heads),
-// where the mma.sync kernel is bound by ldmatrix traffic; below 64 rows it would pad each
-// CTA to 64 rows, and the mma.sync kernel keeps those shapes.
+// 64-row CTAs (qlen x heads > 32: verify at 16 heads, 128 heads) take the wgmma kernel for
+// every cache: for bf16 the mma.sync kernel is bound by ldmatrix traffic there, and for fp8
+// the wgmma kernel's dequantising producer warpgroup keeps the conversion off the tensor
+// cores' path, 1.4-1.6x faster than the fp8 swap kernel's eight 16-row groups at 64+ rows
+// (bench/NOTES.md, 2026-12-01). Below 64 rows fp8 caches take the fp8 swap kernel (it reads
+// the cache without dequantising it; 2.7-3x faster than the dequantising kernels at 32
+// rows), bf16 caches the mma.sync kernel (the wgmma kernel would pad each CTA to 64 rows).
 Kernel default_kernel(int rows_per_cta, bool fp8) {
-  if (fp8) return Kernel::fp8_swap;
   if (rows_per_cta == 64) return Kernel::wgmma;
+  if (fp8) return Kernel::fp8_swap;
   return Kernel::mma;
 }
 
