@@ -382,6 +382,9 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, const Schedul
     // tile / occupancy knobs, the wgmma kernel (16- and 32-row shapes padded to 64) and, for
     // fp8 caches, the fp8 swap kernel (16-row groups).
     // Each is also compared with the default variant on cache 0 (rel L2 of out, full size).
+    // The plan is the default variant's: a variant with other rows per CTA runs on a plan
+    // balanced for those rows, not its own (marked "@plan<rows>": its time is not what it
+    // would take as the default).
     const size_t nout = rows * 512;
     std::vector<uint16_t> ref(nout), got(nout);
     p.kv = caches[0];
@@ -411,9 +414,11 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, const Schedul
         num += (a - r) * (a - r);
         den += r * r;
       }
-      char buf[96];
-      std::snprintf(buf, sizeof buf, "%s%s:%.1f(%.0e)", row.sweep.empty() ? "" : " ", variant_name(v).c_str(), vms * 1e3,
-                    den > 0 ? std::sqrt(num / den) : std::sqrt(num));
+      char buf[128];
+      const std::string plan_note =
+          v.rows_per_cta != chosen.rows_per_cta ? "@plan" + std::to_string(chosen.rows_per_cta) : "";
+      std::snprintf(buf, sizeof buf, "%s%s%s:%.1f(%.0e)", row.sweep.empty() ? "" : " ", variant_name(v).c_str(),
+                    plan_note.c_str(), vms * 1e3, den > 0 ? std::sqrt(num / den) : std::sqrt(num));
       row.sweep += buf;
     }
   }
@@ -578,7 +583,7 @@ int main(int argc, char** argv) {
                "Also the varlen serving batches (uniform 512..16k, lognormal around 4k, one 128k among short ones; "
                "16 and 128 heads, qlen 1, 2, 4, bf16 and fp8_e4m3)");
   app.add_flag("--no-baseline", no_baseline, "Skip the baseline (its columns are null in the JSON)");
-  app.add_flag("--sweep", sweep, "Also time every other kernel variant at each shape");
+  app.add_flag("--sweep", sweep, "Also time every other kernel variant at each shape (on the default variant's plan; @plan<rows> marks a variant with other rows per CTA)");
   app.add_flag("--no-ceilings", no_ceilings, "Skip the ceilings (the ratios to them are null in the JSON)");
   app.add_option("--only", only, "Run only these shapes (comma-separated names)")->delimiter(',');
   app.add_option("--schedule", schedule, "The schedule's cost model: piece,cut,slack (ScheduleCost; tuning)")
