@@ -111,6 +111,15 @@ prefix_path="$(IFS=';'; echo "${PREFIXES[*]:-}")"
 
 # ---- build ----------------------------------------------------------------------------------
 t0=$(date +%s)
+# A warm machine keeps $BUILD, and a copied-back source can be older than an object built
+# from an edit made here in an earlier call: ninja would keep that object. Sources whose
+# content changed since the last build are touched, so the build follows content, not times.
+mkdir -p "$BUILD"
+find src include tests bench python cmake CMakeLists.txt -type f -print0 | xargs -0 sha1sum >"$BUILD/.sources.new"
+if [[ -f "$BUILD/.sources" ]]; then
+  diff <(sort "$BUILD/.sources") <(sort "$BUILD/.sources.new") | awk '/^> /{print $3}' | xargs -r touch
+fi
+mv "$BUILD/.sources.new" "$BUILD/.sources"
 EXTRA=()
 [[ -f /usr/local/cuda/include/nccl.h || ! -d .devdeps/nccl ]] || EXTRA+=("-DNCCL_ROOT=$ROOT/.devdeps/nccl")
 if NB_DIR="$(python3 -m nanobind --cmake_dir 2>/dev/null)"; then
