@@ -112,14 +112,21 @@ prefix_path="$(IFS=';'; echo "${PREFIXES[*]:-}")"
 # ---- build ----------------------------------------------------------------------------------
 t0=$(date +%s)
 # A warm machine keeps $BUILD, and a copied-back source can be older than an object built
-# from an edit made here in an earlier call: ninja would keep that object. Sources whose
-# content changed since the last build are touched, so the build follows content, not times.
+# from an edit made here in an earlier call: ninja would keep that object. So the build
+# follows content, not times: sources whose content changed since this script's last build
+# are touched, and everything is when some object is newer than that build (something was
+# built here outside this script, e.g. an experiment on an edited source).
+SOURCES=(src include tests bench python cmake CMakeLists.txt)
 mkdir -p "$BUILD"
-find src include tests bench python cmake CMakeLists.txt -type f -print0 | xargs -0 sha1sum >"$BUILD/.sources.new"
+find "${SOURCES[@]}" -type f -print0 | xargs -0 sha1sum | sort >"$BUILD/.sources.new"
 if [[ -f "$BUILD/.sources" ]]; then
-  diff <(sort "$BUILD/.sources") <(sort "$BUILD/.sources.new") | awk '/^> /{print $3}' | xargs -r touch
+  if [[ -n "$(find "$BUILD" -name '*.o' -newer "$BUILD/.sources" -print -quit)" ]]; then
+    say "objects built outside device.sh since its last build: rebuilding everything"
+    find "${SOURCES[@]}" -type f -exec touch {} +
+  else
+    diff "$BUILD/.sources" "$BUILD/.sources.new" | awk '/^> /{print $3}' | xargs -r touch
+  fi
 fi
-mv "$BUILD/.sources.new" "$BUILD/.sources"
 EXTRA=()
 [[ -f /usr/local/cuda/include/nccl.h || ! -d .devdeps/nccl ]] || EXTRA+=("-DNCCL_ROOT=$ROOT/.devdeps/nccl")
 if NB_DIR="$(python3 -m nanobind --cmake_dir 2>/dev/null)"; then
@@ -136,6 +143,7 @@ if [[ $? -ne 0 ]]; then
   tail -n 30 "$OUT/build.log"
   exit 1
 fi
+mv "$BUILD/.sources.new" "$BUILD/.sources" && touch "$BUILD/.sources"  # what this build was made from, timed after its objects
 say "built in $(( $(date +%s) - t0 )) s ($(grep -E 'dcpmla: (NCCL|MPI)' "$OUT/build.log" | tr '\n' ' '))"
 
 # ---- tests: one ctest run over the labels --------------------------------------------------
