@@ -64,6 +64,8 @@ struct Fp8SwapConfig {
   static constexpr int M = 16;          // query rows per CTA: N of every wgmma
   static constexpr int NT = 64;         // tokens per tile: M of S^T, K of O^T
   static constexpr int THREADS = 384;   // producer + two consumer warpgroups
+  static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+  static_assert(fits_launch_registers(THREADS, PRODUCER_REGS, CONSUMER_REGS));
   static constexpr int STAGES = 4;
   static constexpr int BLOCKS = 5;      // 128-byte column blocks of a 576-byte row
   static constexpr int TILE_BYTES = BLOCKS * NT * 128;  // 40 KiB
@@ -127,7 +129,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
 
   if (role == 0) {
     // ================= producer ==================================================================
-    setmaxnreg_dec<40>();
+    setmaxnreg_dec<C::PRODUCER_REGS>();
     // Eight threads per token row (chunks lc + 8 m: one 128-byte row of each column block),
     // tokens lt + 16 j; a warp's copy reads 4 tokens x 128 contiguous bytes.
     const int lt = t >> 3, lc = t & 7;
@@ -172,7 +174,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
   }
 
   // =================== consumers ==================================================================
-  setmaxnreg_inc<232>();
+  setmaxnreg_inc<C::CONSUMER_REGS>();
   const int cw = role - 1;  // consumer index: tiles cw, cw + 2, ... of each unit
   float* sQscale = sh.qscale;
   int* sLen = sh.len;

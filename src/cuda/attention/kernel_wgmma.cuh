@@ -51,11 +51,9 @@ struct WgConfig {
   // Two consumer warpgroups; fp8 adds the dequantising producer.
   static constexpr int THREADS = FP8 ? 384 : 256;
   static constexpr int CONSUMERS = 256;
-  // fp8's register split. setmaxnreg moves registers only within the CTA's launch
-  // allocation (168 per thread at 384 threads): the three warpgroups' shares must sum to
-  // 3 x 168, or the consumers' increase waits forever.
+  // fp8's register split (168 per thread at launch: 104 + 2 x 200 = 3 x 168).
   static constexpr int PRODUCER_REGS = 104, CONSUMER_REGS = 200;
-  static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * (65536 / 384 / 8 * 8));
+  static_assert(!FP8 || fits_launch_registers(THREADS, PRODUCER_REGS, CONSUMER_REGS));
   static constexpr int STAGES = 2;
   static constexpr int KSTEPS = kDim / 16;                  // 36 k16 steps of S
   static constexpr int Q_BYTES = M * kDim * 2;              // (64, 576) bf16

@@ -65,6 +65,13 @@ template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
 }
+// setmaxnreg only moves registers within the CTA's launch allocation (65536 / threads per
+// thread, in steps of 8): a producer warpgroup and consumer warpgroups whose shares sum to
+// more make the consumers' increase wait forever.
+constexpr bool fits_launch_registers(int threads, int producer_regs, int consumer_regs) {
+  const int warpgroups = threads / 128;
+  return producer_regs + (warpgroups - 1) * consumer_regs <= warpgroups * (65536 / threads / 8 * 8);
+}
 
 // mbarrier in shared memory (8 bytes, 8-byte aligned).
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
