@@ -7,7 +7,8 @@
 #           them), dcp (the DCP step, device and NCCL communicators, mpirun), sanitize (the
 #           compute-sanitizer runs); the Python grid with device="cuda" is the test pytest_cuda
 #   bench   dcpmla_dcp_bench and dcpmla_bench (--json, with their metadata); tables printed last
-# NCU=1 also profiles the attention kernels at NCU_SHAPES (Nsight Compute).
+# NCU=1 also profiles the attention kernels (NCU_KERNELS, a regex; NCU_COUNT launches) at
+# NCU_SHAPES (Nsight Compute).
 # Logs and JSON go to $OUT (default build-device/out). What the GPU image lacks (libfmt-dev,
 # googletest, CLI11, nlohmann-json, nccl.h) is taken from .devdeps/.
 set -uo pipefail
@@ -21,6 +22,9 @@ JOBS="${JOBS:-$(nproc)}"
 BENCH_ARGS="${BENCH_ARGS:-}"
 DCP_BENCH_ARGS="${DCP_BENCH_ARGS:-}"
 NCU="${NCU:-0}"             # 1 profiles the attention kernels at NCU_SHAPES (Nsight Compute)
+# The kernels NCU=1 profiles (a regex) and how many launches of them per shape.
+NCU_KERNELS="${NCU_KERNELS:-attention_(wgmma_|fp8_swap_)?kernel}"
+NCU_COUNT="${NCU_COUNT:-1}"
 export NCCL_NVLS_ENABLE=0
 say() { echo "[device.sh] $*"; }
 
@@ -172,7 +176,7 @@ if [[ "$NCU" == 1 ]] && command -v ncu >/dev/null 2>&1; then
   : >"$OUT/ncu.txt"
   for shape in ${NCU_SHAPES:-decode16 decode16_e4m3 decode128 verify16_q4}; do
     echo "=== $shape" >>"$OUT/ncu.txt"
-    timeout 60 ncu --clock-control none -k regex:'attention_(wgmma_|fp8_swap_)?kernel' -c 1 \
+    timeout 60 ncu --clock-control none -k regex:"$NCU_KERNELS" -c "$NCU_COUNT" \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
       --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section LaunchStats --section Occupancy \
       "$BUILD/bench/dcpmla_bench" --only "$shape" --runs 3 --no-baseline --no-ceilings >>"$OUT/ncu.txt" 2>&1
@@ -184,7 +188,7 @@ if [[ "$NCU" == 1 ]] && command -v ncu >/dev/null 2>&1; then
   # Stall reasons per issued instruction, all warps of the kernel (NCU_STALLS=1).
   if [[ "${NCU_STALLS:-0}" == 1 ]]; then
     for shape in ${NCU_SHAPES:-decode16_e4m3}; do
-      timeout 60 ncu --clock-control none -k regex:'attention_(wgmma_|fp8_swap_)?kernel' -c 1 \
+      timeout 60 ncu --clock-control none -k regex:"$NCU_KERNELS" -c "$NCU_COUNT" \
         --metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
         "$BUILD/bench/dcpmla_bench" --only "$shape" --runs 3 --no-baseline --no-ceilings >"$OUT/ncu_stalls_$shape.txt" 2>&1
       say "stalls $shape: $(grep -E 'stalled_' "$OUT/ncu_stalls_$shape.txt" | awk '{print $1, $NF}' | sort -k2 -g -r | head -n 8 |
