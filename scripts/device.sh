@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Build, test and benchmark the CUDA backend on a GPU machine in one call:
-#   scripts/device.sh [all|test|bench]   (default all)
-#   scripts/device.sh deps               here, before the call: fills .devdeps/ (carry it)
+#   scripts/device.sh [all|test|bench|ab]   (default all)
+#   scripts/device.sh deps                  here, before the call: fills .devdeps/ (carry it);
+#                                           AB_REV=<rev> also puts that commit's tree in it
 # One configure and build with the machine's own toolchain (nvcc, cmake, g++), then:
 #   test    ctest -L "${LABELS:-gpu}": every GPU test is a CTest test with labels: gpu (all of
 #           them), dcp (the DCP step, device and NCCL communicators, mpirun), sanitize (the
 #           compute-sanitizer runs); the Python grid with device="cuda" is the test pytest_cuda
 #   bench   dcpmla_dcp_bench and dcpmla_bench (--json, with their metadata); tables printed last
+#   ab      dcpmla_bench of this tree and of AB_REV's (carried) in one call, alternating
+#           this, other, this, other with AB_BENCH_ARGS: an experiment against its base on the
+#           same warm card, without a second machine start
 # NCU=1 also profiles the attention kernels (NCU_KERNELS, a regex; NCU_COUNT launches) at
 # NCU_SHAPES (Nsight Compute).
 # Logs and JSON go to $OUT (default build-device/out). What the GPU image lacks (libfmt-dev,
@@ -63,6 +67,11 @@ CFG
   # The commit the copy is of (the GPU machine's copy of .git is not this checkout's).
   git describe --always --dirty --abbrev=12 >.devdeps/commit
   mkdir -p .devdeps/vectors && cp ../shared/vectors/* .devdeps/vectors/ 2>/dev/null || true
+  if [[ -n "${AB_REV:-}" ]]; then
+    mkdir -p .devdeps/ab && git archive "$AB_REV" | tar -x -C .devdeps/ab || exit 1
+    git rev-parse --short=12 "$AB_REV" >.devdeps/ab/.commit
+    say "the other tree of mode ab: $AB_REV ($(cat .devdeps/ab/.commit))"
+  fi
   say ".devdeps ready ($(du -sh .devdeps | cut -f1)); pass carry=[\".devdeps\"] to the device call"
   exit 0
 fi
@@ -136,11 +145,16 @@ EXTRA=()
 if NB_DIR="$(python3 -m nanobind --cmake_dir 2>/dev/null)"; then
   EXTRA+=(-DDCPMLA_PYTHON=ON "-Dnanobind_DIR=$NB_DIR" "-DPython_EXECUTABLE=$(command -v python3)")
 fi
+build_tree() {  # source dir, build dir, [targets...]
+  local src=$1 dir=$2
+  shift 2
+  cmake -S "$src" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix_path" \
+    -DDCPMLA_CUDA=ON -DDCPMLA_CUDA_TESTS=ON -DDCPMLA_BENCH=ON -DDCPMLA_TESTS=OFF -DDCPMLA_CLI=ON \
+    -DDCPMLA_INSTALL=OFF "${EXTRA[@]}" >>"$OUT/build.log" 2>&1 &&
+    cmake --build "$dir" -j "$JOBS" ${1:+--target "$@"} >>"$OUT/build.log" 2>&1
+}
 [[ -f .devdeps/commit ]] && export DCPMLA_COMMIT="$(cat .devdeps/commit)"
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix_path" \
-  -DDCPMLA_CUDA=ON -DDCPMLA_CUDA_TESTS=ON -DDCPMLA_BENCH=ON -DDCPMLA_TESTS=OFF -DDCPMLA_CLI=ON \
-  -DDCPMLA_INSTALL=OFF "${EXTRA[@]}" >>"$OUT/build.log" 2>&1 &&
-  cmake --build "$BUILD" -j "$JOBS" >>"$OUT/build.log" 2>&1
+build_tree . "$BUILD"
 if [[ $? -ne 0 ]]; then
   say "BUILD FAILED ($(( $(date +%s) - t0 )) s); last lines of build.log:"
   grep -E "error|Error" "$OUT/build.log" | head -n 30
@@ -195,6 +209,26 @@ if [[ "$NCU" == 1 ]] && command -v ncu >/dev/null 2>&1; then
         sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | tr '\n' ' ')"
     done
   fi
+fi
+
+# ---- ab: this tree against AB_REV's, alternating on the same card ----------------------------
+if [[ "$MODE" == ab ]]; then
+  [[ -f .devdeps/ab/.commit ]] || { say "mode ab: no .devdeps/ab (run AB_REV=<rev> scripts/device.sh deps)"; exit 1; }
+  t0=$(date +%s)
+  DCPMLA_COMMIT="$(cat .devdeps/ab/.commit)" build_tree .devdeps/ab "$BUILD-ab" dcpmla_bench ||
+    { say "BUILD FAILED (the other tree)"; tail -n 30 "$OUT/build.log"; exit 1; }
+  say "other tree $(cat .devdeps/ab/.commit) built in $(( $(date +%s) - t0 )) s"
+  for round in 1 2; do
+    for side in this other; do
+      bin="$BUILD/bench/dcpmla_bench"
+      [[ $side == other ]] && bin="$BUILD-ab/bench/dcpmla_bench"
+      # shellcheck disable=SC2086
+      timeout 240 "$bin" --json "$OUT/ab_${side}_$round.json" ${AB_BENCH_ARGS:---no-baseline} \
+        >"$OUT/ab_${side}_$round.log" 2>&1 || status=1
+      echo "=== $side ($([[ $side == this ]] && cat .devdeps/commit || cat .devdeps/ab/.commit)), round $round"
+      cat "$OUT/ab_${side}_$round.log"
+    done
+  done
 fi
 
 # ---- bench (the tables are the last thing printed) ----------------------------------------------
