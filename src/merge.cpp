@@ -5,11 +5,27 @@
 #include <limits>
 #include <vector>
 
+#include "dcpmla/error.h"
+
 namespace dcpmla {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLn2 = 0.6931471805599453f;
+
+// The checks below are plain comparisons (merge_split_k runs once per cut row): format only on failure.
+void require_pointer(const void* p, std::string_view field) {
+  if (p == nullptr) fail(field, "null", "a host pointer");
+}
+
+// rows >= 0, width >= 1, and `parts` x rows x width elements addressable in int64.
+void require_shape(int64_t rows, int width, int64_t parts) {
+  if (rows < 0) fail("rows", rows, ">= 0 (0 is an empty call)");
+  if (width < 1) fail("width", width, ">= 1");
+  if (rows > std::numeric_limits<int64_t>::max() / width / parts)
+    fail("rows", rows, fmt::format("at most {} with width {} and {} partials",
+                                   std::numeric_limits<int64_t>::max() / width / parts, width, parts));
+}
 
 // Row-wise LSE merge of n partials at o_at(k), lse_at(k). Ranks whose lse is -inf
 // hold no key of the row and get weight 0; all -inf gives o = 0, lse = -inf.
@@ -41,6 +57,14 @@ void merge_row(int n, OAt o_at, LseAt lse_at, int width, bf16* o, float* lse) {
 
 void merge_state(const bf16* o_a, const float* lse_a, const bf16* o_b, const float* lse_b, bf16* o,
                  float* lse, int64_t rows, int width) {
+  require_shape(rows, width, 2);
+  if (rows == 0) return;
+  require_pointer(o_a, "o_a");
+  require_pointer(lse_a, "lse_a");
+  require_pointer(o_b, "o_b");
+  require_pointer(lse_b, "lse_b");
+  require_pointer(o, "o");
+  require_pointer(lse, "lse");
   for (int64_t r = 0; r < rows; ++r) {
     const bf16* parts[2] = {o_a + r * width, o_b + r * width};
     const float lses[2] = {lse_a[r], lse_b[r]};
@@ -51,6 +75,13 @@ void merge_state(const bf16* o_a, const float* lse_a, const bf16* o_b, const flo
 
 void combine_partials(const bf16* o_parts, const float* lse_parts, int n, bf16* o, float* lse,
                       int64_t rows, int width) {
+  if (n < 1) fail("n", n, ">= 1 partials");
+  require_shape(rows, width, n);
+  if (rows == 0) return;
+  require_pointer(o_parts, "o_parts");
+  require_pointer(lse_parts, "lse_parts");
+  require_pointer(o, "o");
+  require_pointer(lse, "lse");
   for (int64_t r = 0; r < rows; ++r)
     merge_row(n, [&](int k) { return o_parts + (int64_t(k) * rows + r) * width; },
               [&](int k) { return lse_parts[int64_t(k) * rows + r]; }, width, o + r * width, lse + r);
@@ -58,6 +89,18 @@ void combine_partials(const bf16* o_parts, const float* lse_parts, int n, bf16* 
 
 void merge_split_k(const float* part_o, const float* part_m, const float* part_l, int segments,
                    int64_t segment_stride_o, int64_t segment_stride_ml, int width, bf16* o, float* lse) {
+  if (segments < 1) fail("segments", segments, ">= 1 (an empty segment has l = 0)");
+  if (width < 1) fail("width", width, ">= 1");
+  // Overlapping segments would silently count keys twice: refused, not merged.
+  if (segments > 1 && segment_stride_o < width)
+    fail("segment_stride_o", segment_stride_o, fmt::format(">= width ({}) with {} segments", width, segments));
+  if (segments > 1 && segment_stride_ml < 1)
+    fail("segment_stride_ml", segment_stride_ml, fmt::format(">= 1 with {} segments", segments));
+  require_pointer(part_o, "part_o");
+  require_pointer(part_m, "part_m");
+  require_pointer(part_l, "part_l");
+  require_pointer(o, "o");
+  require_pointer(lse, "lse");
   // l = 0 marks an empty segment; a NaN l (a NaN or inf score or value) must poison the row,
   // also when its m is -inf (every score NaN), so it counts as not empty.
   float m = kNegInf;

@@ -6,16 +6,62 @@
 #include <utility>
 #include <vector>
 
+#include "dcpmla/cache.h"
+#include "dcpmla/error.h"
 #include "dcpmla/layout.h"
 #include "dcpmla/numeric.h"
 
 namespace dcpmla {
+namespace {
+
+// Whether size == count x per (both >= 0), compared by division so that no product overflows.
+bool holds(size_t size, int64_t count, int64_t per) {
+  return per == 0 ? size == 0 : size % uint64_t(per) == 0 && size / uint64_t(per) == uint64_t(count);
+}
+
+}  // namespace
 
 ReferenceResult reference_attention(std::span<const float> q, std::span<const float> kv,
                                     std::span<const int32_t> seq_lens, int batch, int qlen,
                                     int heads, int64_t max_len, int dim, Mode mode,
                                     KvDtype kv_dtype, float kv_scale, double softmax_scale,
                                     int rank_dim, std::span<const int32_t> qlens) {
+  // Every size and span before anything is read: the tests trust this reference, so bad input
+  // must be an error, never a read past kv or a NaN/-inf row that looks like an answer.
+  if (batch < 0) fail("batch", batch, ">= 0");
+  if (qlen < 1) fail("qlen", qlen, ">= 1");
+  if (mode != Mode::decode && mode != Mode::verify && mode != Mode::draft)
+    fail("mode", int32_t(mode), "decode (0), verify (1) or draft (2)");
+  if (mode == Mode::decode && qlen != 1) fail("qlen", qlen, "1 in decode mode");
+  if (heads < 1) fail("heads", heads, ">= 1");
+  if (max_len < 0) fail("max_len", max_len, ">= 0");
+  if (dim < 1) fail("dim", dim, ">= 1");
+  if (rank_dim < 1 || rank_dim > dim) fail("rank_dim", rank_dim, fmt::format("in [1, D = {}]", dim));
+  if (kv_dtype != KvDtype::bf16 && kv_dtype != KvDtype::fp8_e4m3 && kv_dtype != KvDtype::fp8_e5m2)
+    fail("kv_dtype", int32_t(kv_dtype), "bf16 (0), fp8_e4m3 (1) or fp8_e5m2 (2)");
+  KvScale{kv_scale}.validate(kv_dtype);
+  if (!(std::isfinite(softmax_scale) && softmax_scale > 0)) fail("softmax_scale", softmax_scale, "finite and > 0");
+  if (seq_lens.size() != size_t(batch))
+    fail("seq_lens", fmt::format("{} entries", seq_lens.size()), fmt::format("batch = {}", batch));
+  if (!qlens.empty() && qlens.size() != size_t(batch))
+    fail("qlens", fmt::format("{} entries", qlens.size()), fmt::format("none or batch = {}", batch));
+  int64_t row_count = 0;
+  for (int b = 0; b < batch; ++b) {
+    const int qb = qlens.empty() ? qlen : qlens[size_t(b)];
+    if (qb < 0 || qb > qlen) fail(fmt::format("qlens[{}]", b), qb, fmt::format("in [0, qlen ({})]", qlen));
+    validate_seq_len(mode, seq_lens[size_t(b)], qb, b);
+    if (seq_lens[size_t(b)] > max_len)
+      fail(fmt::format("seq_lens[{}]", b), seq_lens[size_t(b)], fmt::format("<= max_len ({})", max_len));
+    row_count += qb;
+  }
+  if (!holds(q.size(), row_count, int64_t(heads) * dim))
+    fail("q", fmt::format("{} values", q.size()),
+         fmt::format("{} ({}) x heads ({}) x D ({})", qlens.empty() ? "batch x qlen" : "sum(qlens)", row_count,
+                     heads, dim));
+  if (!holds(kv.size(), max_len, int64_t(batch) * dim))
+    fail("kv", fmt::format("{} values", kv.size()),
+         fmt::format("batch ({}) x max_len ({}) x D ({})", batch, max_len, dim));
+
   // Packed rows: (request, row in its block) of each.
   std::vector<std::pair<int, int>> rows;
   for (int b = 0; b < batch; ++b)
@@ -60,6 +106,20 @@ ReferenceResult reference_attention(std::span<const float> q, std::span<const fl
 ErrorReport compare(std::span<const float> out, std::span<const float> lse,
                     std::span<const double> ref_out, std::span<const double> ref_lse, int batch,
                     int qlen, int heads, int rank_dim) {
+  if (batch < 0) fail("batch", batch, ">= 0");
+  if (qlen < 1) fail("qlen", qlen, ">= 1");
+  if (heads < 1) fail("heads", heads, ">= 1");
+  if (rank_dim < 1) fail("rank_dim", rank_dim, ">= 1");
+  const int64_t rows = int64_t(batch) * qlen;
+  const auto expect = [&](size_t size, std::string_view field, int64_t per, std::string_view shape) {
+    if (!holds(size, rows, per))
+      fail(field, fmt::format("{} values", size),
+           fmt::format("batch x qlen ({}) x {} ({})", rows, shape, per));
+  };
+  expect(out.size(), "out", int64_t(heads) * rank_dim, "heads x rank_dim");
+  expect(ref_out.size(), "ref_out", int64_t(heads) * rank_dim, "heads x rank_dim");
+  expect(lse.size(), "lse", heads, "heads");
+  expect(ref_lse.size(), "ref_lse", heads, "heads");
   ErrorReport e;
   for (int64_t bt = 0; bt < int64_t(batch) * qlen; ++bt) {
     double diff = 0, norm = 0;

@@ -28,12 +28,30 @@ MergeForm parse_merge_form(std::string_view s) {
 }
 
 std::string_view to_string(MergeForm f) {
-  return f == MergeForm::all_heads ? "all_heads" : "scatter_heads";
+  switch (f) {
+    case MergeForm::all_heads: return "all_heads";
+    case MergeForm::scatter_heads: return "scatter_heads";
+  }
+  return "?";
 }
 
 void merge_across_ranks(Communicator& comm, MergeForm form, const bf16* o, const float* lse,
                         int64_t rows, int heads, int width, bf16* out, float* out_lse) {
   const int n = comm.world_size();
+  // Checked before the first collective; every rank gets the same arguments, so all fail alike.
+  if (form != MergeForm::all_heads && form != MergeForm::scatter_heads)
+    fail("merge", int32_t(form), "all_heads (0) or scatter_heads (1)");
+  if (rows < 0) fail("rows", rows, ">= 0");
+  if (heads < 1) fail("heads", heads, ">= 1");
+  if (width < 1) fail("width", width, ">= 1");
+  // n x rows x heads x width values gathered: they must be addressable in int64.
+  if (rows > std::numeric_limits<int64_t>::max() / (int64_t(heads) * width) / n)
+    fail("rows", rows, fmt::format("at most {} with heads {}, width {} and world_size {}",
+                                   std::numeric_limits<int64_t>::max() / (int64_t(heads) * width) / n, heads, width, n));
+  if (form == MergeForm::scatter_heads && heads % n != 0)
+    fail("heads", heads, fmt::format("a multiple of world_size ({}) for merge = scatter_heads", n));
+  if (rows > 0 && (o == nullptr || lse == nullptr || out == nullptr || out_lse == nullptr))
+    fail(o == nullptr ? "o" : lse == nullptr ? "lse" : out == nullptr ? "out" : "out_lse", "null", "a host pointer");
   const int64_t cells = rows * heads;  // (row, head) pairs
   std::vector<float> all_lse(size_t(n * cells));
   comm.all_gather(lse, all_lse.data(), size_t(cells), DataType::f32);
@@ -43,8 +61,6 @@ void merge_across_ranks(Communicator& comm, MergeForm form, const bf16* o, const
     combine_partials(all_o.data(), all_lse.data(), n, out, out_lse, cells, width);
     return;
   }
-  require(heads % n == 0, "heads", heads,
-          fmt::format("a multiple of world_size ({}) for merge = scatter_heads", n));
   // Scale this rank's partial by exp(lse_r - lse) and sum over ranks with a reduce-scatter
   // whose chunk k holds the heads rank k keeps, in float32.
   const int kept = heads / n, me = comm.rank();
@@ -97,15 +113,24 @@ class CpuRank final : public RankEngine {
 
 std::vector<int64_t> slots_of(std::span<const int64_t> positions, std::span<const int32_t> requests,
                               const BatchDesc& batch, int block_size, int64_t num_blocks, const Layout& layout) {
-  require(requests.size() == positions.size(), "requests", requests.size(),
-          fmt::format("one request index per position ({})", positions.size()));
+  // Checked once, not per position: the layout (owner/local_index divide by N and I), the block
+  // size and the tables' shape (the planner's rule), so that every subspan below is in bounds.
+  layout.validate_with_block_size(block_size);
+  if (num_blocks < 1) fail("num_blocks", num_blocks, ">= 1");
+  if (batch.table_width < 0) fail("table_width", batch.table_width, ">= 0");
+  if (batch.block_tables.size() != batch.seq_lens.size() * size_t(batch.table_width))
+    fail("block_tables", fmt::format("{} entries", batch.block_tables.size()),
+         fmt::format("batch ({}) x table_width ({})", batch.seq_lens.size(), batch.table_width));
+  if (requests.size() != positions.size())
+    fail("requests", requests.size(), fmt::format("one request index per position ({})", positions.size()));
   std::vector<int64_t> slots(positions.size());
   for (size_t n = 0; n < positions.size(); ++n) {
     const int32_t b = requests[n];
     if (b < 0 || size_t(b) >= batch.seq_lens.size())
       fail(fmt::format("requests[{}]", n), b, fmt::format("a request in [0, {})", batch.seq_lens.size()));
     const auto table = batch.block_tables.subspan(size_t(b) * size_t(batch.table_width), size_t(batch.table_width));
-    slots[n] = slot_of(positions[n], table, block_size, num_blocks, layout);
+    // Per position: p >= 0, its block index within table_width, its block id in [0, num_blocks).
+    slots[n] = detail::slot_of_validated(positions[n], table, block_size, num_blocks, layout, b);
   }
   return slots;
 }
@@ -133,7 +158,8 @@ namespace {
 // identical on every rank (the tables come from options.seed).
 struct Inputs {
   int batch, qlen, heads, dim;
-  int64_t rows;  // query rows: batch x qlen, or sum(qlens)
+  int64_t rows;    // query rows: batch x qlen, or sum(qlens)
+  int64_t tokens;  // sum(seq_lens): the latents written
   int64_t max_len, longest, num_blocks, width;
   float softmax_scale;
   std::span<const int32_t> seq_lens, qlens;
@@ -144,6 +170,17 @@ struct Inputs {
   BatchDesc desc() const { return BatchDesc{seq_lens, qlen, tables, int(width), mode, qlens}; }
 };
 
+// a x b x c as a count, or an error naming the field: the size checks of valid-looking
+// arguments wrapped before (max_len 2^62 made kv's expected size 0, then a null read).
+int64_t checked_count(std::string_view field, int64_t a, int64_t b, int64_t c) {
+  int64_t n = 0;
+  if (__builtin_mul_overflow(a, b, &n) || __builtin_mul_overflow(n, c, &n))
+    fail(field, fmt::format("{} x {} x {} values", a, b, c), "a size that fits int64");
+  return n;
+}
+
+// Validates the conformance path's arguments and sizes its inputs (rows, tokens, tables),
+// allocating nothing: load() makes the copies once the memory check has passed.
 Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<const int32_t> seq_lens, int batch,
                int qlen, int heads, int64_t max_len, int dim, const AttentionOptions& o,
                const RankEngineFactory& engines) {
@@ -167,10 +204,12 @@ Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<co
       rows += qlens[size_t(b)];
     }
   }
-  require(q.size() == size_t(rows) * heads * dim, "q", fmt::format("{} values", q.size()),
-          fmt::format("{} x heads x D = {}", qlens.empty() ? "batch x qlen" : "sum(qlens)", size_t(rows) * heads * dim));
-  require(kv.size() == size_t(batch) * size_t(max_len) * dim, "kv", fmt::format("{} values", kv.size()),
-          fmt::format("batch x max_len x D = {}", size_t(batch) * size_t(max_len) * dim));
+  require(dim >= 2, "dim", dim, ">= 2 (kv_lora_rank + rope_dim)");
+  const int64_t q_values = checked_count("q", rows, heads, dim), kv_values = checked_count("kv", batch, max_len, dim);
+  require(q.size() == uint64_t(q_values), "q", fmt::format("{} values", q.size()),
+          fmt::format("{} x heads x D = {}", qlens.empty() ? "batch x qlen" : "sum(qlens)", q_values));
+  require(kv.size() == uint64_t(kv_values), "kv", fmt::format("{} values", kv.size()),
+          fmt::format("batch x max_len x D = {}", kv_values));
   require(seq_lens.size() == size_t(batch), "seq_lens", fmt::format("{} entries", seq_lens.size()),
           fmt::format("batch = {}", batch));
   for (int b = 0; b < batch; ++b) {
@@ -180,6 +219,8 @@ Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<co
   }
   const Layout group{o.world_size, 0, o.interleave};
   group.validate_with_block_size(o.block_size);
+  require(o.merge == MergeForm::all_heads || o.merge == MergeForm::scatter_heads, "merge", int(o.merge),
+          "all_heads (0) or scatter_heads (1)");
   if (o.merge == MergeForm::scatter_heads)
     require(heads % o.world_size == 0, "heads", heads,
             fmt::format("a multiple of world_size ({}) for merge = scatter_heads", o.world_size));
@@ -194,44 +235,58 @@ Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<co
   scale_config.dims = LatentDims{o.kv_lora_rank, dim - o.kv_lora_rank};
   in.softmax_scale = softmax_scale_of(scale_config);  // checked; D^-0.5 by default
   KvScale{o.kv_scale}.validate(o.kv_dtype);
+  // The block table's shape: each request takes the entries its largest shard (rank 0's)
+  // needs, one spare block at the end.
+  in.tokens = 0;
+  in.width = 1;
+  in.longest = 1;
+  int64_t total = 0;
+  for (int b = 0; b < batch; ++b) {
+    const int64_t largest = group.local_length_of(seq_lens[size_t(b)], 0);
+    total += ceil_div(largest, o.block_size);
+    in.width = std::max(in.width, ceil_div(largest, o.block_size));
+    in.longest = std::max(in.longest, largest);
+    in.tokens += seq_lens[size_t(b)];
+  }
+  in.num_blocks = total + 1;
+  return in;
+}
+
+// The inputs' bf16 copies, block tables and latents (prepare() sized them; check_memory()
+// counted them).
+void load(Inputs& in, std::span<const float> q, std::span<const float> kv, const AttentionOptions& o) {
+  const int batch = in.batch, dim = in.dim;
+  const Layout group{o.world_size, 0, o.interleave};
   // The model's numbers are bf16: round once on entry.
   in.q16.resize(q.size());
   in.kv16.resize(kv.size());
   std::transform(q.begin(), q.end(), in.q16.begin(), float_to_bf16);
   std::transform(kv.begin(), kv.end(), in.kv16.begin(), float_to_bf16);
 
-  // One shared block table: each request takes the entries its largest shard (rank 0's)
-  // needs, from a random permutation of the blocks. The last block is a spare that stays
-  // poisoned and fills unused table entries, so a stray read shows as NaN.
-  std::vector<int64_t> needed(static_cast<size_t>(batch));
-  int64_t total = 0;
-  in.width = 1;
-  in.longest = 1;
-  for (int b = 0; b < batch; ++b) {
-    const int64_t largest = group.local_length_of(seq_lens[size_t(b)], 0);
-    needed[size_t(b)] = ceil_div(largest, o.block_size);
-    total += needed[size_t(b)];
-    in.width = std::max(in.width, needed[size_t(b)]);
-    in.longest = std::max(in.longest, largest);
-  }
-  in.num_blocks = total + 1;
-  std::vector<int32_t> ids(static_cast<size_t>(total));
+  // One shared block table: each request's entries come from a random permutation of the
+  // blocks. The last block is a spare that stays poisoned and fills unused table entries, so
+  // a stray read shows as NaN.
+  std::vector<int32_t> ids(static_cast<size_t>(in.num_blocks - 1));
   std::iota(ids.begin(), ids.end(), 0);
   std::mt19937_64 rng(o.seed);
   std::shuffle(ids.begin(), ids.end(), rng);
   in.tables.assign(size_t(batch * in.width), int32_t(in.num_blocks - 1));
-  for (int b = 0, next = 0; b < batch; ++b)
-    for (int64_t j = 0; j < needed[size_t(b)]; ++j) in.tables[size_t(b * in.width + j)] = ids[size_t(next++)];
+  for (int b = 0, next = 0; b < batch; ++b) {
+    const int64_t needed = ceil_div(group.local_length_of(in.seq_lens[size_t(b)], 0), o.block_size);
+    for (int64_t j = 0; j < needed; ++j) in.tables[size_t(b * in.width + j)] = ids[size_t(next++)];
+  }
 
   // Every token of every request, in request order (the write path skips unowned ones).
+  in.positions.reserve(size_t(in.tokens));
+  in.requests.reserve(size_t(in.tokens));
+  in.latents.reserve(size_t(in.tokens) * size_t(dim));
   for (int b = 0; b < batch; ++b)
-    for (int64_t p = 0; p < seq_lens[size_t(b)]; ++p) {
+    for (int64_t p = 0; p < in.seq_lens[size_t(b)]; ++p) {
       in.positions.push_back(p);
       in.requests.push_back(b);
-      const bf16* row = in.kv16.data() + (size_t(b) * size_t(max_len) + size_t(p)) * dim;
+      const bf16* row = in.kv16.data() + (size_t(b) * size_t(in.max_len) + size_t(p)) * dim;
       in.latents.insert(in.latents.end(), row, row + dim);
     }
-  return in;
 }
 
 // The one place the conformance options become a rank's engine configuration.
@@ -251,6 +306,29 @@ AttentionConfig rank_config(const Inputs& in, const AttentionOptions& o, int ran
 
 CacheConfig cache_config(const Inputs& in, const AttentionOptions& o) {
   return CacheConfig{in.num_blocks, o.block_size, in.dim, o.kv_dtype, o.kv_scale};
+}
+
+// Everything the conformance path will hold in this process, counted before anything is
+// allocated (the planner also checks the configuration here, once): the inputs' bf16 copies,
+// latents and tables (shared by the ranks), and per rank here its merge buffers (each rank
+// gathers every rank's partial, so that term grows as N^2) and, with the CPU engines, its
+// cache shard and kernel workspace (the CUDA engines keep those in device memory).
+void check_memory(const Inputs& in, const AttentionOptions& o, int ranks_here, bool cpu_engines) {
+  const int N = o.world_size;
+  const Planner sizing(planner_config(rank_config(in, o, 0), o.backend, kCpuWorkers, kCpuRowsPerUnit));
+  const double cells = double(in.rows) * in.heads, R = o.kv_lora_rank;
+  double per_rank = (N + 3) * cells * (R * 2 + 4) + cells * R * 4;
+  if (cpu_engines)
+    per_rank += double(cache_config(in, o).bytes()) +
+                4.0 * double(split_workspace_floats(sizing.work_capacity(), in.qlen, in.heads, o.kv_lora_rank));
+  const double shared = 2.0 * (double(in.rows) * in.heads * in.dim + double(in.batch) * in.max_len * in.dim +
+                               double(in.tokens) * in.dim) +
+                        12.0 * double(in.tokens) + 4.0 * double(in.batch) * double(in.width) + 4.0 * double(in.num_blocks);
+  const double total = shared + per_rank * ranks_here;
+  require(total <= double(kMaxInProcessBytes), "host memory of the inputs' copies and, per rank, cache + workspace + merge buffers",
+          fmt::format("{:.3g} GiB for {} rank(s) here", total / double(1 << 30), ranks_here),
+          fmt::format("<= {} GiB in one process (lower world_size, block_size, heads or the batch)",
+                      kMaxInProcessBytes >> 30));
 }
 
 AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, Communicator& comm,
@@ -338,7 +416,9 @@ AttentionResult mla_attention_on_rank(std::span<const float> q, std::span<const 
   try {
     require(comm.world_size() == options.world_size, "world_size", options.world_size,
             fmt::format("the communicator's size ({})", comm.world_size()));
-    const Inputs in = prepare(q, kv, seq_lens, batch, qlen, heads, max_len, dim, options, engines);
+    Inputs in = prepare(q, kv, seq_lens, batch, qlen, heads, max_len, dim, options, engines);
+    check_memory(in, options, 1, !engines);
+    load(in, q, kv, options);
     return run_rank(in, options, comm, engines);
   } catch (...) {
     comm.abort();  // the peers' collectives raise instead of waiting for this rank
@@ -350,25 +430,9 @@ AttentionResult mla_attention(std::span<const float> q, std::span<const float> k
                               std::span<const int32_t> seq_lens, int batch, int qlen, int heads,
                               int64_t max_len, int dim, const AttentionOptions& options,
                               const RankEngineFactory& engines) {
-  const Inputs in = prepare(q, kv, seq_lens, batch, qlen, heads, max_len, dim, options, engines);
-  // Everything the ranks will hold in this process, counted before any rank starts (the
-  // planner also checks the configuration here, once). Each rank gathers every rank's partial
-  // to merge (N x its own), so the merge term grows as N^2. The CUDA engines keep caches and
-  // workspaces in device memory; their host copies of q and the partials are counted.
-  const int N = options.world_size;
-  const AttentionConfig config = rank_config(in, options, 0);
-  const PlannerConfig sizing_config = planner_config(config, options.backend, kCpuWorkers, kCpuRowsPerUnit);
-  const Planner sizing(sizing_config);
-  const double cells = double(in.rows) * heads, R = options.kv_lora_rank;
-  const double merge = (N + 3) * cells * (R * 2 + 4) + cells * R * 4;
-  double per_rank = merge;
-  if (!engines)
-    per_rank += double(cache_config(in, options).bytes()) +
-                4.0 * double(split_workspace_floats(sizing.work_capacity(), qlen, heads, options.kv_lora_rank));
-  require(per_rank * N <= double(kMaxInProcessBytes), "world_size x (cache + workspace + merge buffers per rank)",
-          fmt::format("{:.3g} GiB", per_rank * N / double(1 << 30)),
-          fmt::format("<= {} GiB in one process (lower world_size, block_size, heads or the batch)",
-                      kMaxInProcessBytes >> 30));
+  Inputs in = prepare(q, kv, seq_lens, batch, qlen, heads, max_len, dim, options, engines);
+  check_memory(in, options, options.world_size, !engines);
+  load(in, q, kv, options);
   AttentionResult result;
   run_ranks(options.world_size, [&](int rank, Communicator& comm) {
     AttentionResult mine = run_rank(in, options, comm, engines);

@@ -28,9 +28,11 @@ struct Layout {
   int rank = 0;        // r
   int interleave = 1;  // I: positions are dealt round-robin in runs of I
 
-  // Throws dcpmla::Error unless N >= 1, 0 <= r < N, I >= 1.
+  // Throws dcpmla::Error unless N >= 1, 0 <= r < N, I >= 1. The members below divide by
+  // N and I unchecked (they run per token): every public entry taking a Layout calls this.
   void validate() const;
-  // Also requires block_size % I == 0 (a run of I never straddles a block).
+  // Also requires block_size in [1, kMaxBlockSize] and block_size % I == 0 (a run of I never
+  // straddles a block).
   void validate_with_block_size(int block_size) const;
 
   // Owner of global position p: (p / I) mod N.
@@ -50,7 +52,8 @@ struct Layout {
 };
 
 // Global window length of query row t (SPEC §1): decode/verify see [0, L - qlen + t],
-// draft sees [0, L). A padding request (L = 0) has empty windows.
+// draft sees [0, L). A padding request (L = 0) has empty windows. Throws unless mode is
+// valid, qlen >= 1 (1 in decode), 0 <= t < qlen and L is valid for the mode (validate_seq_len).
 int64_t row_window(Mode mode, int64_t seq_len, int qlen, int t);
 
 // Checks L against the mode: L >= 0, and L >= qlen unless L == 0 (padding) for causal modes.
@@ -61,13 +64,22 @@ void validate_seq_len(Mode mode, int64_t seq_len, int qlen, int request);
 std::vector<int64_t> row_local_lengths(Mode mode, int64_t seq_len, int qlen, const Layout& layout);
 
 // Rank-local slot of global position p in a request whose (shared) block table is
-// `table`, or kPadSlot when this rank does not own p. Throws when the table is too
+// `table`, or kPadSlot when this rank does not own p. Throws on an invalid layout or
+// block_size (validate_with_block_size), num_blocks < 1, p < 0, or when the table is too
 // short or names a block outside [0, num_blocks).
 int64_t slot_of(int64_t p, std::span<const int32_t> table, int block_size, int64_t num_blocks,
                 const Layout& layout);
 
-// slot_of for each position (one request).
+// slot_of for each position (one request); the layout is validated once.
 std::vector<int64_t> slot_mapping(std::span<const int64_t> positions, std::span<const int32_t> table,
                                   int block_size, int64_t num_blocks, const Layout& layout);
+
+namespace detail {
+// slot_of for loops that validated layout, block_size and num_blocks once (slot_mapping,
+// slots_of): checks only p and the table. `request` >= 0 names the table in messages as
+// block_tables[request]; -1 as block_table.
+int64_t slot_of_validated(int64_t p, std::span<const int32_t> table, int block_size, int64_t num_blocks,
+                          const Layout& layout, int request = -1);
+}  // namespace detail
 
 }  // namespace dcpmla

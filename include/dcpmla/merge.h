@@ -18,6 +18,11 @@ inline float nan_max(float a, float b) {
   return a < b ? b : a;
 }
 
+// Validation (dcpmla::Error naming the field): counts of partials and segments >= 1 (a merge of
+// nothing has no answer; an empty row is a partial with lse = -inf or l = 0), width >= 1,
+// rows >= 0: rows = 0 is an empty call (a batch with no query rows) that touches no pointer;
+// otherwise every pointer must be non-null. Sizes the pointers cover cannot be checked here.
+
 // (o, lse) = merge of two partials over disjoint key sets, row by row:
 // lse = ln(e^a + e^b), o = e^(a-lse) o_a + e^(b-lse) o_b. -inf partials contribute nothing;
 // both -inf gives o = 0, lse = -inf. Output may alias either input.
@@ -31,6 +36,8 @@ void combine_partials(const bf16* o_parts, const float* lse_parts, int n, bf16* 
 
 // Split-K: segments s of one row, o_s normalised, (m_s, l_s) base 2:
 // M = max m_s, l = sum l_s 2^(m_s - M), lse = (M + log2 l) ln 2 (natural log).
+// Segment s is at part_o + s * segment_stride_o, part_m / part_l + s * segment_stride_ml;
+// with several segments the strides must keep them apart (>= width and >= 1).
 void merge_split_k(const float* part_o, const float* part_m, const float* part_l, int segments,
                    int64_t segment_stride_o, int64_t segment_stride_ml, int width, bf16* o, float* lse);
 

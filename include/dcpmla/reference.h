@@ -17,6 +17,10 @@ struct ReferenceResult {
 
 // q [rows, H, D] and the results' rows: B x qlen, or with qlens (one per request, each in
 // [0, qlen]) sum(qlens) rows packed by request, request b's windows those of its own qlens[b].
+// kv [B, max_len, D]. Throws dcpmla::Error naming the field on any bad size or span length,
+// seq_lens[b] outside [0, max_len] or below its qlen in decode/verify (0 = padding), qlen != 1
+// in decode, rank_dim outside [1, D], an unknown mode or dtype, a bad kv_scale, or a
+// softmax_scale not finite and > 0. batch = 0 is an empty call. Checks never change the numbers.
 ReferenceResult reference_attention(std::span<const float> q, std::span<const float> kv,
                                     std::span<const int32_t> seq_lens, int batch, int qlen,
                                     int heads, int64_t max_len, int dim, Mode mode,
@@ -24,7 +28,8 @@ ReferenceResult reference_attention(std::span<const float> q, std::span<const fl
                                     int rank_dim, std::span<const int32_t> qlens = {});
 
 // Worst per-(request, row) errors of a result against the reference: relative L2 of
-// out over (heads, R), absolute lse error (inf == inf counts as 0), NaN count.
+// out over (heads, R), absolute lse error (inf == inf counts as 0), NaN count. out / ref_out
+// hold [batch x qlen, heads, rank_dim] and lse / ref_lse [batch x qlen, heads], or it throws.
 struct ErrorReport {
   double max_rel_l2 = 0;
   double max_lse_err = 0;

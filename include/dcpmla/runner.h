@@ -55,6 +55,8 @@ using RankEngineFactory = std::function<std::unique_ptr<RankEngine>(const Attent
 
 // Rank-local slots of the driver's tokens (positions[n] of requests[n], SPEC §3); kPadSlot where
 // this rank does not own a position. The host slot mapping, kept for the driver and the tests.
+// Throws on an invalid layout or block_size, num_blocks < 1, block_tables not batch x
+// table_width, a bad request index, or a position whose table entry is missing or out of range.
 std::vector<int64_t> slots_of(std::span<const int64_t> positions, std::span<const int32_t> requests,
                               const BatchDesc& batch, int block_size, int64_t num_blocks, const Layout& layout);
 

@@ -89,4 +89,79 @@ TEST(Attention, BlockAttentionIsCausalInsideTheBlock) {
   }
 }
 
+TEST(Attention, ReferenceRejectsBadInput) {
+  // The reference the tests trust: bad sizes used to read past kv (seq_lens > max_len) or
+  // return NaN / -inf rows that look like answers. A valid call: B 1, qlen 2, H 1, L 4, D 4, R 2.
+  struct Args {
+    std::vector<float> q = std::vector<float>(8, 0.5f), kv = std::vector<float>(16, 0.25f);
+    std::vector<int32_t> lens{4}, qlens;
+    int batch = 1, qlen = 2, heads = 1;
+    int64_t max_len = 4;
+    int dim = 4;
+    Mode mode = Mode::verify;
+    KvDtype dtype = KvDtype::bf16;
+    float kv_scale = 1.0f;
+    double softmax_scale = 0.5;
+    int rank_dim = 2;
+    ReferenceResult operator()() const {
+      return reference_attention(q, kv, lens, batch, qlen, heads, max_len, dim, mode, dtype, kv_scale, softmax_scale,
+                                 rank_dim, qlens);
+    }
+  };
+  const auto expect_error = [](const std::function<void(Args&)>& change, const std::string& needle) {
+    Args a;
+    change(a);
+    testing::expect_error([&] { a(); }, needle);
+  };
+  const auto ok = Args{}();
+  EXPECT_EQ(ok.lse.size(), 2u);
+  EXPECT_NEAR(ok.lse[0], std::log(3.0) + 0.5 * 4 * 0.5 * 0.25, 1e-6);  // 3 equal keys, score 0.25 each
+
+  // The audit's case: seq_lens = {100} with max_len 1 (a heap overflow before).
+  testing::expect_error([] {
+    const std::vector<float> q(16), kv(16);
+    reference_attention(q, kv, std::vector<int32_t>{100}, 1, 1, 1, 1, 16, Mode::verify, KvDtype::bf16, 1.f, 1.0, 8);
+  }, "'seq_lens[0]' = 100: expected <= max_len (1)");
+  expect_error([](Args& a) { a.lens = {4, 4}; }, "'seq_lens' = 2 entries");
+  expect_error([](Args& a) { a.lens = {-1}; }, "'seq_lens[0]' = -1");
+  expect_error([](Args& a) { a.lens = {1}; }, "'seq_lens[0]' = 1: expected >= qlen (2)");  // verify needs L >= qlen
+  expect_error([](Args& a) { a.batch = -1; }, "'batch' = -1");
+  expect_error([](Args& a) { a.qlen = 0; }, "'qlen' = 0");
+  expect_error([](Args& a) { a.mode = Mode::decode; }, "'qlen' = 2: expected 1 in decode mode");
+  expect_error([](Args& a) { a.mode = Mode(7); }, "'mode' = 7");
+  expect_error([](Args& a) { a.heads = 0; }, "'heads' = 0");
+  expect_error([](Args& a) { a.max_len = -1; }, "'max_len' = -1");
+  expect_error([](Args& a) { a.dim = 0; }, "'dim' = 0");
+  expect_error([](Args& a) { a.rank_dim = 0; }, "'rank_dim' = 0");
+  expect_error([](Args& a) { a.rank_dim = 5; }, "'rank_dim' = 5");
+  expect_error([](Args& a) { a.dtype = KvDtype(9); }, "'kv_dtype' = 9");
+  expect_error([](Args& a) { a.kv_scale = 2.0f; }, "'kv_scale' = 2");
+  expect_error([](Args& a) {
+    a.dtype = KvDtype::fp8_e4m3;
+    a.kv_scale = NAN;
+  }, "'kv_scale'");
+  expect_error([](Args& a) { a.softmax_scale = NAN; }, "'softmax_scale'");
+  expect_error([](Args& a) { a.softmax_scale = 0; }, "'softmax_scale' = 0");
+  expect_error([](Args& a) { a.q.pop_back(); }, "'q' = 7 values");
+  expect_error([](Args& a) { a.kv.resize(12); }, "'kv' = 12 values");
+  expect_error([](Args& a) { a.max_len = int64_t(1) << 62; }, "'kv' = 16 values");  // no overflowing product
+  expect_error([](Args& a) { a.qlens = {1, 1}; }, "'qlens' = 2 entries");
+  expect_error([](Args& a) { a.qlens = {3}; }, "'qlens[0]' = 3");
+  expect_error([](Args& a) { a.qlens = {1}; }, "'q' = 8 values");  // sum(qlens) = 1 row
+  // batch = 0 is an empty call.
+  Args empty;
+  empty.batch = 0;
+  empty.lens.clear();
+  empty.q.clear();
+  empty.kv.clear();
+  EXPECT_TRUE(empty().lse.empty());
+
+  // compare: every span must hold batch x qlen rows.
+  const std::vector<float> out(4), lse(2);
+  EXPECT_NO_THROW(compare(out, lse, ok.out, ok.lse, 1, 2, 1, 2));
+  testing::expect_error([&] { compare(out, std::vector<float>(1), ok.out, ok.lse, 1, 2, 1, 2); }, "'lse' = 1 values");
+  testing::expect_error([&] { compare(out, lse, ok.out, ok.lse, 2, 2, 1, 2); }, "'out' = 4 values");
+  testing::expect_error([&] { compare(out, lse, ok.out, ok.lse, 1, 2, 1, -1); }, "'rank_dim' = -1");
+}
+
 }  // namespace dcpmla

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "dcpmla/error.h"
+#include "dcpmla/runner.h"
 #include "test_helpers.h"
 
 namespace dcpmla {
@@ -94,6 +95,77 @@ TEST(Layout, RowWindows) {
   EXPECT_EQ(row_window(Mode::verify, 7, 3, 2), 7);
   EXPECT_EQ(row_window(Mode::draft, 7, 3, 0), 7);
   EXPECT_EQ(row_window(Mode::verify, 0, 3, 1), 0);
+  EXPECT_EQ(row_window(Mode::verify, 3, 3, 0), 1);  // L == qlen: the shortest causal block
+  EXPECT_EQ(row_window(Mode::draft, 2, 5, 4), 2);    // draft has no L >= qlen rule
+}
+
+TEST(Layout, RowWindowRefusesBadArguments) {
+  using testing::expect_error;
+  expect_error([] { row_window(Mode::verify, 2, 5, 0); }, "'seq_len' = 2");  // was -2, silently
+  expect_error([] { row_window(Mode::decode, -1, 1, 0); }, "'seq_len' = -1");
+  expect_error([] { row_window(Mode::draft, -1, 1, 0); }, "'seq_len' = -1");
+  expect_error([] { row_window(Mode::verify, 7, 3, 3); }, "'t' = 3");
+  expect_error([] { row_window(Mode::verify, 7, 3, -1); }, "'t' = -1");
+  expect_error([] { row_window(Mode::verify, 7, 0, 0); }, "'qlen' = 0");
+  expect_error([] { row_window(Mode::decode, 7, 2, 0); }, "'qlen' = 2");
+  expect_error([] { row_window(Mode(7), 7, 1, 0); }, "'mode' = 7");
+}
+
+TEST(Layout, SlotOfValidatesLayoutAndBlockSize) {
+  using testing::expect_error;
+  const std::vector<int32_t> t{0, 1, 2, 3};
+  // Each of these divided by zero (SIGFPE), returned a wrong slot or silently gave PAD.
+  expect_error([&] { slot_of(3, t, 16, 4, Layout{0, 0, 1}); }, "'world_size' = 0");
+  expect_error([&] { slot_of(3, t, 16, 4, Layout{1, 0, 0}); }, "'interleave' = 0");
+  expect_error([&] { slot_of(3, t, 0, 4, Layout{}); }, "'block_size' = 0");
+  expect_error([&] { slot_of(3, t, -16, 4, Layout{}); }, "'block_size' = -16");
+  expect_error([&] { slot_of(5, t, 4, 4, Layout{2, 0, 3}); }, "'interleave' = 3");
+  expect_error([&] { slot_of(1, t, 4, 4, Layout{2, 5, 1}); }, "'rank' = 5");
+  expect_error([&] { slot_of(0, t, 4, 0, Layout{}); }, "'num_blocks' = 0");
+  // Valid: N = 2, I = 2, block 4: p = 6 is rank 1's local index 2, in table[0] = 2 -> slot 10.
+  const std::vector<int32_t> table{2, 0};
+  EXPECT_EQ(slot_of(6, table, 4, 3, Layout{2, 1, 2}), 10);
+  EXPECT_EQ(slot_of(6, table, 4, 3, Layout{2, 0, 2}), kPadSlot);
+  EXPECT_EQ(slot_of(9, table, 4, 3, Layout{2, 0, 2}), 1);  // rank 0's local 5: table[1] = 0, slot 1
+}
+
+TEST(Layout, SlotsOfValidatesLayoutAndTables) {
+  using testing::expect_error;
+  const std::vector<int32_t> lens{8, 8}, tables{0, 1, 2, 3};
+  BatchDesc batch;
+  batch.seq_lens = lens;
+  batch.block_tables = tables;
+  batch.table_width = 2;
+  const std::vector<int64_t> pos{1};
+  const std::vector<int32_t> req{1};
+  expect_error([&] { slots_of(pos, req, batch, 0, 4, Layout{}); }, "'block_size' = 0");
+  expect_error([&] { slots_of(pos, req, batch, 4, 4, Layout{0, 0, 1}); }, "'world_size' = 0");
+  expect_error([&] { slots_of(pos, req, batch, 4, 4, Layout{2, 2, 1}); }, "'rank' = 2");
+  expect_error([&] { slots_of(pos, req, batch, 4, 4, Layout{1, 0, 3}); }, "'interleave' = 3");
+  expect_error([&] { slots_of(pos, req, batch, 4, 0, Layout{}); }, "'num_blocks' = 0");
+  // A table span shorter than batch x table_width was read past its end.
+  BatchDesc short_tables = batch;
+  short_tables.block_tables = std::span<const int32_t>(tables).first(3);
+  expect_error([&] { slots_of(pos, req, short_tables, 4, 4, Layout{}); }, "'block_tables' = 3 entries");
+  BatchDesc negative_width = batch;
+  negative_width.table_width = -1;
+  expect_error([&] { slots_of(pos, req, negative_width, 4, 4, Layout{}); }, "'table_width' = -1");
+  // Per position: its block index past table_width, a block id out of range or negative.
+  const std::vector<int64_t> far{8};  // local index 8 -> entry 2 of a 2-wide table
+  expect_error([&] { slots_of(far, req, batch, 4, 4, Layout{}); }, "'block_tables[1]' = 2 entries");
+  const std::vector<int32_t> bad_ids{0, -1, 7, 1};
+  BatchDesc bad = batch;
+  bad.block_tables = bad_ids;
+  const std::vector<int64_t> second_block{4};
+  const std::vector<int32_t> req0{0};
+  expect_error([&] { slots_of(second_block, req0, bad, 4, 4, Layout{}); }, "'block_tables[0][1]' = -1");
+  expect_error([&] { slots_of(pos, req, bad, 4, 4, Layout{}); }, "'block_tables[1][0]' = 7");
+  const std::vector<int64_t> negative{-1};
+  expect_error([&] { slots_of(negative, req, batch, 4, 4, Layout{}); }, "'position' = -1");
+  // Valid: N = 2, rank 1, block 4: request 1's positions 1 (local 0) and 7 (local 3) -> table[0] = 2.
+  const std::vector<int64_t> two{1, 7, 2};
+  const std::vector<int32_t> ones{1, 1, 1};
+  EXPECT_EQ(slots_of(two, ones, batch, 4, 4, Layout{2, 1, 1}), (std::vector<int64_t>{8, 11, kPadSlot}));
 }
 
 TEST(Layout, RefusesBadInput) {

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <limits>
 
+#include "dcpmla/comm.h"
+#include "dcpmla/runner.h"
 #include "test_helpers.h"
 
 namespace dcpmla {
@@ -91,9 +93,102 @@ TEST(Merge, SplitKUsesBase2StatisticsAndReturnsNaturalLog) {
   merge_split_k(o.data(), m.data(), l.data(), segments, 1, 1, 1, &out, &lse);
   EXPECT_NEAR(lse, std::log(total), 1e-5);
   EXPECT_NEAR(bf16_to_float(out), weighted / total, 1e-2);
-  merge_split_k(o.data(), m.data(), l.data(), 0, 1, 1, 1, &out, &lse);
+  // An empty row is segments whose l is 0 (zero segments is an error: see MergesRejectBadInput).
+  const std::vector<float> empty_l(segments, 0.0f);
+  merge_split_k(o.data(), m.data(), empty_l.data(), segments, 1, 1, 1, &out, &lse);
   EXPECT_EQ(lse, kNegInf);
   EXPECT_EQ(bf16_to_float(out), 0.0f);
+}
+
+TEST(Merge, MergesRejectBadInput) {
+  using testing::expect_error;
+  const int width = 8;
+  std::vector<bf16> parts(2 * width), o(width);
+  std::vector<float> lses{0.0f, 1.0f}, lse(1);
+  // combine_partials: a merge of no partials has no answer (it used to return o = 0, lse = -inf).
+  expect_error([&] { combine_partials(parts.data(), lses.data(), 0, o.data(), lse.data(), 1, width); }, "'n' = 0");
+  expect_error([&] { combine_partials(parts.data(), lses.data(), -3, o.data(), lse.data(), 1, width); }, "'n' = -3");
+  expect_error([&] { combine_partials(parts.data(), lses.data(), 2, o.data(), lse.data(), -5, width); }, "'rows' = -5");
+  expect_error([&] { combine_partials(parts.data(), lses.data(), 2, o.data(), lse.data(), 1, -4); }, "'width' = -4");
+  expect_error([&] { combine_partials(parts.data(), lses.data(), 2, o.data(), lse.data(), 1, 0); }, "'width' = 0");
+  expect_error([&] { combine_partials(nullptr, lses.data(), 2, o.data(), lse.data(), 1, width); }, "'o_parts' = null");
+  expect_error([&] { combine_partials(parts.data(), nullptr, 2, o.data(), lse.data(), 1, width); }, "'lse_parts'");
+  expect_error([&] { combine_partials(parts.data(), lses.data(), 2, nullptr, lse.data(), 1, width); }, "'o' = null");
+  expect_error([&] { combine_partials(parts.data(), lses.data(), 2, o.data(), nullptr, 1, width); }, "'lse' = null");
+  expect_error([&] { combine_partials(parts.data(), lses.data(), 2, o.data(), lse.data(), int64_t(1) << 62, width); },
+               "'rows'");
+  // rows = 0 is an empty call: nothing is read, so no pointer is needed.
+  EXPECT_NO_THROW(combine_partials(nullptr, nullptr, 2, nullptr, nullptr, 0, width));
+
+  // merge_state
+  const bf16* a = parts.data();
+  const bf16* b = parts.data() + width;
+  expect_error([&] { merge_state(a, &lses[0], b, &lses[1], o.data(), lse.data(), -1, width); }, "'rows' = -1");
+  expect_error([&] { merge_state(a, &lses[0], b, &lses[1], o.data(), lse.data(), 1, -4); }, "'width' = -4");
+  expect_error([&] { merge_state(nullptr, &lses[0], b, &lses[1], o.data(), lse.data(), 1, width); }, "'o_a' = null");
+  expect_error([&] { merge_state(a, nullptr, b, &lses[1], o.data(), lse.data(), 1, width); }, "'lse_a' = null");
+  expect_error([&] { merge_state(a, &lses[0], nullptr, &lses[1], o.data(), lse.data(), 1, width); }, "'o_b' = null");
+  expect_error([&] { merge_state(a, &lses[0], b, nullptr, o.data(), lse.data(), 1, width); }, "'lse_b' = null");
+  expect_error([&] { merge_state(a, &lses[0], b, &lses[1], nullptr, lse.data(), 1, width); }, "'o' = null");
+  expect_error([&] { merge_state(a, &lses[0], b, &lses[1], o.data(), nullptr, 1, width); }, "'lse' = null");
+  EXPECT_NO_THROW(merge_state(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, width));
+
+  // merge_split_k: two segments of `width` floats each.
+  std::vector<float> po(2 * width, 1.0f), pm{0.0f, 1.0f}, pl{1.0f, 2.0f};
+  bf16 so[width];
+  float slse;
+  const auto split = [&](int segments, int64_t stride_o, int64_t stride_ml, int w) {
+    merge_split_k(po.data(), pm.data(), pl.data(), segments, stride_o, stride_ml, w, so, &slse);
+  };
+  expect_error([&] { split(0, width, 1, width); }, "'segments' = 0");
+  expect_error([&] { split(-2, width, 1, width); }, "'segments' = -2");
+  expect_error([&] { split(2, width, 1, 0); }, "'width' = 0");
+  expect_error([&] { split(2, width - 1, 1, width); }, "'segment_stride_o' = 7");
+  expect_error([&] { split(2, -width, 1, width); }, "'segment_stride_o' = -8");
+  expect_error([&] { split(2, width, 0, width); }, "'segment_stride_ml' = 0");
+  expect_error([&] { merge_split_k(nullptr, pm.data(), pl.data(), 2, width, 1, width, so, &slse); }, "'part_o' = null");
+  expect_error([&] { merge_split_k(po.data(), nullptr, pl.data(), 2, width, 1, width, so, &slse); }, "'part_m' = null");
+  expect_error([&] { merge_split_k(po.data(), pm.data(), nullptr, 2, width, 1, width, so, &slse); }, "'part_l' = null");
+  expect_error([&] { merge_split_k(po.data(), pm.data(), pl.data(), 2, width, 1, width, nullptr, &slse); }, "'o'");
+  expect_error([&] { merge_split_k(po.data(), pm.data(), pl.data(), 2, width, 1, width, so, nullptr); }, "'lse'");
+  // One segment: its strides are never used.
+  EXPECT_NO_THROW(split(1, 0, 0, width));
+  EXPECT_NEAR(slse, 0.0f, 1e-6);
+}
+
+TEST(Merge, MergeAcrossRanksRejectsBadInput) {
+  using testing::expect_error;
+  InProcessGroup group(1);
+  const auto comm = group.communicator(0);
+  const int width = 8;
+  std::vector<bf16> o(2 * width), out(2 * width);
+  std::vector<float> lse(2), out_lse(2);
+  const auto merge = [&](MergeForm form, int64_t rows, int heads, int w) {
+    merge_across_ranks(*comm, form, o.data(), lse.data(), rows, heads, w, out.data(), out_lse.data());
+  };
+  // An unknown form used to run as scatter_heads; the message shows its number.
+  expect_error([&] { merge(MergeForm(7), 1, 1, width); }, "'merge' = 7");
+  expect_error([&] { merge(MergeForm(-1), 1, 1, width); }, "'merge' = -1");
+  expect_error([&] { merge(MergeForm::all_heads, -1, 1, width); }, "'rows' = -1");
+  expect_error([&] { merge(MergeForm::scatter_heads, -1, 1, width); }, "'rows' = -1");
+  expect_error([&] { merge(MergeForm::all_heads, 1, 0, width); }, "'heads' = 0");
+  expect_error([&] { merge(MergeForm::all_heads, 1, 1, -4); }, "'width' = -4");
+  expect_error([&] { merge(MergeForm::all_heads, int64_t(1) << 62, 1, width); }, "'rows'");
+  expect_error([&] {
+    merge_across_ranks(*comm, MergeForm::all_heads, nullptr, lse.data(), 1, 1, width, out.data(), out_lse.data());
+  }, "'o' = null");
+  expect_error([&] {
+    merge_across_ranks(*comm, MergeForm::all_heads, o.data(), lse.data(), 1, 1, width, out.data(), nullptr);
+  }, "'out_lse' = null");
+  // Valid calls still merge: one rank's partial is the result.
+  lse = {0.5f, kNegInf};
+  o[0] = float_to_bf16(2.0f);
+  for (MergeForm form : {MergeForm::all_heads, MergeForm::scatter_heads}) {
+    merge(form, 2, 1, width);
+    EXPECT_FLOAT_EQ(out_lse[0], 0.5f);
+    EXPECT_EQ(out_lse[1], kNegInf);
+    EXPECT_FLOAT_EQ(bf16_to_float(out[0]), 2.0f);
+  }
 }
 
 }  // namespace dcpmla

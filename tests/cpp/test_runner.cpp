@@ -113,6 +113,39 @@ TEST(Runner, EntryPointRefusesBadInput) {
   expect_error([] { parse_kv_dtype("fp16"); }, "kv_dtype");
 }
 
+// Found by a hostile-input audit: each was a crash, a silent default or an allocation
+// attempted before the refusal.
+TEST(Runner, EntryPointRefusesHostileSizesAndEnumsBeforeAllocating) {
+  using testing::expect_error;
+  const auto q = testing::random_normal(576, 1);
+  const std::vector<int32_t> one{1};
+  const std::vector<float> tiny(576);
+  // batch x max_len x D wrapped to 0: an empty kv was accepted, then read through null.
+  expect_error([&] { mla_attention(q, {}, one, 1, 1, 1, int64_t(1) << 62, 576, AttentionOptions{}); },
+               "'kv' = 1 x 4611686018427387904 x 576 values: expected a size that fits int64");
+  // An unknown merge form ran as scatter_heads (and failed only after attention had run).
+  AttentionOptions o;
+  o.merge = MergeForm(5);
+  expect_error([&] { mla_attention(q, tiny, one, 1, 1, 1, 1, 576, o); }, "'merge' = 5: expected all_heads (0)");
+  EXPECT_EQ(to_string(MergeForm(5)), "?");
+  // The inputs' own bf16 copies count: 8 M rows of kv (one token used) are 9.2 GB of copies.
+  // The span is never read: the refusal comes before anything is copied.
+  const int64_t max_len = int64_t(8) << 20;
+  const std::span<const float> huge(tiny.data(), size_t(max_len) * 576);
+  expect_error([&] { mla_attention(q, huge, one, 1, 1, 1, max_len, 576, AttentionOptions{}); }, "GiB");
+  // One rank of many in this process has the same bound (it had none: 36 GiB of blocks were
+  // left to the allocator).
+  AttentionOptions big;
+  big.block_size = kMaxBlockSize;
+  big.world_size = 1;
+  const std::vector<int32_t> lens(512, 1);
+  const auto q512 = testing::random_normal(size_t(512) * 576, 2);
+  const std::vector<float> kv512(size_t(512) * 576);
+  run_ranks(1, [&](int, Communicator& comm) {
+    expect_error([&] { mla_attention_on_rank(q512, kv512, lens, 512, 1, 1, 1, 576, big, comm); }, "GiB");
+  });
+}
+
 // Each rank gathers every rank's partial to merge, so the merge buffers grow as N^2: 128
 // one-token requests x 16 heads on 64 ranks needs about 9 GiB of them alone, with tiny
 // caches. Refused up front (naming the merge buffers), never left to the allocator.
