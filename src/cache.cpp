@@ -13,6 +13,9 @@
 namespace dcpmla {
 
 int subpage_size(int block_size) {
+  // block_size & -block_size negates INT_MIN (UB) and gives 0 for 0: refuse what no cache accepts.
+  if (block_size < 1 || block_size > kMaxBlockSize)
+    fail("block_size", block_size, fmt::format("in [1, {}]", kMaxBlockSize));
   const int pow2 = block_size & -block_size;  // largest power of two dividing block_size
   return pow2 < 128 ? pow2 : 128;
 }
@@ -93,6 +96,10 @@ void write_kv(const KvCache& cache, const bf16* latents, const int64_t* slots, i
 
 PagedCache::PagedCache(const CacheConfig& config) : config_(config) {
   config_.validate();
+  require(config_.bytes() <= kMaxHostBytes, "num_blocks", config_.num_blocks,
+          fmt::format("a host cache of at most {} GiB ({} blocks of {} tokens x {} bytes is {:.3g} GiB)",
+                      kMaxHostBytes >> 30, config_.num_blocks, config_.block_size,
+                      int64_t(config_.dim) * bytes_per_value(config_.dtype), double(config_.bytes()) / double(1 << 30)));
   bytes_.resize(size_t(config_.bytes()));
 }
 

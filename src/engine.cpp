@@ -17,6 +17,7 @@ PlannerConfig planner_config(const AttentionConfig& c, Backend backend, int work
   p.block_size = c.block_size;
   p.route = c.route;
   p.limits = c.limits;
+  require(c.num_workers >= 0, "num_workers", c.num_workers, "0 (the backend's) or a count >= 1");
   p.num_workers = c.num_workers > 0 ? c.num_workers : workers;
   p.rows_per_unit = rows_per_unit;
   p.min_segment_tokens = c.min_segment_tokens;
@@ -26,7 +27,7 @@ PlannerConfig planner_config(const AttentionConfig& c, Backend backend, int work
 
 float softmax_scale_of(const AttentionConfig& c) {
   if (c.softmax_scale) {
-    require_scale("softmax_scale", *c.softmax_scale);
+    require_softmax_scale(*c.softmax_scale);
     return *c.softmax_scale;
   }
   return 1.0f / std::sqrt(float(c.dims.dim()));
@@ -50,16 +51,22 @@ void validate_run(const PlannerConfig& c, const Plan& plan, const KvCache& cache
 Attention::Attention(const AttentionConfig& config)
     : planner_(planner_config(config, Backend::cpu, kCpuWorkers, kCpuRowsPerUnit)),
       plan_(planner_.make_plan()),
-      softmax_scale_(softmax_scale_of(config)) {}
+      softmax_scale_(softmax_scale_of(config)) {
+  // The split-K workspace of the capacities, taken here (plan() allocates nothing) unless the
+  // route never cuts a request; refused with its size before it is allocated.
+  if (config.route == Route::one_stage) return;
+  const auto& c = planner_.config();
+  const int64_t floats = split_workspace_floats(planner_.work_capacity(), c.limits.max_qlen, c.heads, c.dims.kv_lora_rank);
+  require(floats <= kMaxHostBytes / int64_t(sizeof(float)), "split-K workspace",
+          fmt::format("{:.3g} GiB", double(floats) * sizeof(float) / double(1 << 30)),
+          fmt::format("<= {} GiB (lower heads, limits.max_batch or limits.max_qlen, or route one_stage)",
+                      kMaxHostBytes >> 30));
+  workspace_.assign(size_t(floats), 0.0f);
+}
 
 void Attention::plan(const BatchDesc& batch) {
-  planner_.plan(batch, plan_);
+  planner_.plan(batch, plan_);  // validates first: a refused batch keeps the previous plan
   planned_ = true;
-  if (plan_.header().split_requests > 0 && workspace_.empty()) {
-    const auto& c = planner_.config();
-    workspace_.resize(
-        size_t(split_workspace_floats(planner_.work_capacity(), c.limits.max_qlen, c.heads, c.dims.kv_lora_rank)));
-  }
 }
 
 AttentionParams Attention::params(const bf16* q, const KvCache& cache, const KvScale& scale, bf16* out, float* lse) {
@@ -70,7 +77,9 @@ AttentionParams Attention::params(const bf16* q, const KvCache& cache, const KvS
 void Attention::run(const bf16* q, const KvCache& cache, const KvScale& scale, bf16* out, float* lse) {
   if (!planned_) fail("plan", "none", "a plan: call plan(batch) before run()");
   validate_run(planner_.config(), plan_, cache, scale);
-  if (q == nullptr || out == nullptr || lse == nullptr) fail("q/out/lse", "null", "host pointers");
+  // A step of no query rows (every qlen 0) reads and writes nothing: its buffers may be null.
+  if (plan_.header().rows > 0 && (q == nullptr || out == nullptr || lse == nullptr))
+    fail("q/out/lse", "null", "host pointers");
   attention_cpu(params(q, cache, scale, out, lse));
 }
 

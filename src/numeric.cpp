@@ -85,6 +85,12 @@ void check_scale(std::string_view field, T value) {
 
 void require_scale(std::string_view field, float value) { check_scale(field, value); }
 
+void require_softmax_scale(float value) {
+  check_scale("softmax_scale", value);
+  require(value <= kMaxSoftmaxScale, "softmax_scale", value,
+          fmt::format("<= {} (a larger scale overflows the float32 scores)", kMaxSoftmaxScale));
+}
+
 float checked_scale(std::string_view field, double value) {
   check_scale(field, value);
   return float(value);

@@ -4,6 +4,7 @@
 #include <array>
 #include <cmath>
 #include <stdexcept>
+#include <utility>
 
 #include "dcpmla/cache.h"
 #include "dcpmla/error.h"
@@ -35,6 +36,7 @@ int max_heads(Backend backend) {
 }
 
 constexpr int64_t kMaxArenaInts = int64_t(1) << 30;
+constexpr double kMaxScheduleCost = 1e6;
 // More chunks than any GPU has SMs (times CTAs per SM) buy nothing and cost host time per step.
 constexpr int kMaxWorkers = 1 << 16;
 
@@ -46,7 +48,7 @@ constexpr size_t kWorkInts = sizeof(WorkItem) / sizeof(int32_t);
 struct ArenaOffsets {
   size_t rows, q_start, chunk_work, work, split_request, split_slot, subpages, total;
 };
-ArenaOffsets arena_offsets(const PlanLimits& limits, int64_t table_capacity, int work_capacity, int chunk_capacity) {
+ArenaOffsets arena_offsets(const PlanLimits& limits, int64_t table_capacity, int64_t work_capacity, int chunk_capacity) {
   ArenaOffsets o;
   o.rows = kHeaderInts;
   o.q_start = o.rows + size_t(limits.max_batch) * size_t(limits.max_qlen);
@@ -56,6 +58,24 @@ ArenaOffsets arena_offsets(const PlanLimits& limits, int64_t table_capacity, int
   o.split_slot = o.split_request + size_t(limits.max_batch);
   o.subpages = o.split_slot + size_t(limits.max_batch) + 1;
   o.total = o.subpages + size_t(limits.max_batch) * size_t(table_capacity);
+  return o;
+}
+
+// The arena of a Plan of these capacities, checked: Plan is public, and a hand-made one must
+// not wrap its offsets (a max_batch of -1 made a 15-int arena). Each capacity is at least 1
+// and at most an int (the table's at most 2^30), so no product below overflows size_t before
+// the total is compared with kMaxArenaInts.
+ArenaOffsets checked_offsets(const PlanLimits& limits, int64_t table_capacity, int work_capacity,
+                             int chunk_capacity) {
+  require(limits.max_batch >= 1, "limits.max_batch", limits.max_batch, ">= 1");
+  require(limits.max_qlen >= 1, "limits.max_qlen", limits.max_qlen, ">= 1");
+  require(table_capacity >= 1 && table_capacity <= kMaxArenaInts, "table_capacity", table_capacity,
+          fmt::format("in [1, {}]", kMaxArenaInts));
+  require(work_capacity >= 1, "work_capacity", work_capacity, ">= 1");
+  require(chunk_capacity >= 1, "chunk_capacity", chunk_capacity, ">= 1");
+  const ArenaOffsets o = arena_offsets(limits, table_capacity, work_capacity, chunk_capacity);
+  require(o.total < size_t(kMaxArenaInts), "plan capacities", fmt::format("{} plan ints", o.total),
+          fmt::format("< {} (lower max_batch, max_qlen, table_capacity or work_capacity)", kMaxArenaInts));
   return o;
 }
 
@@ -71,13 +91,45 @@ bool is_supported(Backend backend, Route route, Mode mode, KvDtype dtype, int he
 }
 
 size_t Plan::ints(const PlanLimits& limits, int64_t table_capacity, int work_capacity, int chunk_capacity) {
-  return arena_offsets(limits, table_capacity, work_capacity, chunk_capacity).total;
+  return checked_offsets(limits, table_capacity, work_capacity, chunk_capacity).total;
+}
+
+Plan::Plan(Plan&& other) noexcept { *this = std::move(other); }
+
+Plan& Plan::operator=(Plan&& other) noexcept {
+  limits_ = other.limits_;
+  table_capacity_ = other.table_capacity_;
+  work_capacity_ = other.work_capacity_;
+  chunk_capacity_ = other.chunk_capacity_;
+  off_rows_ = other.off_rows_;
+  off_q_start_ = other.off_q_start_;
+  off_chunk_work_ = other.off_chunk_work_;
+  off_work_ = other.off_work_;
+  off_split_request_ = other.off_split_request_;
+  off_split_slot_ = other.off_split_slot_;
+  off_subpages_ = other.off_subpages_;
+  owned_ = std::move(other.owned_);
+  base_ = std::exchange(other.base_, nullptr);
+  size_ = std::exchange(other.size_, 0);
+  stats_ = other.stats_;
+  return *this;
+}
+
+int Plan::qlen_of(int b) const {
+  require(b >= 0 && b < header().batch, "b", b, fmt::format("a request of the plan, in [0, {})", header().batch));
+  return view().q_start[b + 1] - view().q_start[b];
+}
+
+int32_t Plan::row_local_len(int b, int t) const {
+  const int qlen = qlen_of(b);
+  require(t >= 0 && t < qlen, "t", t, fmt::format("a query row of request {}, in [0, {})", b, qlen));
+  return view().row_local_len[view().q_start[b] + t];
 }
 
 Plan::Plan(const PlanLimits& limits, int64_t table_capacity, int work_capacity, int chunk_capacity,
            int32_t* storage)
     : limits_(limits), table_capacity_(table_capacity), work_capacity_(work_capacity), chunk_capacity_(chunk_capacity) {
-  const ArenaOffsets o = arena_offsets(limits, table_capacity, work_capacity, chunk_capacity);
+  const ArenaOffsets o = checked_offsets(limits, table_capacity, work_capacity, chunk_capacity);
   off_rows_ = o.rows;
   off_q_start_ = o.q_start;
   off_chunk_work_ = o.chunk_work;
@@ -136,10 +188,18 @@ Planner::Planner(const PlannerConfig& config) : config_(config) {
           fmt::format("in [1, {}]", kMaxWorkers));
   require(c.rows_per_unit >= 1, "rows_per_unit", c.rows_per_unit, ">= 1");
   require(c.min_segment_tokens >= 1, "min_segment_tokens", c.min_segment_tokens, ">= 1");
-  require(std::isfinite(c.cost.piece) && c.cost.piece >= 0, "cost.piece", c.cost.piece, "a finite cost >= 0 (tiles)");
-  require(std::isfinite(c.cost.cut) && c.cost.cut >= 0, "cost.cut", c.cost.cut, "a finite cost >= 0 (tiles)");
-  require(std::isfinite(c.cost.slack) && c.cost.slack >= 0, "cost.slack", c.cost.slack,
-          "a finite fraction >= 0 of a chunk's share");
+  // Costs are a few tiles; the bounds keep the schedule's tile counts (doubles cast to int64)
+  // far inside int64 (a piece cost of 1e308 was an out-of-range cast).
+  require(c.cost.piece >= 0 && c.cost.piece <= kMaxScheduleCost, "cost.piece", c.cost.piece,
+          fmt::format("a cost in [0, {}] (tiles)", kMaxScheduleCost));
+  require(c.cost.cut >= 0 && c.cost.cut <= kMaxScheduleCost, "cost.cut", c.cost.cut,
+          fmt::format("a cost in [0, {}] (tiles)", kMaxScheduleCost));
+  require(c.cost.slack >= 0 && c.cost.slack <= kMaxScheduleCost, "cost.slack", c.cost.slack,
+          fmt::format("a fraction in [0, {}] of a chunk's share", kMaxScheduleCost));
+  require(c.backend == Backend::cpu || c.backend == Backend::cuda, "backend", int(c.backend), "cpu (0) or cuda (1)");
+  require(c.route == Route::automatic || c.route == Route::one_stage || c.route == Route::two_stage ||
+              c.route == Route::split_k,
+          "route", int(c.route), "automatic (0), one_stage (1), two_stage (2) or split_k (3)");
   // Heads beyond what any route serves are the heads' fault, not the route's.
   require(c.heads >= 1 && c.heads <= max_heads(c.backend), "heads", c.heads,
           fmt::format("in [1, {}] on the {} backend", max_heads(c.backend), to_string(c.backend)));
@@ -159,10 +219,10 @@ Planner::Planner(const PlannerConfig& config) : config_(config) {
   // Every chunk boundary cuts at most one request: pieces <= requests + chunks. In int64:
   // the sum overflows int for absurd values (found by fuzz_planner); the arena limit keeps
   // the capacity far inside int once it passes.
+  // The exact arena make_plan() takes (so that it never refuses this planner's plans).
   const int64_t work_capacity = int64_t(c.limits.max_batch) + c.num_workers;
-  const int64_t ints = int64_t(c.limits.max_batch) * (c.limits.max_qlen + table_capacity_ + 3) +
-                       work_capacity * int64_t(kWorkInts) + c.num_workers;
-  require(ints < kMaxArenaInts, "limits", fmt::format("{} plan ints", ints),
+  const size_t ints = arena_offsets(c.limits, table_capacity_, work_capacity, c.num_workers).total;
+  require(ints < size_t(kMaxArenaInts), "limits", fmt::format("{} plan ints", ints),
           fmt::format("< {} (lower max_batch, max_local_kv_len or num_workers)", kMaxArenaInts));
   work_capacity_ = int(work_capacity);
 }
@@ -354,6 +414,7 @@ void Planner::plan(const BatchDesc& batch, Plan& plan) const {
       plan.chunk_capacity_ != c.num_workers || plan.limits_.max_batch != c.limits.max_batch ||
       plan.limits_.max_qlen != c.limits.max_qlen)
     fail("plan", "a plan of other capacities", "a plan made by this planner's make_plan()");
+  if (plan.base_ == nullptr) fail("plan", "a moved-from Plan", "a plan made by this planner's make_plan()");
   const int64_t max_block = validate(batch);
 
   const int b_count = int(batch.seq_lens.size());

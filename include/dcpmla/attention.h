@@ -37,7 +37,8 @@ struct AttentionParams {
 void attention_cpu(const AttentionParams& p);
 
 // Workspace floats split_k partials need for plans of these capacities
-// (PlanView::work_capacity, PlanView::max_qlen).
+// (PlanView::work_capacity, PlanView::max_qlen). Throws dcpmla::Error when the count does not
+// fit int64 (absurd dims once wrapped it to 0 floats).
 int64_t split_workspace_floats(int64_t work_capacity, int max_qlen, int heads, int rank_dim);
 
 // The parameters of a plan's attention (host or device pointers alike), with the split-K

@@ -13,6 +13,11 @@ namespace dcpmla {
 // Kernel tile of the paged cache: min(128, largest power of two dividing block_size).
 int subpage_size(int block_size);
 
+// The most host memory one object of the library takes (a PagedCache, a CPU engine's split-K
+// workspace): more is refused with its size before anything is allocated, never attempted (a
+// 1.2 TB cache of valid-looking sizes was a std::bad_alloc, or an OOM kill).
+inline constexpr int64_t kMaxHostBytes = int64_t(8) << 30;
+
 struct CacheConfig {
   int64_t num_blocks = 0;
   int block_size = 64;
@@ -60,7 +65,7 @@ float checked_kv_scale(double value, KvDtype dtype);
 void write_kv(const KvCache& cache, const bf16* latents, const int64_t* slots, int64_t n, float scale);
 
 // Host storage [num_blocks, block_size, D] in the cache dtype (tests and the conformance path
-// own their caches with it, as an engine would).
+// own their caches with it, as an engine would), at most kMaxHostBytes.
 class PagedCache {
  public:
   explicit PagedCache(const CacheConfig& config);

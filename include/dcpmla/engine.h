@@ -59,9 +59,9 @@ class Attention {
   const Plan& current_plan() const { return plan_; }
   float softmax_scale() const { return softmax_scale_; }
 
-  // Validates and plans the step's batch; no formatting unless it throws. The CPU backend's
-  // split-K workspace (split_workspace_floats of the capacities) is taken here the first time
-  // a plan cuts a request, so that a CPU engine that never cuts does not hold it.
+  // Validates and plans the step's batch; no allocation, no formatting unless it throws. (The
+  // CPU backend's split-K workspace, split_workspace_floats of the capacities, is taken at
+  // construction unless the route is one_stage, which never cuts a request.)
   void plan(const BatchDesc& batch);
 
   // This rank's partial over `cache` (this layer's) with the current plan:

@@ -48,6 +48,11 @@ float fp8_to_float(uint8_t bits, KvDtype d);
 void require_scale(std::string_view field, float value);
 // A double (from Python) checked before it narrows, and reported as given.
 float checked_scale(std::string_view field, double value);
+// softmax_scale also at most kMaxSoftmaxScale: the kernels scale scores in float32, and a
+// huge finite scale overflows them for ordinary inputs (1e37 made every output NaN, where
+// the float64 reference stays finite). Models use about D^-0.5 times a small factor.
+inline constexpr float kMaxSoftmaxScale = 65536.0f;
+void require_softmax_scale(float value);
 
 // One stored value of a cache of dtype d with the given scale, read back as float.
 float quantize_roundtrip(float x, KvDtype d, float scale);

@@ -129,14 +129,17 @@ struct PlanStats {
 class Plan {
  public:
   // storage: null for an owned arena, else `ints` int32s the caller keeps alive at a stable
-  // address (pinned staging memory, say), so the planner writes straight into it.
+  // address (pinned staging memory, say), so the planner writes straight into it. The
+  // capacities are checked (each >= 1, the arena within the planner's limit).
   Plan(const PlanLimits& limits, int64_t table_capacity, int work_capacity, int chunk_capacity,
        int32_t* storage = nullptr);
   static size_t ints(const PlanLimits& limits, int64_t table_capacity, int work_capacity, int chunk_capacity);
   Plan(const Plan&) = delete;  // the view points into the arena
   Plan& operator=(const Plan&) = delete;
-  Plan(Plan&&) = default;      // a vector's move keeps its buffer, so base_ stays valid
-  Plan& operator=(Plan&&) = default;
+  // A vector's move keeps its buffer, so the arena stays where it was; the moved-from plan
+  // holds none (a planner refuses it) instead of pointing into the new owner's.
+  Plan(Plan&& other) noexcept;
+  Plan& operator=(Plan&& other) noexcept;
 
   const PlanHeader& header() const { return *reinterpret_cast<const PlanHeader*>(base_); }
   Route route() const { return Route(header().route); }
@@ -150,8 +153,9 @@ class Plan {
   PlanView view() const { return view_at(base_); }
   PlanView view_at(const int32_t* base) const;
 
-  int32_t row_local_len(int b, int t) const { return view().row_local_len[view().q_start[b] + t]; }
-  int qlen_of(int b) const { return view().q_start[b + 1] - view().q_start[b]; }
+  // Inspection (checked: b in [0, batch), t in [0, qlen_of(b))).
+  int32_t row_local_len(int b, int t) const;
+  int qlen_of(int b) const;
   std::span<const WorkItem> work() const { return {view().work, size_t(header().work_count)}; }
 
  private:

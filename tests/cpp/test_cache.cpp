@@ -20,6 +20,15 @@ TEST(Cache, SubpageIsLargestPowerOfTwoUpTo128) {
   EXPECT_EQ(subpage_size(24), 8);
 }
 
+TEST(Cache, SubpageRefusesBlockSizesNoCacheAccepts) {
+  using testing::expect_error;
+  expect_error([] { subpage_size(0); }, "'block_size' = 0");  // was 0, silently
+  expect_error([] { subpage_size(-16); }, "'block_size' = -16");
+  expect_error([] { subpage_size(INT32_MIN); }, "'block_size' = -2147483648");  // was UB (-INT_MIN)
+  expect_error([] { subpage_size(kMaxBlockSize + 1); }, "'block_size'");
+  EXPECT_EQ(subpage_size(kMaxBlockSize), 128);
+}
+
 class CacheWrite : public ::testing::TestWithParam<KvDtype> {};
 
 TEST_P(CacheWrite, WritesOwnedSlotsAndSkipsPad) {
@@ -70,6 +79,10 @@ TEST(Cache, RefusesAbsurdSizes) {
   EXPECT_THROW(PagedCache(CacheConfig{1, kMaxBlockSize + 1, 2, KvDtype::bf16, 1.0f}), Error);
   EXPECT_THROW(PagedCache(CacheConfig{1, INT32_MAX, 576, KvDtype::bf16, 1.0f}), Error);
   EXPECT_EQ(PagedCache(CacheConfig{1, kMaxBlockSize, 1, KvDtype::fp8_e4m3, 1.0f}).config().num_slots(), kMaxBlockSize);
+  // Valid-looking sizes beyond the host cap (1.2 TB) are refused before the allocation is
+  // attempted (they were a std::bad_alloc, or an OOM kill).
+  testing::expect_error([] { PagedCache(CacheConfig{int64_t(1) << 24, 64, 576, KvDtype::bf16, 1.0f}); },
+                        "'num_blocks' = 16777216: expected a host cache of at most 8 GiB");
 }
 
 }  // namespace dcpmla

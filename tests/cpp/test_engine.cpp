@@ -417,11 +417,41 @@ TEST_F(Refusals, BadScales) {
   const float device_scale = 0.05f;
   EXPECT_REFUSED(run(att, cache.view(), KvScale{0.05f, &device_scale}), field("kv_scale", "a device pointer"));
   EXPECT_TRUE(untouched());
-  for (float bad : {0.0f, -1.0f, NAN, INFINITY, denormal}) {
+  for (float bad : {0.0f, -1.0f, NAN, INFINITY, denormal, 1e37f}) {
     AttentionConfig c = config;
     c.softmax_scale = bad;
     EXPECT_REFUSED(Attention{c}, field("softmax_scale", fmt::format("{}", bad)));
   }
+}
+
+// The CPU split-K workspace is sized and taken at construction (plan() allocates nothing):
+// heads 4096 over a big batch was accepted, then the first plan that cut a request asked for
+// terabytes (std::bad_alloc) and left the engine planned without a workspace (a segfault on
+// the next run). Refused now with its size; one_stage never cuts and takes none.
+TEST_F(Refusals, WorkspaceBeyondTheHostCapIsRefusedAtConstruction) {
+  AttentionConfig c = config;
+  c.heads = 4096;
+  c.limits = PlanLimits{1024, 8, 32};  // (1024 + 132) x 8 x 4096 x 514 floats: 73 GiB
+  for (Route r : {Route::automatic, Route::split_k})
+    EXPECT_REFUSED(
+        [&] {
+          c.route = r;
+          Attention{c};
+        }(),
+        "'split-K workspace' = ");
+  c.route = Route::one_stage;
+  EXPECT_NO_THROW(Attention{c});
+  c = config;
+  c.num_workers = -5;  // was silently the backend's 132
+  EXPECT_REFUSED(Attention{c}, field("num_workers", "-5"));
+}
+
+// A step whose every request has qlen 0 has no rows: its buffers may be empty (null data).
+TEST_F(Refusals, StepWithoutRowsRunsOnNullBuffers) {
+  Attention att(config);
+  const std::vector<int32_t> none{0, 0};
+  att.plan(BatchDesc{lens, 2, tables, 2, Mode::verify, none});
+  EXPECT_NO_THROW(att.run(nullptr, cache.view(), KvScale{0.05f}, nullptr, nullptr));
 }
 
 TEST_F(Refusals, BatchBeyondTheCaptureLimitsLeavesThePlan) {

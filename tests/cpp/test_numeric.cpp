@@ -76,6 +76,21 @@ TEST(Numeric, ScalesArePositiveNormalFloat32sReportedAsGiven) {
   }
 }
 
+// A softmax_scale past kMaxSoftmaxScale overflowed the float32 scores of ordinary inputs
+// (1e37: every output NaN, where the float64 reference is finite); it is refused.
+TEST(Numeric, SoftmaxScaleHasACeiling) {
+  EXPECT_NO_THROW(require_softmax_scale(kMaxSoftmaxScale));
+  EXPECT_NO_THROW(require_softmax_scale(0.0417f));
+  for (float bad : {65536.5f, 1e37f, std::numeric_limits<float>::max(), 0.0f}) {
+    try {
+      require_softmax_scale(bad);
+      ADD_FAILURE() << "accepted " << bad;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("'softmax_scale'"), std::string::npos) << e.what();
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Formats, Fp8, ::testing::Values(KvDtype::fp8_e4m3, KvDtype::fp8_e5m2));
 
 }  // namespace dcpmla

@@ -376,6 +376,55 @@ TEST(Plan, RefusesConfigurationsWhoseArithmeticWouldOverflow) {
   expect_error([&] { Planner p(c); }, "'block_size' = 131072");
 }
 
+// Found by a hostile-input audit of the public API: each was a crash, undefined behaviour or a
+// message that blamed the wrong field.
+TEST(Plan, RefusesHostileCapacitiesCostsAndEnums) {
+  // A schedule cost of 1e308 made the tile count an out-of-range double -> int64 cast.
+  for (double bad : {1e308, 1e7, -1.0, double(NAN), double(INFINITY)}) {
+    auto c = config();
+    c.cost.piece = bad;
+    expect_error([&] { Planner p(c); }, "'cost.piece' = ");
+    c = config();
+    c.cost.cut = bad;
+    expect_error([&] { Planner p(c); }, "'cost.cut' = ");
+    c = config();
+    c.cost.slack = bad;
+    expect_error([&] { Planner p(c); }, "'cost.slack' = ");
+  }
+  // An unknown backend blamed the heads ("in [1, 0] on the ? backend"), an unknown route
+  // showed '?' for its value.
+  auto c = config();
+  c.backend = Backend(7);
+  expect_error([&] { Planner p(c); }, "'backend' = 7: expected cpu (0) or cuda (1)");
+  c = config();
+  c.route = Route(9);
+  expect_error([&] { Planner p(c); }, "'route' = 9: expected automatic (0)");
+  // A hand-made Plan of negative capacities got a wrapped, 15-int arena.
+  expect_error([] { Plan p(PlanLimits{-1, 1, 1}, 1, 1, 1); }, "'limits.max_batch' = -1");
+  expect_error([] { Plan p(PlanLimits{1, 1, 1}, 0, 1, 1); }, "'table_capacity' = 0");
+  expect_error([] { (void)Plan::ints(PlanLimits{1, 1, 1}, -1, 1, 1); }, "'table_capacity' = -1");
+  expect_error([] { Plan p(PlanLimits{1 << 20, 1, 1}, 1 << 20, 1, 1); }, "'plan capacities' = ");
+}
+
+// Moving a plan left the source pointing into the arena the new owner frees (a use after
+// free on the next plan()); the source now holds none and a planner refuses it.
+TEST(Plan, MovedFromPlansAreRefusedAndInspectionIsChecked) {
+  Planner planner(config());
+  Plan a = planner.make_plan();
+  planner.plan(batch_of({100, 7}, 2).desc(), a);
+  {
+    Plan b = std::move(a);
+    EXPECT_EQ(b.header().batch, 2);
+    EXPECT_EQ(b.qlen_of(1), 2);
+  }
+  expect_error([&] { planner.plan(batch_of({100, 7}, 2).desc(), a); }, "'plan' = a moved-from Plan");
+  Plan c = planner.make_plan();
+  planner.plan(batch_of({100, 7}, 2).desc(), c);
+  expect_error([&] { (void)c.row_local_len(2, 0); }, "'b' = 2: expected a request of the plan, in [0, 2)");
+  expect_error([&] { (void)c.row_local_len(1, 2); }, "'t' = 2: expected a query row of request 1, in [0, 2)");
+  expect_error([&] { (void)c.qlen_of(-1); }, "'b' = -1");
+}
+
 TEST(Plan, SubpageIdsAtTheInt32Edge) {
   auto c = config();
   c.block_size = 3;

@@ -76,7 +76,7 @@ void validate_attention(const AttentionParams& p) {
   require(p.heads >= 1 && p.heads <= kCudaMaxHeads, "heads", p.heads, "1..128 on the CUDA backend");
   require(p.dim == kCudaDim, "dim", p.dim, "576 (kv_lora_rank 512 + rope_dim 64) on the CUDA backend");
   require(p.rank_dim == kCudaRank, "rank_dim", p.rank_dim, "512 on the CUDA backend");
-  require_scale("softmax_scale", p.softmax_scale);
+  require_softmax_scale(p.softmax_scale);
   if (p.kv_dtype == KvDtype::bf16)
     require(p.kv_scale == 1.0f, "kv_scale", p.kv_scale, "1.0 for a bf16 cache (the scale is for fp8)");
   else
