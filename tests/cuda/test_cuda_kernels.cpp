@@ -92,8 +92,11 @@ TEST(CudaWriteKv, OutOfRangeSlotsAreSkippedAndCounted) {
   cuda_ok(cudaDeviceSynchronize(), "write_kv");
   EXPECT_EQ(errors.download()[0], 2);
   const std::vector<uint8_t> got = cache.download();
-  for (size_t i = 0; i < got.size(); ++i)
-    if (i / (576 * 2) != 1) EXPECT_EQ(got[i], 0xff) << "byte " << i << " outside slot 1 was written";
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (i / (576 * 2) != 1) {
+      EXPECT_EQ(got[i], 0xff) << "byte " << i << " outside slot 1 was written";
+    }
+  }
 }
 
 // The device slot mapping equals the host slot_of (layout.h) for every rank, interleave and
