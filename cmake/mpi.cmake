@@ -25,8 +25,9 @@ if(DCPMLA_TESTS)
       COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${np} --oversubscribe ${MPIEXEC_PREFLAGS}
               $<TARGET_FILE:test_mpi> ${MPIEXEC_POSTFLAGS})
     # CI runs as root; Open MPI refuses root unless told. One thread per process: the
-    # ranks already share the two cores.
-    set_tests_properties(mpi_np${np} PROPERTIES
+    # ranks already share the two cores. One mpirun at a time (RESOURCE_LOCK): two starting
+    # together raced for Open MPI's session directory ("/tmp/ompi.<host>.0: File exists").
+    set_tests_properties(mpi_np${np} PROPERTIES RESOURCE_LOCK mpirun
       ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMP_NUM_THREADS=1"
       PASS_REGULAR_EXPRESSION " 0 failed" FAIL_REGULAR_EXPRESSION "FAILED" TIMEOUT 300)
   endforeach()

@@ -67,7 +67,7 @@ if(DCPMLA_CUDA_TESTS)
         COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${np} --oversubscribe ${MPIEXEC_PREFLAGS}
                 $<TARGET_FILE:test_nccl_mpi> ${MPIEXEC_POSTFLAGS})
       set_tests_properties(nccl_mpi_np${np} PROPERTIES
-        LABELS gpu
+        LABELS gpu RESOURCE_LOCK mpirun
         ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMP_NUM_THREADS=1;NCCL_NVLS_ENABLE=0"
         PASS_REGULAR_EXPRESSION "nccl mpi: all ranks ok" FAIL_REGULAR_EXPRESSION "FAILED" TIMEOUT 120)
     endforeach()
