@@ -201,6 +201,8 @@ NB_MODULE(_dcpmla, m) {
   m.def("_write_kv", &dcpmla::python::write_kv, "kv_cache"_a, "latent"_a, "slot_mapping"_a, "kv_dtype"_a,
         "kv_scale"_a, "kv_scale_tensor"_a.none(), "stream"_a,
         "SPEC §3 write: latent [T, D] into kv_cache at slot_mapping [T] (int64, -1 = PAD).");
+  m.def("_check_merge_inputs", &dcpmla::python::check_merge_inputs, "out_parts"_a, "lse_parts"_a,
+        "merge_states' checks of out_parts [N, ..., W] and lse_parts [N, ...] alone (before outputs are allocated).");
   m.def("_merge_states", &dcpmla::python::merge_states, "out_parts"_a, "lse_parts"_a, "out"_a, "lse"_a, "stream"_a,
         "SPEC §2 merge of N partials [N, ..., W] / [N, ...] into out [..., W] / lse [...] (natural log).");
 }

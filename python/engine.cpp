@@ -136,6 +136,20 @@ void check(const T& t, const char* field, uint32_t kinds, const char* dtype_text
     fail(fmt::format("{}.data_ptr", field), fmt::format("{}", t.data()), fmt::format("{}-byte aligned memory", align));
 }
 
+// Refuses an output that shares memory with another tensor of the call (an input it would read
+// while writing it, or the other output): the result would silently depend on the order of the
+// kernels' reads and writes. O(1): both are C-contiguous (checked) on the same device (checked),
+// so their bytes are the ranges [data, data + nbytes), and overlapping ranges share memory.
+template <class A, class B>
+void check_disjoint(const A& out, const char* out_field, const B& other, const char* other_field,
+                    const char* others_text) {
+  const auto a = reinterpret_cast<uintptr_t>(out.data()), b = reinterpret_cast<uintptr_t>(other.data());
+  const size_t na = out.nbytes(), nb = other.nbytes();
+  if (na == 0 || nb == 0 || a >= b + nb || b >= a + na) return;
+  fail(out_field, fmt::format("{} bytes at {:#x}, overlapping {} ({} bytes at {:#x})", na, a, other_field, nb, b),
+       fmt::format("memory that shares no byte with {} (pass a separate buffer)", others_text));
+}
+
 // The backend and device of a tensor that decides a free function's placement.
 template <class T>
 Placement placement_of(const T& t, const char* field) {
@@ -264,6 +278,24 @@ Engine::Engine(int heads, const std::string& kv_dtype, int block_size, int world
 
 Engine::~Engine() = default;
 
+std::unique_lock<std::mutex> Engine::lock() const {
+  std::unique_lock<std::mutex> held(mutex_, std::try_to_lock);
+  if (!held.owns_lock()) {
+    // Another thread holds it (a run() computing without the GIL, which it needs back to
+    // return): wait without the GIL, then take the GIL back.
+    nb::gil_scoped_release release;
+    held.lock();
+  }
+  return held;
+}
+
+const Planner& Engine::planner() const {
+#ifdef DCPMLA_HAS_CUDA
+  if (cuda_) return cuda_->attention.planner();
+#endif
+  return cpu_->planner();
+}
+
 const Plan& Engine::current_plan() const {
 #ifdef DCPMLA_HAS_CUDA
   if (cuda_) return cuda_->attention.current_plan();
@@ -271,13 +303,34 @@ const Plan& Engine::current_plan() const {
   return cpu_->current_plan();
 }
 
-int Engine::batch() const { return planned_ ? current_plan().header().batch : 0; }
-int Engine::rows() const { return planned_ ? current_plan().header().rows : 0; }
-int Engine::qlen() const { return planned_ ? current_plan().header().qlen : 0; }
-std::string Engine::route() const { return planned_ ? std::string(to_string(current_plan().route())) : "none"; }
+bool Engine::planned() const {
+  const auto held = lock();
+  return planned_;
+}
+bool Engine::packed() const {
+  const auto held = lock();
+  return planned_ && packed_;
+}
+int Engine::batch() const {
+  const auto held = lock();
+  return planned_ ? current_plan().header().batch : 0;
+}
+int Engine::rows() const {
+  const auto held = lock();
+  return planned_ ? current_plan().header().rows : 0;
+}
+int Engine::qlen() const {
+  const auto held = lock();
+  return planned_ ? current_plan().header().qlen : 0;
+}
+std::string Engine::route() const {
+  const auto held = lock();
+  return planned_ ? std::string(to_string(current_plan().route())) : "none";
+}
 
 void Engine::plan(HostInts1 seq_lens, HostInts2 block_tables, int qlen, const std::string& mode,
                   std::optional<HostInts1> qlens, uintptr_t stream) {
+  const auto held = lock();  // a run() of another thread finishes with the plan it started with
   if (block_tables.shape(0) != seq_lens.shape(0))
     fail("block_tables.shape[0]", block_tables.shape(0),
          fmt::format("{} (B, the length of seq_lens): one table row per request", seq_lens.shape(0)));
@@ -313,6 +366,8 @@ void Engine::plan(HostInts1 seq_lens, HostInts2 block_tables, int qlen, const st
 
 void Engine::run(Tensor q, Tensor kv_cache, double kv_scale, std::optional<Tensor> kv_scale_tensor, OutTensor out,
                  OutTensor lse, uintptr_t stream) {
+  const auto held = lock();  // the plan stays this one until the kernels are done (another thread's
+                             // plan() waits), while the GIL is released for them
   if (!planned_) fail("plan", "none", "a plan: call plan(seq_lens, block_tables, qlen) before run()");
   const PlanHeader& h = current_plan().header();
   const int64_t B = h.batch, T = h.qlen, H = config_.heads, D = config_.dims.dim(), R = config_.dims.kv_lora_rank;
@@ -331,6 +386,23 @@ void Engine::run(Tensor q, Tensor kv_cache, double kv_scale, std::optional<Tenso
   }
   const KvCache cache = cache_of(kv_cache, config_.kv_dtype, where_);
   const KvScale scale = scale_of(kv_scale, kv_scale_tensor, config_.kv_dtype, where_);
+  constexpr const char* kInputs = "q, kv_cache, kv_scale or the other output";
+  check_disjoint(out, "out", q, "q", kInputs);
+  check_disjoint(out, "out", kv_cache, "kv_cache", kInputs);
+  check_disjoint(out, "out", lse, "lse", kInputs);
+  check_disjoint(lse, "lse", q, "q", kInputs);
+  check_disjoint(lse, "lse", kv_cache, "kv_cache", kInputs);
+  if (kv_scale_tensor) {
+    check_disjoint(out, "out", *kv_scale_tensor, "kv_scale", kInputs);
+    check_disjoint(lse, "lse", *kv_scale_tensor, "kv_scale", kInputs);
+  }
+  if (h.rows == 0) {
+    // An empty step (a plan whose qlens are all 0): out and lse are empty and nothing runs (an
+    // empty array may have no data pointer, which the kernels refuse). The cache and the scale are
+    // still checked against the plan, as a run with rows would check them.
+    validate_run(planner().config(), current_plan(), cache, scale);
+    return;
+  }
   if (cpu) {
     std::vector<bf16> q16, out16;
     const bf16* qp = host_bf16(q, q16);
@@ -363,6 +435,10 @@ void write_kv(OutTensor kv_cache, Tensor latent, Tensor slot_mapping, const std:
         "[T, D] (D of kv_cache)", where, 16);
   check(slot_mapping, "slot_mapping", kI64, "int64", Dims{n}, "[T] (T of latent)", where, 8);
   const KvScale scale = scale_of(kv_scale, kv_scale_tensor, dtype, where);
+  constexpr const char* kInputs = "latent, slot_mapping or kv_scale";
+  check_disjoint(kv_cache, "kv_cache", latent, "latent", kInputs);
+  check_disjoint(kv_cache, "kv_cache", slot_mapping, "slot_mapping", kInputs);
+  if (kv_scale_tensor) check_disjoint(kv_cache, "kv_cache", *kv_scale_tensor, "kv_scale", kInputs);
   const auto* slots = static_cast<const int64_t*>(slot_mapping.data());
   if (cpu) {
     std::vector<bf16> scratch;
@@ -379,34 +455,66 @@ void write_kv(OutTensor kv_cache, Tensor latent, Tensor slot_mapping, const std:
 #endif
 }
 
-void merge_states(Tensor out_parts, Tensor lse_parts, OutTensor out, OutTensor lse, uintptr_t stream) {
-  const Placement where = placement_of(out_parts, "out_parts");
-  const bool cpu = where.backend == Backend::cpu;
+namespace {
+
+// The partials of a merge, checked: where it runs, N, the rows, the width and the extents the
+// outputs must have.
+struct MergeInputs {
+  Placement where;
+  int64_t n = 0, rows = 1, width = 0;
+  Dims out_dims = Dims::any(0), lse_dims = Dims::any(0);
+};
+
+MergeInputs merge_inputs(const Tensor& out_parts, const Tensor& lse_parts) {
+  MergeInputs m;
+  m.where = placement_of(out_parts, "out_parts");
+  const bool cpu = m.where.backend == Backend::cpu;
   const size_t nd = out_parts.ndim();
   if (nd < 2 || nd > 8)
     fail("out_parts.ndim", nd, "2..8: [N, ..., W] (N partials, then the rows, then the value width)");
   const uint32_t kinds = cpu ? kF32 | kBf16Like : kBf16Like;
   const char* text = cpu ? "float32 or bfloat16 (or uint16 / int16 holding bf16 bits)" : kBf16Text;
-  check(out_parts, "out_parts", kinds, text, Dims::any(nd), "[N, ..., W]", where, 16);
+  check(out_parts, "out_parts", kinds, text, Dims::any(nd), "[N, ..., W]", m.where, 16);
   // lse_parts [N, ...] and out [..., W], lse [...]: the extents of out_parts.
-  Dims lse_parts_dims = Dims::any(nd - 1), out_dims = Dims::any(nd - 1), lse_dims = Dims::any(nd - 2);
-  int64_t rows = 1;
+  Dims lse_parts_dims = Dims::any(nd - 1);
+  m.out_dims = Dims::any(nd - 1);
+  m.lse_dims = Dims::any(nd - 2);
   for (size_t i = 0; i < nd; ++i) {
     const int64_t e = int64_t(out_parts.shape(i));
     if (i + 1 < nd) lse_parts_dims.v[i] = e;
-    if (i >= 1) out_dims.v[i - 1] = e;
+    if (i >= 1) m.out_dims.v[i - 1] = e;
     if (i >= 1 && i + 1 < nd) {
-      lse_dims.v[i - 1] = e;
-      rows *= e;
+      m.lse_dims.v[i - 1] = e;
+      m.rows *= e;
     }
   }
-  const int64_t n = int64_t(out_parts.shape(0)), width = int64_t(out_parts.shape(nd - 1));
-  if (n < 1 || n > std::numeric_limits<int>::max()) fail("out_parts.shape[0]", n, "N >= 1 partials that fit int32");
-  if (width > std::numeric_limits<int>::max()) fail("out_parts.shape[-1]", width, "a width that fits int32");
-  check(lse_parts, "lse_parts", kF32, "float32", lse_parts_dims, "[N, ...] (out_parts' shape without W)", where, 4);
-  check(out, "out", kind_of(out_parts.dtype()), "the dtype of out_parts", out_dims, "[..., W] (out_parts[0]'s shape)",
+  m.n = int64_t(out_parts.shape(0));
+  m.width = int64_t(out_parts.shape(nd - 1));
+  if (m.n < 1 || m.n > std::numeric_limits<int>::max())
+    fail("out_parts.shape[0]", m.n, "N >= 1 partials that fit int32");
+  if (m.width > std::numeric_limits<int>::max()) fail("out_parts.shape[-1]", m.width, "a width that fits int32");
+  check(lse_parts, "lse_parts", kF32, "float32", lse_parts_dims, "[N, ...] (out_parts' shape without W)", m.where, 4);
+  return m;
+}
+
+}  // namespace
+
+void check_merge_inputs(Tensor out_parts, Tensor lse_parts) { (void)merge_inputs(out_parts, lse_parts); }
+
+void merge_states(Tensor out_parts, Tensor lse_parts, OutTensor out, OutTensor lse, uintptr_t stream) {
+  const MergeInputs m = merge_inputs(out_parts, lse_parts);
+  const Placement where = m.where;
+  const bool cpu = where.backend == Backend::cpu;
+  const int64_t n = m.n, rows = m.rows, width = m.width;
+  check(out, "out", kind_of(out_parts.dtype()), "the dtype of out_parts", m.out_dims, "[..., W] (out_parts[0]'s shape)",
         where, 16);
-  check(lse, "lse", kF32, "float32", lse_dims, "[...] (lse_parts[0]'s shape)", where, 4);
+  check(lse, "lse", kF32, "float32", m.lse_dims, "[...] (lse_parts[0]'s shape)", where, 4);
+  constexpr const char* kInputs = "out_parts, lse_parts or the other output";
+  check_disjoint(out, "out", out_parts, "out_parts", kInputs);
+  check_disjoint(out, "out", lse_parts, "lse_parts", kInputs);
+  check_disjoint(out, "out", lse, "lse", kInputs);
+  check_disjoint(lse, "lse", out_parts, "out_parts", kInputs);
+  check_disjoint(lse, "lse", lse_parts, "lse_parts", kInputs);
   const auto* lp = static_cast<const float*>(lse_parts.data());
   auto* lo = static_cast<float*>(lse.data());
   if (cpu) {

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 
@@ -36,6 +37,13 @@ struct Placement {
 };
 
 // One rank's Attention (CPU or CUDA) as the Python class dcpmla.Attention holds it.
+//
+// Threads: every method that reads or changes the plan holds the engine's mutex for its whole
+// call, so a plan() from one Python thread waits for a run() of another (which releases the GIL
+// while the CPU kernels compute) instead of replacing the plan under it. The rule that keeps the
+// GIL and the mutex from deadlocking: a thread never *waits* for the mutex while it holds the
+// GIL (lock() releases the GIL around the wait); it may wait for the GIL while it holds the mutex
+// (run() takes the GIL back after its kernels). Other threads keep running Python during a run.
 class Engine {
  public:
   // device < 0 on CUDA: the current device. softmax_scale: none for D^-0.5.
@@ -56,15 +64,21 @@ class Engine {
 
   const AttentionConfig& config() const { return config_; }
   Placement placement() const { return where_; }
-  bool planned() const { return planned_; }
+  // The current plan's properties, each read under the mutex (0 / "none" before the first plan).
+  bool planned() const;
   int batch() const;  // of the current plan
   int rows() const;   // query rows of the current plan (B x qlen, or sum(qlens))
-  bool packed() const { return planned_ && packed_; }  // planned with qlens
+  bool packed() const;  // planned with qlens
   int qlen() const;
   std::string route() const;  // the current plan's route
 
  private:
+  // Takes the mutex; called with the GIL held, it releases the GIL while it waits (see above).
+  std::unique_lock<std::mutex> lock() const;
   const Plan& current_plan() const;
+  const Planner& planner() const;
+
+  mutable std::mutex mutex_;  // guards the plan (cpu_ / cuda_, planned_, packed_)
 
   AttentionConfig config_;
   Placement where_;
@@ -75,11 +89,16 @@ class Engine {
   bool packed_ = false;
 };
 
-// SPEC §3 write path on a tensor cache: latent [T, D], slot_mapping [T] int64 (-1 = PAD).
+// SPEC §3 write path on a tensor cache: latent [T, D], slot_mapping [T] int64 (-1 = PAD); the
+// cache shares no memory with latent, slot_mapping or the kv_scale tensor (checked).
 void write_kv(OutTensor kv_cache, Tensor latent, Tensor slot_mapping, const std::string& kv_dtype, double kv_scale,
               std::optional<Tensor> kv_scale_tensor, uintptr_t stream);
 
-// SPEC §2 merge: out_parts [N, ..., W], lse_parts [N, ...] -> out [..., W], lse [...].
+// SPEC §2 merge: out_parts [N, ..., W], lse_parts [N, ...] -> out [..., W], lse [...]. The
+// outputs share no memory with the partials or each other (checked).
 void merge_states(Tensor out_parts, Tensor lse_parts, OutTensor out, OutTensor lse, uintptr_t stream);
+// merge_states' checks of the partials alone (what the Python layer calls before it allocates the
+// outputs from their shapes).
+void check_merge_inputs(Tensor out_parts, Tensor lse_parts);
 
 }  // namespace dcpmla::python

@@ -52,30 +52,43 @@ def _device(device):
 
 def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_dtype, kv_scale,
                softmax_scale, kv_lora_rank, route, device, merge, seed, qlens=None):
+    # The shapes first, the values after: seq_lens and qlens are checked against the batch from
+    # their shapes before they are copied or read (a broadcast view can describe 2**40 entries).
     kv = _array("kv", kv, np.float32, 3, "[B, Lmax, D]")
-    seq_lens = _int_array("seq_lens", seq_lens, np.int32, "[B]")
     if qlens is None:
         q = _array("q", q, np.float32, 4, "[B, qlen, H, D]")
         B, _, H, D = q.shape
         what = f"the batch B of q {tuple(q.shape)}"
+        if kv.shape[0] != B:
+            raise _error("kv.shape[0]", kv.shape[0], f"{B} ({what})")
+
+        def seq_lens_rows(shape):
+            if shape[0] != B:
+                raise _error("seq_lens.shape[0]", shape[0], f"{B} ({what})")
+
+        seq_lens = _int_array("seq_lens", seq_lens, np.int32, "[B]", check_shape=seq_lens_rows)
     else:
-        # Per-request query rows: q [sum(qlens), H, D], packed by request.
-        qlens = _int_array("qlens", qlens, np.int32, "[B]")
-        q = _array("q", q, np.float32, 3, "[sum(qlens), H, D]")
+        # Per-request query rows: q [sum(qlens), H, D], packed by request; B is seq_lens'.
+        def kv_rows(shape):
+            if kv.shape[0] != shape[0]:
+                raise _error("kv.shape[0]", kv.shape[0], f"{shape[0]} (the batch B of seq_lens {tuple(shape)})")
+
+        seq_lens = _int_array("seq_lens", seq_lens, np.int32, "[B]", check_shape=kv_rows)
         B = seq_lens.shape[0]
-        _, H, D = q.shape
         what = f"the batch B of seq_lens {tuple(seq_lens.shape)}"
-        if qlens.shape[0] != B:
-            raise _error("qlens.shape[0]", qlens.shape[0], f"{B} ({what})")
+
+        def qlens_rows(shape):
+            if shape[0] != B:
+                raise _error("qlens.shape[0]", shape[0], f"{B} ({what})")
+
+        qlens = _int_array("qlens", qlens, np.int32, "[B]", check_shape=qlens_rows)
+        q = _array("q", q, np.float32, 3, "[sum(qlens), H, D]")
+        _, H, D = q.shape
         if q.shape[0] != int(qlens.sum(dtype=np.int64)):
             raise _error("q.shape[0]", q.shape[0], f"{int(qlens.sum(dtype=np.int64))} (sum(qlens))")
         q = q.reshape(q.shape[0], 1, H, D)
-    if kv.shape[0] != B:
-        raise _error("kv.shape[0]", kv.shape[0], f"{B} ({what})")
     if kv.shape[2] != D:
         raise _error("kv.shape[2]", kv.shape[2], f"{D} (the latent dim D of q {tuple(q.shape)})")
-    if seq_lens.shape[0] != B:
-        raise _error("seq_lens.shape[0]", seq_lens.shape[0], f"{B} ({what})")
     max_len = kv.shape[1]
     if seq_lens.size and seq_lens.max() > max_len:
         b = int(np.argmax(seq_lens > max_len))

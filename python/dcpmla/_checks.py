@@ -83,23 +83,91 @@ def _array(field, x, dtype, ndim, layout):
     return np.ascontiguousarray(a)
 
 
-def _int_array(field, x, dtype, layout, ndim=1):
+def _too_big_to_copy(field, a, dtype, what):
+    """Refuses copying (or scanning) `a` into `dtype` beyond the in-process limit, from its shape
+    alone, as _array does: a broadcast view describes petabytes in a few bytes, and copying or
+    reading it would run out of memory, or run for hours, before any value is checked."""
+    limit = _dcpmla.max_in_process_bytes
+    nbytes = a.size * max(a.dtype.itemsize, dtype.itemsize)
+    if nbytes > limit:
+        kind = "a non-contiguous view" if not a.flags.c_contiguous else "an array"
+        raise _error(field, f"{kind} of shape {a.shape}, dtype {a.dtype} ({nbytes / 2**30:.3g} GiB)",
+                     f"at most {limit / 2**30:.3g} GiB to {what} (pass a C-contiguous {dtype} array)")
+
+
+def _index(a, flat):
+    return ", ".join(str(int(i)) for i in np.unravel_index(flat, a.shape)) if a.ndim else ""
+
+
+def _int_array(field, x, dtype, layout, ndim=1, check_shape=None):
     """A C-contiguous integer array of `ndim` dimensions, converted losslessly to `dtype`: no copy
     when it already is one (numpy, or a host tensor through DLPack); lists and other integer
-    dtypes are converted, and a value that does not fit is named."""
+    dtypes are converted, and a value that does not fit is named.
+
+    check_shape(shape), when given, checks the extents (e.g. B <= max_batch) before anything is
+    copied or scanned; beyond that a copy or scan larger than the in-process limit is refused,
+    from the shape alone."""
     a = _host_array(field, x)
     if a.ndim != ndim:
         raise _error(f"{field}.ndim", a.ndim, f"{ndim} {layout}")
+    if check_shape is not None:
+        check_shape(a.shape)
+    dtype = np.dtype(dtype)
+    if a.dtype == dtype and a.flags.c_contiguous and a.flags.aligned:
+        return a
+    _too_big_to_copy(field, a, dtype, "copy" if a.dtype == dtype else "convert")
     if a.dtype == dtype:
-        return np.ascontiguousarray(a)
+        return np.require(a, dtype, ["C_CONTIGUOUS", "ALIGNED"])
+    info = np.iinfo(dtype)
+    if a.size and a.dtype.kind == "O":
+        # A list holding an int beyond int64 (or an object array): each value is checked as given.
+        for flat, value in enumerate(a.flat):
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
+                raise _error(f"{field}[{_index(a, flat)}]", repr(value), f"an integer {layout}")
+            if not info.min <= int(value) <= info.max:
+                raise _error(f"{field}[{_index(a, flat)}]", int(value), f"a value that fits {dtype}")
+        return np.array(a.tolist(), dtype=dtype).reshape(a.shape)
     if a.size and a.dtype.kind not in "iu":
         raise _error(f"{field}.dtype", a.dtype, f"an integer dtype {layout}")
-    info = np.iinfo(dtype)
     if a.size and (a.min() < info.min or a.max() > info.max):
         bad = tuple(int(i) for i in np.argwhere((a < info.min) | (a > info.max))[0])
         where = ", ".join(map(str, bad))
-        raise _error(f"{field}[{where}]", a[bad], f"a value that fits {np.dtype(dtype)}")
+        raise _error(f"{field}[{where}]", a[bad], f"a value that fits {dtype}")
     return np.ascontiguousarray(a, dtype=dtype)
+
+
+# numpy dtypes nanobind imports (DLPack's int, uint, float, complex, bool in the machine's byte
+# order); anything else (object, structured, big-endian, strings, datetimes, ml_dtypes formats
+# the library does not read) is refused here, naming the argument, rather than by nanobind's
+# TypeError without one.
+def _plain_dtype(d):
+    return d.isbuiltin == 1 and d.kind in "biufc" and d.char not in "gG"
+
+
+def _dtype_text(d):
+    if d.hasobject:
+        return f"{d} (Python objects)"
+    if d.fields is not None:
+        return f"{d} (a structured dtype)"
+    if d.isbuiltin == 0 and not d.isnative:
+        return f"{d.str} (non-native byte order)"
+    return str(d)
+
+
+def _native_array(field, x, expected, writable=False):
+    """Checks what nanobind would refuse without naming `field`: for a numpy array its dtype
+    (a plain numeric dtype in the machine's byte order, as `expected` says) and, for an array the
+    call writes, that it is writable. Other producers are left to the native checks."""
+    if not isinstance(x, np.ndarray):
+        return x
+    if not _plain_dtype(x.dtype):
+        hint = " (use .astype(x.dtype.newbyteorder('=')))" if x.dtype.isbuiltin == 0 and not x.dtype.isnative \
+            and x.dtype.fields is None else ""
+        raise _error(f"{field}.dtype", _dtype_text(x.dtype), f"{expected}{hint}")
+    if writable and not x.flags.writeable:
+        raise _error(field, f"a read-only {x.dtype} array (flags.writeable is False)",
+                     "a writable array: the call writes its result into it")
+    return x
 
 
 def _require_usable_cuda(device):

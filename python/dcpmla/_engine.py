@@ -19,7 +19,8 @@ import weakref
 import numpy as np
 
 from . import _dcpmla
-from ._checks import _INT64_MAX, _error, _int, _int_array, _require_usable_cuda, _scale, _str
+from ._checks import (_INT32_MAX, _INT64_MAX, _error, _int, _int_array, _native_array, _require_usable_cuda,
+                      _scale, _str)
 
 _DL_CUDA = 2  # DLPack's device type of CUDA memory
 
@@ -27,6 +28,14 @@ _DL_CUDA = 2  # DLPack's device type of CUDA memory
 # passed as raw integers of their width, after checking that the format is the cache's.
 _RAW_FLOATS = {"bfloat16": ("bf16", 2), "float8_e4m3fn": ("fp8_e4m3", 1), "float8_e5m2": ("fp8_e5m2", 1)}
 _NP_RAW = {1: np.uint8, 2: np.uint16}
+
+# What each argument holds, for the messages that refuse a numpy array before the native call
+# (numpy arrays are host arrays: the CPU's dtypes).
+_VALUES = "float32 or bfloat16 (ml_dtypes.bfloat16, or uint16 / int16 holding bf16 bits)"
+_CACHE = {"bf16": "bfloat16 (ml_dtypes.bfloat16, or uint16 / int16 holding bf16 bits) for kv_dtype bf16",
+          "fp8_e4m3": "uint8 / int8 or ml_dtypes.float8_e4m3fn for kv_dtype fp8_e4m3",
+          "fp8_e5m2": "uint8 / int8 or ml_dtypes.float8_e5m2 for kv_dtype fp8_e5m2"}
+_ROPE_DIM = 64  # D = kv_lora_rank + 64 (the engine's rope part)
 
 
 def _torch():
@@ -107,6 +116,16 @@ def _dlpack(field, x, stream):
     return x.__dlpack__(stream=stream or 1)
 
 
+def _tensor(field, x, stream, expected, *, kv_dtype=None, raw=True, writable=False):
+    """What the native call imports for `field`: `x` (as raw integers where _raw says), after the
+    checks nanobind would fail with a TypeError that names no argument: a numpy dtype it cannot
+    import (object, structured, big-endian, an ml_dtypes format the library does not read) and a
+    read-only array the call writes into."""
+    if raw:
+        x = _raw(field, x, kv_dtype)
+    return _dlpack(field, _native_array(field, x, expected, writable), stream)
+
+
 def _empty_like(field, like, shape, dtype_of_like):
     """A new output in `like`'s framework and on its device: torch.empty or np.empty. float32 when
     `dtype_of_like` is False, else `like`'s dtype. Other producers must pass the buffer."""
@@ -123,7 +142,7 @@ def _kv_scale(kv_scale, stream):
     """(value, tensor) for the native call: a float, or a one-element float32 tensor read when the
     call runs."""
     if hasattr(kv_scale, "__dlpack__"):
-        return 1.0, _dlpack("kv_scale", kv_scale, stream)
+        return 1.0, _dlpack("kv_scale", _native_array("kv_scale", kv_scale, "float32 (a one-element array)"), stream)
     return _scale("kv_scale", kv_scale), None
 
 
@@ -177,17 +196,23 @@ class Attention:
         backend, index = _device(device)
         if softmax_scale is not None:
             softmax_scale = _scale("softmax_scale", softmax_scale, ", or None for D ** -0.5")
+        kv_lora_rank = _int("kv_lora_rank", kv_lora_rank)
+        if not 1 <= kv_lora_rank <= _INT32_MAX - _ROPE_DIM:
+            raise _error("kv_lora_rank", kv_lora_rank, f"an integer in [1, {_INT32_MAX - _ROPE_DIM}]: "
+                         f"D = kv_lora_rank + {_ROPE_DIM} (the rope part) must fit int32")
+        max_batch = _int("max_batch", max_batch)
         self._native = _dcpmla._Engine(
             heads=_int("heads", heads), kv_dtype=_str("kv_dtype", kv_dtype),
             block_size=_int("block_size", block_size), world_size=_int("world_size", world_size),
             rank=_int("rank", rank), interleave=_int("interleave", interleave),
-            max_batch=_int("max_batch", max_batch), max_qlen=_int("max_qlen", max_qlen),
+            max_batch=max_batch, max_qlen=_int("max_qlen", max_qlen),
             max_local_len=_int("max_local_len", max_local_len, 0, _INT64_MAX), softmax_scale=softmax_scale,
-            kv_lora_rank=_int("kv_lora_rank", kv_lora_rank), route=_str("route", route), device=backend,
+            kv_lora_rank=kv_lora_rank, route=_str("route", route), device=backend,
             device_index=-1 if index is None else index)
         self.heads = heads
         self.kv_dtype = kv_dtype
         self.kv_lora_rank = kv_lora_rank
+        self._max_batch = max_batch
         self._cuda_index = None if backend == "cpu" else self._native.device_index
         self.device = "cpu" if backend == "cpu" else f"cuda:{self._cuda_index}"
         self.handle = next(_HANDLES)
@@ -227,12 +252,30 @@ class Attention:
                 stream. Never inside a graph capture: plan outside, then replay.
 
         int32 C-contiguous arrays are read in place; other integer arrays and lists are converted
-        (a value that does not fit int32 is refused, naming it).
+        (a value that does not fit int32 is refused, naming it). The extents are checked first
+        (B <= max_batch, one table row and one qlens entry per request), from the shapes, so that
+        a broadcast view of 2**40 entries is refused before anything copies or reads it.
         """
-        self._native.plan(_int_array("seq_lens", seq_lens, np.int32, "[B]"),
-                          _int_array("block_tables", block_tables, np.int32, "[B, table_width]", ndim=2),
-                          _int("qlen", qlen), _str("mode", mode),
-                          None if qlens is None else _int_array("qlens", qlens, np.int32, "[B]"),
+        max_batch = self._max_batch
+
+        def batch(shape):
+            if shape[0] > max_batch:
+                raise _error("batch", shape[0], f"1..limits.max_batch ({max_batch}): the length of seq_lens")
+
+        seq_lens = _int_array("seq_lens", seq_lens, np.int32, "[B]", check_shape=batch)
+        B = seq_lens.shape[0]
+
+        def per_request(field, text):
+            def check(shape):
+                if shape[0] != B:
+                    raise _error(f"{field}.shape[0]", shape[0], f"{B} (B, the length of seq_lens){text}")
+            return check
+
+        block_tables = _int_array("block_tables", block_tables, np.int32, "[B, table_width]", ndim=2,
+                                  check_shape=per_request("block_tables", ": one table row per request"))
+        if qlens is not None:
+            qlens = _int_array("qlens", qlens, np.int32, "[B]", check_shape=per_request("qlens", ""))
+        self._native.plan(seq_lens, block_tables, _int("qlen", qlen), _str("mode", mode), qlens,
                           _stream(stream, None, self._cuda_index) or 0)
 
     def run(self, q, kv_cache, *, kv_scale=1.0, out=None, lse=None, stream=None):
@@ -255,16 +298,24 @@ class Attention:
         Returns:
             ``(out, lse)``: this rank's partial; lse is the natural log, and rows whose rank-local
             window is empty give out 0, lse -inf. Merge the ranks' with :func:`merge_states`.
+
+        out and lse must share no memory with q, kv_cache, kv_scale or each other (refused:
+        the kernels would read what they write). One Attention may be used from several threads:
+        a plan() waits for a run() in progress (which releases the GIL while it computes).
         """
         s = _stream(stream, q, self._cuda_index)
-        rows = (self._native.rows,) if self._native.packed else (self.batch, self.qlen)
-        if out is None:
-            out = _empty_like("out", q, rows + (self.heads, self.kv_lora_rank), True)
-        if lse is None:
-            lse = _empty_like("lse", q, rows + (self.heads,), False)
+        # The inputs first, so that a q that is no tensor is named before any output is allocated.
+        q_in = _tensor("q", q, s, _VALUES)
+        cache_in = _tensor("kv_cache", kv_cache, s, _CACHE[self.kv_dtype], kv_dtype=self.kv_dtype)
         value, tensor = _kv_scale(kv_scale, s)
-        self._native.run(_dlpack("q", _raw("q", q), s), _dlpack("kv_cache", _raw("kv_cache", kv_cache, self.kv_dtype), s),
-                         value, tensor, _dlpack("out", _raw("out", out), s), _dlpack("lse", lse, s), s or 0)
+        if out is None or lse is None:
+            rows = (self._native.rows,) if self._native.packed else (self.batch, self.qlen)
+            if out is None:
+                out = _empty_like("out", q, rows + (self.heads, self.kv_lora_rank), True)
+            if lse is None:
+                lse = _empty_like("lse", q, rows + (self.heads,), False)
+        self._native.run(q_in, cache_in, value, tensor, _tensor("out", out, s, _VALUES, writable=True),
+                         _tensor("lse", lse, s, "float32", raw=False, writable=True), s or 0)
         return out, lse
 
     def __repr__(self):
@@ -292,9 +343,11 @@ def write_kv(kv_cache, latent, slot_mapping, kv_dtype="bf16", kv_scale=1.0, stre
         slot_mapping = _int_array("slot_mapping", slot_mapping, np.int64, "[T]")
     kv_dtype = _str("kv_dtype", kv_dtype)
     value, tensor = _kv_scale(kv_scale, s)
-    _dcpmla._write_kv(_dlpack("kv_cache", _raw("kv_cache", kv_cache, kv_dtype), s),
-                      _dlpack("latent", _raw("latent", latent), s), _dlpack("slot_mapping", slot_mapping, s), kv_dtype,
-                      value, tensor, s or 0)
+    cache_text = _CACHE.get(kv_dtype, "the storage of kv_dtype")
+    _dcpmla._write_kv(_tensor("kv_cache", kv_cache, s, cache_text, kv_dtype=kv_dtype, writable=True),
+                      _tensor("latent", latent, s, _VALUES),
+                      _tensor("slot_mapping", slot_mapping, s, "int64 [T] (rank-local slots, -1 = PAD)", raw=False),
+                      kv_dtype, value, tensor, s or 0)
 
 
 def merge_states(out_parts, lse_parts, *, out=None, lse=None, stream=None):
@@ -309,14 +362,21 @@ def merge_states(out_parts, lse_parts, *, out=None, lse=None, stream=None):
         stream: as for :meth:`Attention.run`.
 
     Returns:
-        ``(out, lse)``, lse natural log.
+        ``(out, lse)``, lse natural log. out and lse must share no memory with the partials or
+        each other (refused).
     """
     s = _stream(stream, out_parts, _cuda_index(out_parts))
-    parts = _dlpack("out_parts", _raw("out_parts", out_parts), s)
-    lse_in = _dlpack("lse_parts", lse_parts, s)
+    if (out is None or lse is None) and (isinstance(out_parts, np.ndarray) or _is_torch(out_parts)):
+        # The partials are checked before the outputs are allocated from their shapes: a
+        # broadcast view would otherwise ask for petabytes before its strides are refused.
+        _dcpmla._check_merge_inputs(_tensor("out_parts", out_parts, None, _VALUES),
+                                    _tensor("lse_parts", lse_parts, None, "float32", raw=False))
+    parts = _tensor("out_parts", out_parts, s, _VALUES)
+    lse_in = _tensor("lse_parts", lse_parts, s, "float32", raw=False)
     if out is None:
         out = _empty_like("out", out_parts, tuple(out_parts.shape[1:]), True)
     if lse is None:
         lse = _empty_like("lse", out_parts, tuple(lse_parts.shape[1:]), False)
-    _dcpmla._merge_states(parts, lse_in, _dlpack("out", _raw("out", out), s), _dlpack("lse", lse, s), s or 0)
+    _dcpmla._merge_states(parts, lse_in, _tensor("out", out, s, _VALUES, writable=True),
+                          _tensor("lse", lse, s, "float32", raw=False, writable=True), s or 0)
     return out, lse

@@ -183,8 +183,21 @@ def test_bad_input_names_the_argument():
     out, lse = att.run(q, cache)
     with error(r"field 'q' = list: expected an array or tensor"):
         att.run(q.tolist(), cache, out=out, lse=lse)
-    with error(r"field 'out' = None: expected a buffer"):
+    with error(r"field 'q' = memoryview: expected an array or tensor"):  # q is named before out is allocated
         att.run(memoryview(q), cache)
+
+    class Producer:  # a DLPack producer that is neither numpy nor torch: outputs are not allocated for it
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, **kw):
+            return self.a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+
+    with error(r"field 'out' = None: expected a buffer"):
+        att.run(Producer(q), cache)
 
 
 def test_bad_plans_are_refused_and_keep_the_last_plan():

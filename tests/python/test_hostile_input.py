@@ -1,0 +1,381 @@
+"""Hostile input to the Python API (SPEC §5, §6): threads sharing one Attention, broadcast views
+that describe terabytes in a few bytes, outputs aliasing inputs, arrays nanobind cannot import,
+empty steps. Each is refused with a ValueError naming the argument and value (or runs correctly),
+never a crash, a MemoryError, a hang, a TypeError without a field or a silent wrong answer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dcpmla
+
+D, R = 576, 512
+
+
+def error(match):
+    return pytest.raises(ValueError, match=match)
+
+
+def bf16_bits(x):
+    """float32 -> bf16 bits as uint16 (truncation: any bf16 values will do)."""
+    return (np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def planned(heads=2, qlen=2, kv_dtype="bf16", **kw):
+    """A CPU Attention planned for 2 requests of 40 tokens over blocks 0..7 of a 16-block cache."""
+    att = dcpmla.Attention(heads=heads, block_size=16, device="cpu", kv_dtype=kv_dtype, max_batch=8, max_qlen=8,
+                           max_local_len=4096, **kw)
+    att.plan(np.full(2, 40, np.int32), np.arange(8, dtype=np.int32).reshape(2, 4), qlen)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, qlen, heads, D)).astype(np.float32)
+    if kv_dtype == "bf16":
+        cache = bf16_bits(rng.standard_normal((16, 16, D)))
+    else:
+        cache = rng.integers(0, 120, (16, 16, D), dtype=np.uint8)
+    return att, q, cache
+
+
+def run_script(code, timeout=180):
+    """Runs `code` in a fresh interpreter importing this dcpmla (a crash there fails the test
+    instead of killing pytest); returns (returncode, output)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(dcpmla.__file__).resolve().parent.parent),
+                                         env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                       timeout=timeout, env=env)
+    return p.returncode, p.stdout + p.stderr
+
+
+# ---- 1. one Attention from several threads ------------------------------------------------------
+
+RACE = """
+    import sys, threading, time
+    import numpy as np
+    import dcpmla
+
+    D, H, BS, NB = 576, 16, 64, 1100
+    rng = np.random.default_rng(0)
+    cache = (rng.standard_normal((NB, BS, D)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    att = dcpmla.Attention(heads=H, block_size=BS, device="cpu", max_batch=16, max_qlen=4, max_local_len=4096)
+    # Two plans told apart by their shapes: a run that succeeds had one of them throughout.
+    small = (np.array([300], np.int32), rng.permutation(NB)[:5].astype(np.int32)[None], 1)
+    big = (rng.integers(2000, 4096, 16).astype(np.int32),
+           rng.permutation(NB)[:16 * 64].astype(np.int32).reshape(16, 64), 4)
+    qs = {1: rng.standard_normal((1, 1, H, D)).astype(np.float32),
+          16: rng.standard_normal((16, 4, H, D)).astype(np.float32)}
+    refs = {}
+    for p in (small, big):
+        att.plan(*p)
+        refs[len(p[0])] = att.run(qs[len(p[0])], cache)
+    stop = time.time() + 3.0
+    failures = []
+
+    def guarded(f):
+        def loop():
+            try:
+                while time.time() < stop:
+                    f()
+            except BaseException as e:
+                failures.append(repr(e))
+        return loop
+
+    def replan():
+        att.plan(*big)
+        att.plan(*small)
+
+    def read():
+        assert att.batch in (1, 16) and att.qlen in (1, 4) and att.route != "none"
+
+    threads = [threading.Thread(target=guarded(replan)), threading.Thread(target=guarded(read))]
+    for t in threads:
+        t.start()
+    runs = wrong = 0
+    while time.time() < stop:
+        for b in (16, 1):
+            out = np.empty(qs[b].shape[:3] + (512,), np.float32)
+            lse = np.empty(qs[b].shape[:3], np.float32)
+            try:
+                att.run(qs[b], cache, out=out, lse=lse)
+            except ValueError as e:  # the plan of the other shape is current: refused, named
+                assert "'q.shape'" in str(e), e
+                continue
+            runs += 1
+            wrong += not (np.array_equal(out, refs[b][0]) and np.array_equal(lse, refs[b][1]))
+    for t in threads:
+        t.join()
+    print(f"runs {runs} wrong {wrong} failures {failures}")
+    sys.exit(0 if runs and not wrong and not failures else 1)
+"""
+
+
+def test_plan_and_run_from_two_threads():
+    """run() computes without the GIL; a plan() (or a property read) of another thread waits for
+    it instead of replacing the plan under the kernels: no crash, and every run that succeeds gives
+    exactly the single-threaded answer of its plan."""
+    rc, output = run_script(RACE)
+    assert rc == 0, output[-2000:]
+
+
+def test_runs_of_two_attentions_overlap():
+    """The lock is per engine: two Attentions run at the same time from two threads."""
+    import threading
+
+    pairs = [planned(heads=4) for _ in range(2)]
+    want = [att.run(q, cache) for att, q, cache in pairs]
+    got = [None, None]
+
+    def work(i):
+        att, q, cache = pairs[i]
+        for _ in range(20):
+            got[i] = att.run(q, cache)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (o, l), (wo, wl) in zip(got, want):
+        assert np.array_equal(o, wo) and np.array_equal(l, wl)
+
+
+# ---- 2. integer arrays: the extents are checked from the shapes first ---------------------------
+
+BROADCASTS = """
+    import numpy as np
+    import dcpmla
+
+    def refused(match, f, *args, **kw):
+        try:
+            f(*args, **kw)
+        except ValueError as e:
+            assert match in str(e), e
+            return
+        raise AssertionError(f"accepted: {match}")
+
+    att = dcpmla.Attention(heads=2, block_size=16, device="cpu", max_batch=8)
+    for dtype in (np.int32, np.int64, np.uint8):
+        huge = np.broadcast_to(dtype(5), (2**40,))
+        refused("field 'batch' = 1099511627776: expected 1..limits.max_batch (8)", att.plan, huge,
+                np.zeros((2, 1), np.int32), 1)
+        refused("field 'block_tables' = a non-contiguous view of shape (2, 1099511627776)", att.plan,
+                np.full(2, 5, np.int32), np.broadcast_to(dtype(0), (2, 2**40)), 1)
+        refused("field 'block_tables.shape[0]' = 1099511627776: expected 2 (B, the length of seq_lens)",
+                att.plan, np.full(2, 5, np.int32), np.broadcast_to(dtype(0), (2**40, 1)), 1)
+        refused("field 'qlens.shape[0]' = 1099511627776: expected 2", att.plan, np.full(2, 5, np.int32),
+                np.zeros((2, 1), np.int32), 1, qlens=huge)
+        refused("field 'positions' = a non-contiguous view of shape (1099511627776,)", dcpmla.slot_mapping, huge,
+                np.arange(4, dtype=np.int32), 16, 4, 1, 0)
+        refused("field 'seq_lens.shape[0]' = 1099511627776: expected 2", dcpmla.mla_attention,
+                np.zeros((2, 1, 1, 576), np.float32), np.zeros((2, 4, 576), np.float32), huge)
+        refused("field 'kv.shape[0]' = 2: expected 1099511627776", dcpmla.mla_attention,
+                np.zeros((0, 1, 576), np.float32), np.zeros((2, 4, 576), np.float32), huge, qlens=[0, 0])
+    print("ok")
+"""
+
+
+def test_broadcast_integer_views_are_refused_from_their_shapes():
+    """A broadcast view of 2**40 entries (4 bytes of memory) is refused before anything copies it
+    (it was a MemoryError asking for terabytes) or scans it for min / max (it hung for minutes)."""
+    rc, output = run_script(BROADCASTS, timeout=120)
+    assert rc == 0 and "ok" in output, output[-2000:]
+
+
+def test_small_views_and_other_integer_dtypes_still_convert():
+    att, q, cache = planned()
+    want = att.run(q, cache)
+    seq = np.broadcast_to(np.int64(40), (2,))  # a broadcast int64 view of 2 entries
+    wide = np.zeros((2, 8), np.int64)
+    wide[:, :4] = np.arange(8).reshape(2, 4)
+    tables = wide[:, :4]  # a strided int64 view of the same tables
+    att.plan(seq, tables, 2)
+    got = att.run(q, cache)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    att.plan(np.array([40, 40], dtype=">i4"), np.arange(8, dtype=">i8").reshape(2, 4), 2)  # big-endian: converted
+    got = att.run(q, cache)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+# ---- 3. outputs that share memory with the inputs or each other ---------------------------------
+
+def test_outputs_aliasing_the_inputs_are_refused():
+    att, q, cache = planned()
+    q16 = bf16_bits(q)
+    want_out, want_lse = att.run(q16, cache, out=np.zeros((2, 2, 2, R), np.uint16))
+    before = cache.copy()
+    with error(r"field 'out' = 8192 bytes at 0x[0-9a-f]+, overlapping kv_cache .*: expected memory that shares "
+               r"no byte with q, kv_cache, kv_scale or the other output"):
+        att.run(q16, cache, out=cache[4].reshape(-1)[:4096].reshape(2, 2, 2, R))  # block 4 is read by request 1
+    assert np.array_equal(cache, before)  # refused before anything ran
+    with error(r"field 'out' = .* overlapping q"):
+        att.run(q16, cache, out=q16.reshape(-1)[:2 * 2 * 2 * R].reshape(2, 2, 2, R))
+    with error(r"field 'lse' = .* overlapping q"):
+        att.run(q, cache, lse=q.reshape(-1)[8:16].reshape(2, 2, 2))
+    with error(r"field 'lse' = .* overlapping kv_cache"):
+        att.run(q16, cache, lse=cache.reshape(-1).view(np.float32)[100:108].reshape(2, 2, 2))
+    buffer = np.zeros(2 * 2 * 2 * R + 8, np.float32)
+    with error(r"field 'out' = .* overlapping lse"):
+        att.run(q, cache, out=buffer[:4096].reshape(2, 2, 2, R), lse=buffer[4088:4096].reshape(2, 2, 2))
+    # Disjoint views of one buffer are fine (the check compares byte ranges, exactly).
+    out, lse = att.run(q16, cache, out=np.zeros((2, 2, 2, R), np.uint16), lse=np.zeros((2, 2, 2), np.float32))
+    out2, lse2 = att.run(q16, cache, out=buffer[:4096].reshape(2, 2, 2, R), lse=buffer[4096:].reshape(2, 2, 2))
+    assert np.array_equal(out, want_out) and np.array_equal(lse, want_lse)
+    assert np.array_equal(bf16_bits(out2), want_out) and np.array_equal(lse2, want_lse)
+
+
+def test_fp8_scale_tensor_aliasing_an_output_is_refused():
+    att, q, cache = planned(kv_dtype="fp8_e4m3")
+    out = np.full((2, 2, 2, R), 0.5, np.float32)  # a valid scale (the CPU reads it) inside out
+    with error(r"field 'out' = .* overlapping kv_scale"):
+        att.run(q, cache, kv_scale=out.reshape(-1)[:1], out=out)
+
+
+def test_write_kv_and_merge_states_refuse_aliasing():
+    cache = np.zeros((4, 16, D), np.uint16)
+    with error(r"field 'kv_cache' = .* overlapping latent"):
+        dcpmla.write_kv(cache, cache[1, :2], np.array([3, 4], np.int64))
+    with error(r"field 'kv_cache' = .* overlapping slot_mapping"):
+        dcpmla.write_kv(cache, np.zeros((2, D), np.float32), cache.reshape(-1)[:8].view(np.int64))
+    parts = np.ones((2, 3, 4, R), np.float32)
+    lse_parts = np.zeros((2, 3, 4), np.float32)
+    with error(r"field 'out' = .* overlapping out_parts"):
+        dcpmla.merge_states(parts, lse_parts, out=parts[1])
+    with error(r"field 'lse' = .* overlapping lse_parts"):
+        dcpmla.merge_states(parts, lse_parts, lse=lse_parts[1])
+    with error(r"field 'out' = .* overlapping lse"):
+        both = np.zeros(3 * 4 * R, np.float32)
+        dcpmla.merge_states(parts, lse_parts, out=both.reshape(3, 4, R), lse=both[:12].reshape(3, 4))
+    out, lse = dcpmla.merge_states(parts, lse_parts)
+    assert np.allclose(out, 1.0) and np.allclose(lse, np.log(2.0))
+
+
+# ---- 4. arrays nanobind cannot import: refused naming the argument ------------------------------
+
+def _readonly(a):
+    a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
+def test_arrays_nanobind_cannot_import_are_named():
+    att, q, cache = planned()
+    out = np.zeros((2, 2, 2, R), np.float32)
+    lse = np.zeros((2, 2, 2), np.float32)
+    cases = [
+        (r"field 'out' = a read-only float32 array \(flags.writeable is False\): expected a writable array",
+         lambda: att.run(q, cache, out=_readonly(out))),
+        (r"field 'lse' = a read-only float32 array", lambda: att.run(q, cache, lse=_readonly(lse))),
+        (r"field 'q.dtype' = object \(Python objects\): expected float32 or bfloat16",
+         lambda: att.run(q.astype(object), cache)),
+        (r"field 'q.dtype' = >f4 \(non-native byte order\): expected float32 or bfloat16",
+         lambda: att.run(q.astype(">f4"), cache)),
+        (r"field 'kv_cache.dtype' = >u2 \(non-native byte order\): expected bfloat16",
+         lambda: att.run(q, cache.astype(">u2"))),
+        (r"field 'out.dtype' = \[\('a', '<f4'\)\] \(a structured dtype\)",
+         lambda: att.run(q, cache, out=np.zeros((2, 2, 2, R), [("a", "<f4")]))),
+        (r"field 'lse.dtype' = <U1", lambda: att.run(q, cache, lse=np.zeros((2, 2, 2), "U1"))),
+        (r"field 'kv_scale.dtype' = >f4", lambda: att.run(q, cache, kv_scale=np.ones(1, ">f4"))),
+        (r"field 'kv_cache' = a read-only uint16 array",
+         lambda: dcpmla.write_kv(_readonly(cache), np.zeros((1, D), np.float32), np.zeros(1, np.int64))),
+        (r"field 'slot_mapping.dtype' = >i8 \(non-native byte order\): expected int64",
+         lambda: dcpmla.write_kv(cache, np.zeros((1, D), np.float32), np.zeros(1, ">i8"))),
+        (r"field 'latent.dtype' = object", lambda: dcpmla.write_kv(cache, np.zeros((1, D), object), [0])),
+        (r"field 'out_parts.dtype' = >f4", lambda: dcpmla.merge_states(np.zeros((2, 3, R), ">f4"),
+                                                                       np.zeros((2, 3), np.float32))),
+        (r"field 'lse_parts.dtype' = object", lambda: dcpmla.merge_states(np.zeros((2, 3, R), np.float32),
+                                                                          np.zeros((2, 3), object))),
+        (r"field 'out' = a read-only float32 array",
+         lambda: dcpmla.merge_states(np.zeros((2, 3, R), np.float32), np.zeros((2, 3), np.float32),
+                                     out=_readonly(np.zeros((3, R), np.float32)))),
+    ]
+    for match, call in cases:
+        with error(match):
+            call()
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3b11fnuz", "float8_e4m3",
+                                  "float8_e8m0fnu", "float4_e2m1fn", "int4"])
+def test_ml_dtypes_formats_the_library_does_not_read(name):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    if not hasattr(ml_dtypes, name):
+        pytest.skip(f"ml_dtypes {ml_dtypes.__version__} has no {name}")
+    att, q, cache = planned(kv_dtype="fp8_e4m3")
+    with error(rf"field 'kv_cache.dtype' = {name}: expected uint8 / int8 or ml_dtypes.float8_e4m3fn"):
+        att.run(q, cache.view(getattr(ml_dtypes, name)), kv_scale=0.5)
+    with error(rf"field 'latent.dtype' = {name}"):
+        dcpmla.write_kv(cache, np.zeros((1, D), getattr(ml_dtypes, name)), [0], kv_dtype="fp8_e4m3",
+                        kv_scale=0.5)
+    # The format the cache holds is read (as its bytes).
+    out, _ = att.run(q, cache.view(ml_dtypes.float8_e4m3fn), kv_scale=0.5)
+    assert np.array_equal(out, att.run(q, cache, kv_scale=0.5)[0])
+
+
+# ---- 5. merge_states checks the partials before it allocates ------------------------------------
+
+def test_merge_states_checks_before_allocating():
+    parts = np.broadcast_to(np.float32(0), (2, 2**20, 2**20, R))  # 2 PiB once allocated
+    with error(r"field 'out_parts.stride' = \(0, 0, 0, 0\): expected C-contiguous"):
+        dcpmla.merge_states(parts, np.broadcast_to(np.float32(0), (2, 2**20, 2**20)))
+    with error(r"field 'lse_parts.stride'"):
+        dcpmla.merge_states(np.zeros((2, 3, R), np.float32), np.broadcast_to(np.float32(0), (2, 3)))
+    with error(r"field 'out_parts.ndim' = 1"):
+        dcpmla.merge_states(np.zeros(R, np.float32), np.zeros(1, np.float32))
+    with error(r"field 'out_parts' = list"):
+        dcpmla.merge_states([[0.0]], np.zeros(1, np.float32))
+
+
+# ---- 6. messages that name the right argument and value -----------------------------------------
+
+def test_messages_name_the_argument_at_fault():
+    att, q, cache = planned()
+    with error(r"field 'q' = NoneType: expected an array or tensor"):  # not 'out', allocated for q
+        att.run(None, cache)
+    with error(r"field 'kv_cache' = NoneType: expected an array or tensor"):
+        att.run(q, None)
+    with error(r"field 'kv_lora_rank' = 2147483647: expected an integer in \[1, 2147483583\]: "
+               r"D = kv_lora_rank \+ 64"):
+        dcpmla.Attention(heads=2, device="cpu", kv_lora_rank=2**31 - 1)
+    with error(r"field 'kv_lora_rank' = 0: expected an integer in \[1, "):
+        dcpmla.Attention(heads=2, device="cpu", kv_lora_rank=0)
+    q4, kv = np.zeros((2, 1, 1, D), np.float32), np.zeros((2, 4, D), np.float32)
+    with error(r"field 'seq_lens\[0\]' = 1180591620717411303424: expected a value that fits int32"):
+        dcpmla.mla_attention(q4, kv, [2**70, 3])
+    with error(r"field 'seq_lens\[1\]' = -1180591620717411303424: expected a value that fits int32"):
+        att.plan([40, -(2**70)], np.zeros((2, 4), np.int32), 2)
+    with error(r"field 'seq_lens\[1\]' = None: expected an integer \[B\]"):
+        att.plan([40, None], np.zeros((2, 4), np.int32), 2)
+    with error(r"field 'block_tables\[1, 0\]' = 1180591620717411303424: expected a value that fits int32"):
+        att.plan([40, 40], [[0, 1, 2, 3], [2**70, 5, 6, 7]], 2)
+    with error(r"field 'slot_mapping\[2\]' = 1180591620717411303424: expected a value that fits int64"):
+        dcpmla.write_kv(cache, np.zeros((3, D), np.float32), [0, 1, 2**70])
+    assert att.batch == 2  # the last good plan stands
+
+
+# ---- 7. an empty step ---------------------------------------------------------------------------
+
+def test_empty_step_returns_empty_outputs():
+    """qlens all 0 (each >= 0 is allowed): q [0, H, D] has no data pointer; run returns empty
+    out [0, H, R] and lse [0, H] without calling the kernels, and still checks the cache."""
+    att, q, cache = planned()
+    att.plan(np.full(2, 40, np.int32), np.arange(8, dtype=np.int32).reshape(2, 4), 2, qlens=[0, 0])
+    assert att.batch == 2 and att._native.rows == 0
+    for empty_q in (np.zeros((0, 2, D), np.float32), np.zeros((0, 2, D), np.uint16)):
+        out, lse = att.run(empty_q, cache)
+        assert out.shape == (0, 2, R) and out.dtype == empty_q.dtype and lse.shape == (0, 2) and lse.dtype == np.float32
+    out, lse = att.run(np.zeros((0, 2, D), np.float32), cache, out=np.zeros((0, 2, R), np.float32),
+                       lse=np.zeros((0, 2), np.float32))
+    assert out.shape == (0, 2, R) and lse.shape == (0, 2)
+    with error(r"field 'kv_cache num_blocks' = 1"):
+        att.run(np.zeros((0, 2, D), np.float32), cache[:1])
+    with error(r"field 'q.shape' = \[1, 2, 576\]"):
+        att.run(np.zeros((1, 2, D), np.float32), cache)
+    # The next plan runs as usual.
+    att.plan(np.full(2, 40, np.int32), np.arange(8, dtype=np.int32).reshape(2, 4), 2)
+    out, lse = att.run(q, cache)
+    assert out.shape == (2, 2, 2, R) and np.isfinite(lse).all()
