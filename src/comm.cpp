@@ -13,12 +13,62 @@
 
 namespace dcpmla {
 
-size_t size_of(DataType t) { return t == DataType::bf16 ? 2 : 4; }
+namespace {
+
+constexpr const char* kKnownTypes = "a DataType: f32 (0), bf16 (1) or i32 (2)";
+
+}  // namespace
+
+size_t size_of(DataType t) {
+  switch (t) {
+    case DataType::f32: return 4;
+    case DataType::bf16: return 2;
+    case DataType::i32: return 4;
+  }
+  fail("dtype", int32_t(t), kKnownTypes);
+}
+
+void fail_collective_args(const char* op, const void* send, const void* recv, size_t count, DataType t,
+                          int world_size) {
+  if (!is_known(t)) fail("dtype", int32_t(t), fmt::format("{} (in {})", kKnownTypes, op));
+  if (count > 0 && send == nullptr)
+    fail("send", "null", fmt::format("a buffer (in {}, count = {})", op, count));
+  if (count > 0 && recv == nullptr)
+    fail("recv", "null", fmt::format("a buffer (in {}, count = {})", op, count));
+  fail("count", count,
+       fmt::format("at most {} (in {}: count x element bytes x world_size ({}) must fit size_t)",
+                   (SIZE_MAX / 4) / size_t(world_size > 0 ? world_size : 1), op, world_size));
+}
+
+namespace detail {
+
+const char* name_of(Collective c) {
+  switch (c) {
+    case Collective::all_gather: return "all_gather";
+    case Collective::reduce_scatter_sum: return "reduce_scatter_sum";
+    case Collective::all_to_all: return "all_to_all";
+    case Collective::barrier: return "barrier";
+  }
+  return "?";
+}
+
+void fail_disagreement(const PublishedCall& rank0, const PublishedCall& other, int p) {
+  if (other.op != rank0.op)
+    fail("collective", fmt::format("{} (rank {})", name_of(other.op), p),
+         fmt::format("the same collective on every rank (rank 0 called {})", name_of(rank0.op)));
+  if (other.count != rank0.count)
+    fail("count", fmt::format("{} (rank {}, {})", other.count, p, name_of(other.op)),
+         fmt::format("the same on every rank (rank 0: {})", rank0.count));
+  fail("dtype", fmt::format("{} (rank {}, {})", int32_t(other.dtype), p, name_of(other.op)),
+       fmt::format("the same on every rank (rank 0: {})", int32_t(rank0.dtype)));
+}
+
+}  // namespace detail
 
 // Ranks meet at a generation barrier; each collective publishes its send buffer, lets every
 // rank read what it needs, and meets again before anyone reuses a buffer.
 struct InProcessGroup::State {
-  State(int n, std::chrono::milliseconds t) : world(n), timeout(t), sends(size_t(n), nullptr), rendezvous(n, t) {}
+  State(int n, std::chrono::milliseconds t) : world(n), timeout(t), calls(size_t(n)), rendezvous(n, t) {}
 
   void barrier(int rank) {
     switch (rendezvous.arrive_and_wait()) {
@@ -44,31 +94,32 @@ struct InProcessGroup::State {
 
   const int world;
   const std::chrono::milliseconds timeout;
-  std::vector<const void*> sends;
+  std::vector<detail::PublishedCall> calls;  // each rank's call of the current collective
   RankBarrier rendezvous;
   std::atomic<int> failed_rank{-1};  // -1: aborted by InProcessGroup::abort(), or not at all
 };
 
 namespace {
 
+using detail::Collective;
+
+// f32 and bf16 sum in float; i32 sums exactly in int64 (as MPI and the device group do) and
+// wraps to int32 like their int32 sums.
 void add_into(float* acc, const void* src, size_t count, DataType t) {
   if (t == DataType::f32) {
     const auto* s = static_cast<const float*>(src);
     for (size_t i = 0; i < count; ++i) acc[i] += s[i];
-  } else if (t == DataType::bf16) {
+  } else {
     const auto* s = static_cast<const bf16*>(src);
     for (size_t i = 0; i < count; ++i) acc[i] += bf16_to_float(s[i]);
-  } else {
-    const auto* s = static_cast<const int32_t*>(src);
-    for (size_t i = 0; i < count; ++i) acc[i] += float(s[i]);
   }
 }
 
 void store_from(const float* acc, void* dst, size_t count, DataType t) {
-  for (size_t i = 0; i < count; ++i) {
-    if (t == DataType::f32) static_cast<float*>(dst)[i] = acc[i];
-    else if (t == DataType::bf16) static_cast<bf16*>(dst)[i] = float_to_bf16(acc[i]);
-    else static_cast<int32_t*>(dst)[i] = int32_t(acc[i]);
+  if (t == DataType::f32) {
+    for (size_t i = 0; i < count; ++i) static_cast<float*>(dst)[i] = acc[i];
+  } else {
+    for (size_t i = 0; i < count; ++i) static_cast<bf16*>(dst)[i] = float_to_bf16(acc[i]);
   }
 }
 
@@ -86,37 +137,77 @@ class InProcessComm final : public Communicator {
   int world_size() const override { return state_->world; }
 
   void all_gather(const void* send, void* recv, size_t count, DataType t) override {
+    check_args("all_gather", send, recv, count, t);
     const size_t bytes = count * size_of(t);
-    exchange(send, [&](int p, const void* src) {
+    exchange(Collective::all_gather, send, count, t, [&](int p, const void* src) {
       std::memcpy(static_cast<char*>(recv) + size_t(p) * bytes, src, bytes);
     });
   }
 
   void reduce_scatter_sum(const void* send, void* recv, size_t count, DataType t) override {
-    std::vector<float> acc(count, 0.0f);
+    check_args("reduce_scatter_sum", send, recv, count, t);
     const size_t offset = size_t(rank_) * count * size_of(t);
-    exchange(send, [&](int, const void* src) { add_into(acc.data(), static_cast<const char*>(src) + offset, count, t); });
+    if (t == DataType::i32) {
+      std::vector<int64_t> acc(count, 0);
+      exchange(Collective::reduce_scatter_sum, send, count, t, [&](int, const void* src) {
+        const auto* s = reinterpret_cast<const int32_t*>(static_cast<const char*>(src) + offset);
+        for (size_t i = 0; i < count; ++i) acc[i] += s[i];
+      });
+      for (size_t i = 0; i < count; ++i) static_cast<int32_t*>(recv)[i] = int32_t(uint32_t(uint64_t(acc[i])));
+      return;
+    }
+    std::vector<float> acc(count, 0.0f);
+    exchange(Collective::reduce_scatter_sum, send, count, t,
+             [&](int, const void* src) { add_into(acc.data(), static_cast<const char*>(src) + offset, count, t); });
     store_from(acc.data(), recv, count, t);
   }
 
   void all_to_all(const void* send, void* recv, size_t count, DataType t) override {
+    check_args("all_to_all", send, recv, count, t);
     const size_t bytes = count * size_of(t);
-    exchange(send, [&](int p, const void* src) {
+    exchange(Collective::all_to_all, send, count, t, [&](int p, const void* src) {
       std::memcpy(static_cast<char*>(recv) + size_t(p) * bytes,
                   static_cast<const char*>(src) + size_t(rank_) * bytes, bytes);
     });
   }
 
-  void barrier() override { state_->barrier(rank_); }
+  // Published like a collective, so that a rank in barrier() and a peer in a collective
+  // both raise instead of the peer reading a stale buffer.
+  void barrier() override {
+    exchange(Collective::barrier, nullptr, 0, DataType::f32, [](int, const void*) {});
+  }
   void abort() override { state_->abort(rank_); }
 
  private:
+  // A rank that refuses its arguments never joins the collective: it aborts the group so
+  // that its peers raise at once instead of waiting for the timeout.
+  void check_args(const char* op, const void* send, const void* recv, size_t count, DataType t) {
+    if (!collective_args_ok(send, recv, count, t, state_->world)) [[unlikely]] {
+      abort();
+      fail_collective_args(op, send, recv, count, t, state_->world);
+    }
+  }
+
+  // Publishes this rank's call, then reads every rank's send buffer between two barriers
+  // (all published; all read before anyone reuses a buffer). When the ranks' calls differ
+  // (collective, count or dtype) nobody reads: every rank passes the second barrier and
+  // raises the same error, and the group stays usable.
   template <class Read>
-  void exchange(const void* send, Read read) {
-    state_->sends[size_t(rank_)] = send;
+  void exchange(Collective op, const void* send, size_t count, DataType t, Read read) {
+    auto& calls = state_->calls;
+    calls[size_t(rank_)] = {send, count, t, op};
     state_->barrier(rank_);
-    for (int p = 0; p < state_->world; ++p) read(p, state_->sends[size_t(p)]);
+    const int bad = detail::disagreeing_rank(calls.data(), state_->world);
+    detail::PublishedCall first, other;
+    if (bad < 0) {
+      for (int p = 0; p < state_->world; ++p) read(p, calls[size_t(p)].send);
+    } else {
+      first = calls[0];
+      other = calls[size_t(bad)];
+    }
     state_->barrier(rank_);
+    if (bad >= 0) [[unlikely]]
+      detail::fail_disagreement(first, other, bad);
   }
 
   std::shared_ptr<InProcessGroup::State> state_;

@@ -2,6 +2,7 @@
 
 #include <mpi.h>
 
+#include <climits>
 #include <cstdlib>
 #include <vector>
 
@@ -19,9 +20,17 @@ void check(int rc, const char* call) {
   throw Error(fmt::format("dcpmla: {} failed: {}", call, std::string(text, size_t(len))));
 }
 
+// Only for a DataType that check_collective_args accepted.
 MPI_Datatype mpi_type(DataType t) {
   // bf16 travels as raw 16-bit words; sums over it are done in float (below).
   return t == DataType::f32 ? MPI_FLOAT : t == DataType::i32 ? MPI_INT32_T : MPI_UINT16_T;
+}
+
+[[noreturn]] void fail_count(const char* op, size_t count, int world, size_t max_count) {
+  fail("count", count,
+       fmt::format("at most {} in {} over MPI (MPI counts are int: count and count x world_size ({}) must fit "
+                   "int32; split the transfer)",
+                   max_count, op, world));
 }
 
 class MpiComm final : public Communicator {
@@ -31,6 +40,7 @@ class MpiComm final : public Communicator {
     check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
     check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+    max_count_ = size_t(INT_MAX) / size_t(size_);
   }
   ~MpiComm() override { MPI_Comm_free(&comm_); }
 
@@ -38,10 +48,12 @@ class MpiComm final : public Communicator {
   int world_size() const override { return size_; }
 
   void all_gather(const void* send, void* recv, size_t count, DataType t) override {
+    check_args("all_gather", send, recv, count, t);
     check(MPI_Allgather(send, int(count), mpi_type(t), recv, int(count), mpi_type(t), comm_), "MPI_Allgather");
   }
 
   void reduce_scatter_sum(const void* send, void* recv, size_t count, DataType t) override {
+    check_args("reduce_scatter_sum", send, recv, count, t);
     if (t != DataType::bf16) {
       check(MPI_Reduce_scatter_block(send, recv, int(count), mpi_type(t), MPI_SUM, comm_),
             "MPI_Reduce_scatter_block");
@@ -58,14 +70,24 @@ class MpiComm final : public Communicator {
   }
 
   void all_to_all(const void* send, void* recv, size_t count, DataType t) override {
+    check_args("all_to_all", send, recv, count, t);
     check(MPI_Alltoall(send, int(count), mpi_type(t), recv, int(count), mpi_type(t), comm_), "MPI_Alltoall");
   }
 
   void barrier() override { check(MPI_Barrier(comm_), "MPI_Barrier"); }
 
  private:
+  // The shared entry checks, and the int counts MPI takes: every collective's gathered side
+  // holds count x world_size elements, so that product must fit int too.
+  void check_args(const char* op, const void* send, const void* recv, size_t count, DataType t) const {
+    check_collective_args(op, send, recv, count, t, size_);
+    if (count > max_count_) [[unlikely]]
+      fail_count(op, count, size_, max_count_);
+  }
+
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
+  size_t max_count_ = 0;  // INT_MAX / size_
 };
 
 }  // namespace

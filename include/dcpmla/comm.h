@@ -11,6 +11,9 @@
 namespace dcpmla {
 
 enum class DataType : int32_t { f32, bf16, i32 };
+// True for f32, bf16 and i32: a DataType cast from any other integer is none of them.
+constexpr bool is_known(DataType t) { return t == DataType::f32 || t == DataType::bf16 || t == DataType::i32; }
+// Bytes of one element; an unknown DataType raises dcpmla::Error naming its value.
 size_t size_of(DataType t);
 
 class Communicator {
@@ -30,6 +33,46 @@ class Communicator {
   // (under MPI the abort path ends the job: MpiSession::abort).
   virtual void abort() {}
 };
+
+// The checks every communicator makes at the entry of each collective, before it touches a
+// buffer or waits for a peer: `t` is a known DataType, `send` and `recv` are not null when
+// count > 0, and count x size_of(t) x world_size bytes fit size_t. Plain comparisons: the
+// message (field, value, expectation and the collective's name) is built only on failure.
+inline bool collective_args_ok(const void* send, const void* recv, size_t count, DataType t, int world_size) {
+  return is_known(t) && (count == 0 || (send != nullptr && recv != nullptr)) &&
+         count <= (SIZE_MAX / 4) / size_t(world_size > 0 ? world_size : 1);
+}
+// Raises dcpmla::Error for the first check that fails (op: the collective's name).
+[[noreturn]] void fail_collective_args(const char* op, const void* send, const void* recv, size_t count, DataType t,
+                                       int world_size);
+inline void check_collective_args(const char* op, const void* send, const void* recv, size_t count, DataType t,
+                                  int world_size) {
+  if (!collective_args_ok(send, recv, count, t, world_size)) [[unlikely]]
+    fail_collective_args(op, send, recv, count, t, world_size);
+}
+
+namespace detail {
+// Groups whose ranks meet at a host barrier (the in-process group, the device group) publish
+// each call, so that every rank can see that all of them called the same collective with the
+// same count and type before anyone reads a peer's buffer.
+enum class Collective : int32_t { all_gather, reduce_scatter_sum, all_to_all, barrier };
+const char* name_of(Collective c);
+struct PublishedCall {
+  const void* send = nullptr;
+  size_t count = 0;
+  DataType dtype = DataType::f32;
+  Collective op = Collective::barrier;
+};
+// The first rank whose call differs from rank 0's (collective, count or dtype), or -1.
+inline int disagreeing_rank(const PublishedCall* calls, int world) {
+  for (int p = 1; p < world; ++p)
+    if (calls[p].op != calls[0].op || calls[p].count != calls[0].count || calls[p].dtype != calls[0].dtype) return p;
+  return -1;
+}
+// Raises dcpmla::Error naming the field that differs, rank `p`'s value and rank 0's; every
+// rank, seeing the same calls, raises the same message.
+[[noreturn]] void fail_disagreement(const PublishedCall& rank0, const PublishedCall& other, int p);
+}  // namespace detail
 
 // Most in-process ranks a group may have. In-process ranks are threads, each with its own
 // cache shard; a DCP group is a handful of ranks, so a larger count is a mistake, refused

@@ -4,10 +4,14 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
+#include <functional>
 #include <numeric>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "dcpmla/error.h"
 #include "dcpmla/numeric.h"
@@ -184,6 +188,155 @@ TEST(Comm, RankBarrierTimesOutAndAbortsTheGroup) {
       [&] { open.abort(); });
   EXPECT_FALSE(failed);
   EXPECT_EQ(passed.load(), 300);
+}
+
+namespace {
+
+// The message of the dcpmla::Error fn raises ("" when none).
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Runs fn(rank, comm) on the caller's threads over one group and returns each rank's error.
+std::vector<std::string> errors_on_ranks(InProcessGroup& group, const std::function<void(int, Communicator&)>& fn) {
+  std::vector<std::string> errors(size_t(group.world_size()));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < group.world_size(); ++r)
+    threads.emplace_back([&, r] {
+      auto comm = group.communicator(r);
+      errors[size_t(r)] = error_of([&] { fn(r, *comm); });
+    });
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+bool has(const std::string& text, const std::string& needle) { return text.find(needle) != std::string::npos; }
+
+}  // namespace
+
+// An unknown DataType used to be treated as a 4-byte type (i32 in sums); it is refused by
+// every collective, naming its value, and the peers raise at once instead of waiting.
+TEST(Comm, RefusesAnUnknownDataType) {
+  const auto bad = DataType(7);
+  EXPECT_TRUE(has(error_of([&] { (void)size_of(bad); }), "'dtype' = 7")) << error_of([&] { (void)size_of(bad); });
+  EXPECT_EQ(size_of(DataType::bf16), 2u);
+  EXPECT_EQ(size_of(DataType::i32), 4u);
+  std::vector<int32_t> send(8, 1), recv(8, 0);
+  using Call = std::function<void(Communicator&)>;
+  const std::vector<std::pair<std::string, Call>> calls{
+      {"all_gather", [&](Communicator& c) { c.all_gather(send.data(), recv.data(), 2, bad); }},
+      {"reduce_scatter_sum", [&](Communicator& c) { c.reduce_scatter_sum(send.data(), recv.data(), 2, bad); }},
+      {"all_to_all", [&](Communicator& c) { c.all_to_all(send.data(), recv.data(), 2, bad); }},
+      {"all_gather", [&](Communicator& c) { c.all_gather(send.data(), recv.data(), 2, DataType(-1)); }}};
+  for (const auto& [op, call] : calls) {
+    const auto start = std::chrono::steady_clock::now();
+    const std::string e = error_of([&] {
+      run_ranks(2, [&](int r, Communicator& comm) {
+        if (r == 0) call(comm);
+        else comm.barrier();  // must be released by rank 0's refusal
+      });
+    });
+    EXPECT_TRUE(has(e, "field 'dtype' = ") && has(e, "f32 (0), bf16 (1) or i32 (2) (in " + op + ")")) << e;
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  }
+  EXPECT_TRUE(has(error_of([&] {
+                    run_ranks(1, [&](int, Communicator& c) { c.reduce_scatter_sum(send.data(), recv.data(), 2, bad); });
+                  }),
+                  "'dtype' = 7"));
+  EXPECT_EQ(recv, std::vector<int32_t>(8, 0)) << "nothing was written";
+}
+
+TEST(Comm, RefusesNullBuffersAndCountsThatOverflow) {
+  std::vector<float> buf(8, 1.0f);
+  float* none = nullptr;
+  using Call = std::function<void(Communicator&)>;
+  const std::vector<std::pair<std::string, Call>> calls{
+      {"'send' = null", [&](Communicator& c) { c.all_gather(none, buf.data(), 1, DataType::f32); }},
+      {"'recv' = null", [&](Communicator& c) { c.all_gather(buf.data(), none, 1, DataType::f32); }},
+      {"'send' = null", [&](Communicator& c) { c.reduce_scatter_sum(none, buf.data(), 1, DataType::f32); }},
+      {"'recv' = null", [&](Communicator& c) { c.reduce_scatter_sum(buf.data(), none, 1, DataType::bf16); }},
+      {"'send' = null", [&](Communicator& c) { c.all_to_all(none, buf.data(), 1, DataType::i32); }},
+      {"'recv' = null", [&](Communicator& c) { c.all_to_all(buf.data(), none, 1, DataType::i32); }},
+      // count x bytes x ranks wraps size_t: a short copy (or a huge one) instead of an error
+      {"'count' = 9223372036854775807",
+       [&](Communicator& c) { c.all_gather(buf.data(), buf.data() + 4, size_t(INT64_MAX), DataType::f32); }},
+      {"'count' = 4611686018427387904",
+       [&](Communicator& c) { c.all_to_all(buf.data(), buf.data() + 4, size_t(1) << 62, DataType::bf16); }}};
+  for (const auto& [needle, call] : calls) {
+    const std::string e = error_of([&] { run_ranks(2, [&](int, Communicator& comm) { call(comm); }); });
+    EXPECT_TRUE(has(e, needle)) << needle << " vs " << e;
+  }
+  // count = 0 moves nothing: null buffers are fine.
+  run_ranks(3, [&](int, Communicator& c) {
+    c.all_gather(nullptr, nullptr, 0, DataType::f32);
+    c.reduce_scatter_sum(nullptr, nullptr, 0, DataType::i32);
+    c.all_to_all(nullptr, nullptr, 0, DataType::bf16);
+  });
+}
+
+// Ranks that disagree on the collective, its count or its dtype used to read past a peer's
+// buffer; every rank now raises the same error naming the field, and the group stays usable.
+TEST(Comm, RanksThatDisagreeOnACollectiveAllRaise) {
+  InProcessGroup group(3, std::chrono::seconds(5));
+  std::vector<float> send(64, 1.0f), recv(64, 0.0f);
+  auto check_all = [&](const std::vector<std::string>& errors, const std::string& needle) {
+    for (size_t r = 0; r < errors.size(); ++r) {
+      EXPECT_TRUE(has(errors[r], needle)) << "rank " << r << ": " << errors[r];
+      EXPECT_EQ(errors[r], errors[0]) << "the same message on every rank";
+    }
+  };
+  check_all(errors_on_ranks(group,
+                            [&](int r, Communicator& c) {
+                              auto s = send, v = recv;
+                              c.all_gather(s.data(), v.data(), r == 2 ? 5 : 3, DataType::f32);
+                            }),
+            "field 'count' = 5 (rank 2, all_gather): expected the same on every rank (rank 0: 3)");
+  check_all(errors_on_ranks(group,
+                            [&](int r, Communicator& c) {
+                              auto s = send, v = recv;
+                              c.reduce_scatter_sum(s.data(), v.data(), 4, r == 1 ? DataType::bf16 : DataType::f32);
+                            }),
+            "field 'dtype' = 1 (rank 1, reduce_scatter_sum): expected the same on every rank (rank 0: 0)");
+  check_all(errors_on_ranks(group,
+                            [&](int r, Communicator& c) {
+                              auto s = send, v = recv;
+                              if (r == 1) c.barrier();
+                              else c.all_to_all(s.data(), v.data(), 2, DataType::f32);
+                            }),
+            "field 'collective' = barrier (rank 1): expected the same collective on every rank (rank 0 called "
+            "all_to_all)");
+  // The group was not aborted: the ranks go on.
+  const auto after = errors_on_ranks(group, [&](int r, Communicator& c) {
+    const int32_t mine = r;
+    int32_t all[3] = {-1, -1, -1};
+    c.all_gather(&mine, all, 1, DataType::i32);
+    if (all[0] != 0 || all[1] != 1 || all[2] != 2) throw Error("wrong all_gather after a refused one");
+  });
+  for (const std::string& e : after) EXPECT_EQ(e, "");
+  EXPECT_EQ(group.failed_rank(), -1);
+}
+
+// The i32 reduce-scatter used to sum through float, exact only up to 2**24; MPI and the
+// device group sum exactly.
+TEST(Comm, Int32ReduceScatterIsExact) {
+  const int n = 3;
+  const size_t count = 4;
+  const int32_t values[count] = {(1 << 24) + 1, 1 << 30, -((1 << 24) + 3), 123456789};
+  run_ranks(n, [&](int r, Communicator& comm) {
+    std::vector<int32_t> send(count * n), recv(count, 0);
+    for (int p = 0; p < n; ++p)
+      for (size_t i = 0; i < count; ++i) send[size_t(p) * count + i] = i == 1 && r > 0 ? 1 : values[i] + r;
+    comm.reduce_scatter_sum(send.data(), recv.data(), count, DataType::i32);
+    for (size_t i = 0; i < count; ++i) {
+      const int64_t want = i == 1 ? int64_t(values[1]) + 2 : int64_t(values[i]) * n + 0 + 1 + 2;
+      EXPECT_EQ(recv[i], want) << "rank " << r << " element " << i;
+    }
+  });
 }
 
 TEST(Comm, RefusesBadRanks) {

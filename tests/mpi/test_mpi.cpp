@@ -1,9 +1,11 @@
 // Run under mpirun (one process per rank): the MPI communicator must give exactly the
 // in-process result, and bad input must fail on every rank instead of hanging.
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "dcpmla/comm_mpi.h"
 #include "dcpmla/error.h"
@@ -85,6 +87,38 @@ int main(int argc, char** argv) {
   if (n > 1)
     expect_error([&] { mla_attention_on_rank(q, kv, mine, 1, 1, H, 20, 576, o, *comm); }, "expected the same on every rank",
                  "ranks that disagree on the batch");
+
+  // Collective arguments, refused on every rank before any MPI call (every rank passes the
+  // same ones, so none is left waiting). An unknown DataType used to travel as 16-bit words,
+  // and a count past int was cast to int: 2**32 + 5 moved 5 elements.
+  {
+    std::vector<int32_t> s(size_t(4 * n), 1), r(size_t(4 * n), 0);
+    const auto bad = DataType(7);
+    expect_error([&] { comm->all_gather(s.data(), r.data(), 2, bad); }, "'dtype' = 7", "all_gather, unknown dtype");
+    expect_error([&] { comm->reduce_scatter_sum(s.data(), r.data(), 2, bad); }, "'dtype' = 7",
+                 "reduce_scatter_sum, unknown dtype");
+    expect_error([&] { comm->all_to_all(s.data(), r.data(), 2, bad); }, "'dtype' = 7", "all_to_all, unknown dtype");
+    const size_t huge = (size_t(1) << 32) + 5;
+    expect_error([&] { comm->all_gather(s.data(), r.data(), huge, DataType::i32); }, "'count' = 4294967301",
+                 "all_gather, count past int");
+    expect_error([&] { comm->reduce_scatter_sum(s.data(), r.data(), huge, DataType::bf16); }, "'count' = 4294967301",
+                 "reduce_scatter_sum, count past int");
+    expect_error([&] { comm->all_to_all(s.data(), r.data(), huge, DataType::f32); }, "'count' = 4294967301",
+                 "all_to_all, count past int");
+    // count fits int but count x world_size does not (the gathered side)
+    const size_t wide = size_t(INT32_MAX) / size_t(n) + 1;
+    if (n > 1)
+      expect_error([&] { comm->all_gather(s.data(), r.data(), wide, DataType::i32); }, "'count' = " + std::to_string(wide),
+                   "all_gather, count x world_size past int");
+    expect_error([&] { comm->all_gather(nullptr, r.data(), 1, DataType::i32); }, "'send' = null", "null send");
+    expect_error([&] { comm->all_to_all(s.data(), nullptr, 1, DataType::i32); }, "'recv' = null", "null recv");
+    // i32 sums exactly beyond 2**24 (as the in-process group now does)
+    for (auto& x : s) x = (1 << 24) + 1;
+    comm->reduce_scatter_sum(s.data(), r.data(), 4, DataType::i32);
+    bool exact = true;
+    for (int i = 0; i < 4; ++i) exact = exact && r[size_t(i)] == int32_t(int64_t((1 << 24) + 1) * n);
+    expect(exact, "exact i32 reduce-scatter beyond 2**24", rank);
+  }
 
   // Every rank reports; the job fails if any rank failed.
   std::vector<int32_t> counts(size_t(2 * n));

@@ -46,17 +46,20 @@ void HostStagedCommunicator::staged(const void* send, size_t in_bytes, void* rec
 }
 
 void HostStagedCommunicator::all_gather(const void* send, void* recv, size_t count, DataType t) {
+  check_collective_args("all_gather", send, recv, count, t, world_size());
   const size_t in = count * size_of(t);
   staged(send, in, recv, in * size_t(world_size()), [&](const void* s, void* r) { dev_.all_gather(s, r, count, t); });
 }
 
 void HostStagedCommunicator::reduce_scatter_sum(const void* send, void* recv, size_t count, DataType t) {
+  check_collective_args("reduce_scatter_sum", send, recv, count, t, world_size());
   const size_t out = count * size_of(t);
   staged(send, out * size_t(world_size()), recv, out,
          [&](const void* s, void* r) { dev_.reduce_scatter_sum(s, r, count, t); });
 }
 
 void HostStagedCommunicator::all_to_all(const void* send, void* recv, size_t count, DataType t) {
+  check_collective_args("all_to_all", send, recv, count, t, world_size());
   const size_t bytes = count * size_of(t) * size_t(world_size());
   staged(send, bytes, recv, bytes, [&](const void* s, void* r) { dev_.all_to_all(s, r, count, t); });
 }
@@ -66,7 +69,7 @@ void HostStagedCommunicator::barrier() { dev_.barrier(); }
 // ---- DeviceGroup ---------------------------------------------------------------------------
 
 struct DeviceGroup::State {
-  State(int n, int dev, std::chrono::milliseconds t) : world(n), device(dev), timeout(t), sends(size_t(n)), rendezvous(n, t) {}
+  State(int n, int dev, std::chrono::milliseconds t) : world(n), device(dev), timeout(t), calls(size_t(n)), rendezvous(n, t) {}
 
   // Host barrier with abort and timeout: only used while enqueueing, to exchange addresses.
   // Either failure also raises the device-side abort flag, so no device barrier waits on.
@@ -88,7 +91,7 @@ struct DeviceGroup::State {
 
   const int world, device;
   const std::chrono::milliseconds timeout;
-  std::vector<const void*> sends;
+  std::vector<detail::PublishedCall> calls;  // each rank's call of the collective being enqueued
   RankBarrier rendezvous;
   cuda_detail::DeviceBuffer flags;       // device unsigned long long [world]
   cuda_detail::PinnedBuffer abort_buffer;  // mapped
@@ -109,13 +112,15 @@ class DeviceGroupComm final : public DeviceCommunicator {
   int device() const override { return s_->device; }
 
   void all_gather(const void* send, void* recv, size_t count, DataType t) override {
-    gather_from_peers(send, recv, count * size_of(t), false);
+    check_args("all_gather", send, recv, count, t);
+    gather_from_peers(Collective::all_gather, send, recv, count, t, false);
   }
 
   void reduce_scatter_sum(const void* send, void* recv, size_t count, DataType t) override {
-    const auto peers = publish(send);
+    check_args("reduce_scatter_sum", send, recv, count, t);
+    const auto peers = publish(Collective::reduce_scatter_sum, send, count, t);
     cuda_detail::ReduceParams p{};
-    for (int k = 0; k < s_->world; ++k) p.src[k] = peers[size_t(k)];
+    for (int k = 0; k < s_->world; ++k) p.src[k] = peers[size_t(k)].send;
     p.dst = recv;
     p.offset = int64_t(rank_) * int64_t(count);
     p.count = int64_t(count);
@@ -127,11 +132,12 @@ class DeviceGroupComm final : public DeviceCommunicator {
   }
 
   void all_to_all(const void* send, void* recv, size_t count, DataType t) override {
-    gather_from_peers(send, recv, count * size_of(t), true);
+    check_args("all_to_all", send, recv, count, t);
+    gather_from_peers(Collective::all_to_all, send, recv, count, t, true);
   }
 
   void barrier() override {
-    publish(nullptr);
+    publish(Collective::barrier, nullptr, 0, DataType::f32);
     device_barrier();
     synchronize();
   }
@@ -152,24 +158,41 @@ class DeviceGroupComm final : public DeviceCommunicator {
   void abort() override { s_->abort(); }
 
  private:
-  // Every rank's send address for this collective (host barrier twice: all published,
-  // then all read, so the slots can be reused by the next collective).
-  std::vector<const void*> publish(const void* send) {
-    s_->sends[size_t(rank_)] = send;
-    s_->host_barrier(rank_);
-    std::vector<const void*> peers = s_->sends;
-    s_->host_barrier(rank_);
-    return peers;
+  using Collective = detail::Collective;
+
+  // A rank that refuses its arguments never joins the collective: it aborts the group so
+  // that its peers raise at once instead of waiting for the timeout.
+  void check_args(const char* op, const void* send, const void* recv, size_t count, DataType t) {
+    if (!collective_args_ok(send, recv, count, t, s_->world)) [[unlikely]] {
+      s_->abort();
+      fail_collective_args(op, send, recv, count, t, s_->world);
+    }
   }
 
-  // recv block p = `bytes` from peer p's send buffer: its start (all_gather) or its block
-  // for this rank (all_to_all), between device barriers (every peer's data is ready, and
-  // no peer reuses its buffer before every rank has read it).
-  void gather_from_peers(const void* send, void* recv, size_t bytes, bool own_block) {
-    const auto peers = publish(send);
+  // Every rank's send address for this collective (host barrier twice: all published,
+  // then all read, so the slots can be reused by the next collective). When the ranks'
+  // calls differ (collective, count or dtype), every rank raises the same error after the
+  // second barrier and nothing is enqueued.
+  std::vector<detail::PublishedCall> publish(Collective op, const void* send, size_t count, DataType t) {
+    s_->calls[size_t(rank_)] = {send, count, t, op};
+    s_->host_barrier(rank_);
+    std::vector<detail::PublishedCall> calls = s_->calls;
+    s_->host_barrier(rank_);
+    const int bad = detail::disagreeing_rank(calls.data(), s_->world);
+    if (bad >= 0) [[unlikely]]
+      detail::fail_disagreement(calls[0], calls[size_t(bad)], bad);
+    return calls;
+  }
+
+  // recv block p = count elements from peer p's send buffer: its start (all_gather) or its
+  // block for this rank (all_to_all), between device barriers (every peer's data is ready,
+  // and no peer reuses its buffer before every rank has read it).
+  void gather_from_peers(Collective op, const void* send, void* recv, size_t count, DataType t, bool own_block) {
+    const size_t bytes = count * size_of(t);
+    const auto peers = publish(op, send, count, t);
     cuda_detail::GatherParams g{};
     for (int p = 0; p < s_->world; ++p) {
-      g.src[p] = static_cast<const char*>(peers[size_t(p)]) + (own_block ? size_t(rank_) * bytes : 0);
+      g.src[p] = static_cast<const char*>(peers[size_t(p)].send) + (own_block ? size_t(rank_) * bytes : 0);
       g.dst[p] = static_cast<char*>(recv) + size_t(p) * bytes;
     }
     g.bytes = int64_t(bytes);

@@ -35,6 +35,7 @@ using cuda_detail::device_count;
                               last && *last ? ": " : "", last ? last : ""));
 }
 
+// Only for a DataType that check_collective_args accepted.
 ncclDataType_t nccl_type(DataType t) {
   switch (t) {
     case DataType::f32: return ncclFloat32;
@@ -145,12 +146,14 @@ bool NcclCommunicator::aborted() const { return impl_->is_aborted; }
 void NcclCommunicator::abort() { impl_->do_abort(); }
 
 void NcclCommunicator::all_gather(const void* send, void* recv, size_t count, DataType t) {
+  check_collective_args("all_gather", send, recv, count, t, impl_->world);
   impl_->require_usable("ncclAllGather");
   impl_->set_device();
   impl_->result(ncclAllGather(send, recv, count, nccl_type(t), impl_->comm, impl_->stream), "ncclAllGather");
 }
 
 void NcclCommunicator::reduce_scatter_sum(const void* send, void* recv, size_t count, DataType t) {
+  check_collective_args("reduce_scatter_sum", send, recv, count, t, impl_->world);
   impl_->require_usable("ncclReduceScatter");
   impl_->set_device();
   impl_->result(ncclReduceScatter(send, recv, count, nccl_type(t), ncclSum, impl_->comm, impl_->stream),
@@ -158,6 +161,7 @@ void NcclCommunicator::reduce_scatter_sum(const void* send, void* recv, size_t c
 }
 
 void NcclCommunicator::all_to_all(const void* send, void* recv, size_t count, DataType t) {
+  check_collective_args("all_to_all", send, recv, count, t, impl_->world);
   impl_->require_usable("ncclSend/ncclRecv (all_to_all)");
   impl_->set_device();
   const size_t bytes = count * size_of(t);
