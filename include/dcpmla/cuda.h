@@ -50,7 +50,9 @@ struct AttentionTuning {
 // Launches a fixed grid sized by the plan's capacities (graph-safe), then the split-K
 // merge, which exits at once unless the device plan's route is split_k (merge = false
 // skips it: only for plans that can never be split_k). D = 576, R = 512, heads 1..128,
-// any kv dtype. num_sms = 0 asks the device.
+// any kv dtype. num_sms = 0 asks the device. Alignment (refused otherwise, since a misaligned
+// vector access faults and kills the CUDA context): q, kv and out 16 bytes, lse and
+// kv_scale_dev 4.
 void attention(const AttentionParams& p, cudaStream_t stream, int num_sms = 0, bool merge = true,
                const AttentionTuning& tuning = {});
 
@@ -59,6 +61,7 @@ void attention(const AttentionParams& p, cudaStream_t stream, int num_sms = 0, b
 int attention_rows_per_cta(int max_qlen, int heads);
 
 // The variant attention() runs for these capacities, dtype and tuning (for logs and the bench).
+// max_qlen in [1, kMaxQlen], heads 1..128 and a known dtype, else dcpmla::Error.
 struct AttentionVariant {
   int rows_per_cta, tile_tokens, ctas_per_sm, smem_bytes;
   int kernel;  // 1 mma.sync, 2 wgmma, 3 fp8 swap (AttentionTuning::kernel)
@@ -70,6 +73,7 @@ AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const
 // written: it is skipped and, where `errors` is given, counted there (a device int, added to
 // atomically), since a device mapping cannot be checked on the host without a sync.
 // fp8: stored = rne(sat(x / scale)), with the scale read on the device when scale.device is set.
+// Alignment: latents 16 bytes (read 16 at a time), slots 8, scale.device 4.
 void write_kv(const KvCache& cache, const bf16* latents, const int64_t* slots, int64_t n, const KvScale& scale,
               cudaStream_t stream, int* errors = nullptr);
 
@@ -101,10 +105,12 @@ void combine_partials(const bf16* o_parts, const float* lse_parts, int n, bf16* 
 //    computes the new batch.
 class Attention {
  public:
-  // device < 0: the current device. Allocates the workspace.
+  // device < 0: the current device, else one in [0, device count) (dcpmla::Error otherwise).
+  // Allocates the workspace.
   explicit Attention(const AttentionConfig& config, int device = -1);
   // The caller's workspace: `bytes` >= workspace_bytes(config) of device memory, 256-byte aligned,
-  // kept alive as long as this object.
+  // kept alive as long as this object (checked before anything is allocated). A null workspace
+  // with bytes 0 is the constructor above; null with bytes > 0 is refused.
   Attention(const AttentionConfig& config, void* workspace, size_t bytes, int device = -1);
   ~Attention();
   Attention(const Attention&) = delete;
@@ -118,9 +124,16 @@ class Attention {
   int device() const;
   int num_sms() const;
 
+  // Once a run() was captured into a CUDA graph, plan() refuses tables naming a block id >= the
+  // num_blocks of the smallest cache a captured run() used (field block_tables): a replay would
+  // read past that cache. The bound holds for this object's lifetime (capture over a larger
+  // cache with a new Attention); a refused batch leaves the previous plan current.
   void plan(const BatchDesc& batch, cudaStream_t stream);
   // q [B, qlen, H, D] -> out [B, qlen, H, R], lse [B, qlen, H] natural log (device pointers):
   // this rank's partial; rows whose rank-local window is empty give out 0, lse -inf.
+  // q and out 16-byte aligned, lse and scale.device 4-byte aligned (dcpmla::Error otherwise).
+  // Inside a capture (cudaStreamIsCapturing on `stream`) it records the cache's num_blocks for
+  // plan()'s check above.
   void run(const bf16* q, const KvCache& cache, const KvScale& scale, bf16* out, float* lse, cudaStream_t stream);
 
   // The parameters run() launches with (tests and the bench).
@@ -139,7 +152,7 @@ class Attention {
 // rank's write (device slot mapping + write_kv), plan and attention on this device with a
 // device cache per rank (host buffers in and out; each call synchronises its own stream). The
 // cross-rank merge and two_stage's stage B stay on the host, as the driver does them for
-// every backend.
+// every backend. device: one in [0, device count), checked (dcpmla::Error) when a rank is built.
 RankEngineFactory rank_engine_factory(int device = 0);
 
 }  // namespace cuda

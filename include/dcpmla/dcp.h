@@ -76,8 +76,9 @@ int dcp_ranks_per_group(int world_size, int heads_local);
 
 class DcpStep {
  public:
-  // Validates the configuration (dcpmla::Error) and allocates every buffer; then all ranks
-  // check that they were built alike (a synchronised exchange over comm).
+  // Validates the configuration (dcpmla::Error; the tuning too) and allocates every buffer;
+  // then all ranks check that they were built alike, check_agreement included (a
+  // synchronised exchange over comm).
   DcpStep(const DcpConfig& config, DeviceCommunicator& comm);
   ~DcpStep();
   DcpStep(const DcpStep&) = delete;
@@ -96,7 +97,9 @@ class DcpStep {
   // the plan, the new tokens' slots and the lengths are uploaded (stream-ordered, from
   // double-buffered pinned staging) to buffers at stable addresses. With check_agreement,
   // all ranks first agree on the batch (the same shape, lengths and tables everywhere, else
-  // dcpmla::Error on every rank).
+  // dcpmla::Error on every rank). Every live request needs seq_lens[b] >= qlen (its last qlen
+  // positions are the written tokens; draft mode included); a refused batch leaves the
+  // previous plan, slots and lengths in place.
   void plan(const BatchDesc& batch);
 
   // Enqueues one layer of the step on the communicator's stream, over that layer's
@@ -109,7 +112,8 @@ class DcpStep {
   //                                   is not two_stage)
   //   out         [rows, H_local, R]  merged output of this rank's heads
   //   lse         [rows, H_local]     natural log
-  // Rows past the batch hold unspecified values.
+  // Rows past the batch hold unspecified values. new_latents 16-byte aligned (write_kv reads
+  // it 16 bytes at a time), q_local and out 2, lse 4 (dcpmla::Error otherwise).
   void run(const bf16* q_local, const bf16* new_latents, const KvCache& cache, const KvScale& scale, bf16* out,
            float* lse);
 

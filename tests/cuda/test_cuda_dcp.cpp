@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <thread>
 
 #include "dcp_harness.h"
@@ -434,6 +435,96 @@ TEST(DcpStepBadInput, DeviceGroupChecksItsArguments) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("'device'"), std::string::npos) << e.what();
   }
+}
+
+// check_agreement decides whether plan() runs an exchange: ranks built with different values
+// would pair different collectives, so it is part of the configuration the ranks agree on.
+TEST(DcpStepBadInput, RanksDisagreeOnCheckAgreement) {
+  DCPMLA_REQUIRE_GPU();
+  const auto errors = errors_per_rank(2, [](int rank, DeviceCommunicator& comm) {
+    DcpConfig cfg = small_config(2);
+    cfg.check_agreement = rank == 0;
+    DcpStep step(cfg, comm);
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("expected the same on every rank"), std::string::npos) << e;
+    EXPECT_NE(e.find("check_agreement"), std::string::npos) << e;
+  }
+}
+
+// A bad tuning is refused by the constructor (before it allocates anything).
+TEST(DcpStepBadInput, BadTuningRefused) {
+  DCPMLA_REQUIRE_GPU();
+  const auto errors = errors_per_rank(1, [](int, DeviceCommunicator& comm) {
+    DcpConfig cfg = small_config(1);
+    cfg.tuning.kernel = 9;
+    DcpStep step(cfg, comm);
+  });
+  EXPECT_NE(errors[0].find("'tuning.kernel' = 9"), std::string::npos) << errors[0];
+}
+
+// Draft mode lets the planner take 0 < L < qlen, but the step writes each request's last qlen
+// positions: plan() refuses such a request, naming it, before the plan is replaced, so the
+// previous plan (and its slots and lengths) stays and still runs.
+TEST(DcpStepBadInput, DraftRequestShorterThanQlenRefusedBeforeReplan) {
+  DCPMLA_REQUIRE_GPU();
+  const auto errors = errors_per_rank(1, [](int, DeviceCommunicator& comm) {
+    DcpStep step(small_config(1), comm);
+    const std::vector<int32_t> tables{0, 1, 2, 3};
+    const std::vector<int32_t> good{20, 8}, bad{20, 1};
+    step.plan(BatchDesc{good, 2, tables, 2, Mode::draft});
+    const PlanHeader before = step.attention().current_plan().header();
+    try {
+      step.plan(BatchDesc{bad, 2, tables, 2, Mode::draft});
+      ADD_FAILURE() << "accepted seq_lens[1] = 1 < qlen 2";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("'seq_lens[1]' = 1"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(">= qlen (2)"), std::string::npos) << e.what();
+    }
+    const PlanHeader after = step.attention().current_plan().header();
+    EXPECT_EQ(std::memcmp(&before, &after, sizeof(PlanHeader)), 0) << "the refused batch replaced the plan";
+    // The previous batch still runs (its slots and lengths are intact).
+    DeviceCache cache(8, 16, KvDtype::bf16, comm.stream());
+    const size_t cap = size_t(step.row_capacity());
+    DeviceBuffer<bf16> q(cap * 4 * kD), lat(cap * kD), out(cap * 4 * kR);
+    DeviceBuffer<float> lse(cap * 4);
+    step.run(q.get(), lat.get(), cache.view, KvScale{}, out.get(), lse.get());
+    comm.synchronize();
+  });
+  EXPECT_EQ(errors[0], "");
+}
+
+// Misaligned pointers to DcpStep::run are refused before anything is enqueued: the write reads
+// new_latents 16 bytes at a time.
+TEST(DcpStepBadInput, MisalignedPointersRefusedBeforeAnyLaunch) {
+  DCPMLA_REQUIRE_GPU();
+  const auto errors = errors_per_rank(1, [](int, DeviceCommunicator& comm) {
+    DcpStep step(small_config(1), comm);
+    const std::vector<int32_t> lens{20, 8}, tables{0, 1, 2, 3};
+    step.plan(BatchDesc{lens, 1, tables, 2});
+    DeviceCache cache(8, 16, KvDtype::bf16, comm.stream());
+    const size_t cap = size_t(step.row_capacity());
+    DeviceBuffer<bf16> q(cap * 4 * kD), lat(cap * kD + 8), out(cap * 4 * kR);
+    DeviceBuffer<float> lse(cap * 4 + 1);
+    auto expect_refused = [&](const std::function<void()>& fn, const char* part) {
+      try {
+        fn();
+        ADD_FAILURE() << "accepted a misaligned " << part;
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+      }
+    };
+    expect_refused([&] { step.run(q.get(), lat.get() + 4, cache.view, KvScale{}, out.get(), lse.get()); },
+                   "'new_latents' = address");
+    expect_refused(
+        [&] {
+          step.run(q.get(), lat.get(), cache.view, KvScale{}, out.get(),
+                   reinterpret_cast<float*>(reinterpret_cast<char*>(lse.get()) + 2));
+        },
+        "'lse' = address");
+    comm.synchronize();
+  });
+  EXPECT_EQ(errors[0], "");
 }
 
 TEST(DcpTraffic, BytesPerRank) {

@@ -237,8 +237,8 @@ TEST(CudaValidation, AttentionRefusesBadParamsBeforeLaunch) {
   EXPECT_THROW(cuda::attention(p, nullptr, 132), Error);
   // A plausible set of (fake, never dereferenced) pointers with one bad field each.
   alignas(16) static int32_t arena[64] = {};
-  static bf16 q[8];
-  static float f[8];
+  alignas(16) static bf16 q[8];
+  alignas(16) static float f[8];
   p.q = q;
   p.kv = reinterpret_cast<const uint8_t*>(q);
   p.out = q;
@@ -292,6 +292,23 @@ TEST(CudaValidation, AttentionRefusesBadParamsBeforeLaunch) {
   bad = p;
   bad.q = nullptr;
   expect_field(bad, "q");
+  // Misaligned pointers (a vector access would fault on the device and kill the context):
+  // q, kv and out need 16 bytes, lse and a device kv_scale 4.
+  bad = p;
+  bad.q = q + 1;
+  expect_field(bad, "'q' = address");
+  bad = p;
+  bad.kv = reinterpret_cast<const uint8_t*>(q) + 8;
+  expect_field(bad, "'kv' = address");
+  bad = p;
+  bad.out = q + 4;  // 8 bytes: enough for the combine's stores, not for the 16 the API asks
+  expect_field(bad, "'out' = address");
+  bad = p;
+  bad.lse = reinterpret_cast<float*>(reinterpret_cast<char*>(f) + 2);
+  expect_field(bad, "'lse' = address");
+  bad = p;
+  bad.kv_scale_dev = reinterpret_cast<const float*>(reinterpret_cast<const char*>(f) + 2);
+  expect_field(bad, "'kv_scale' = address");
 }
 
 // Bad batches at plan(), bad caches and scales at run(): refused before any launch, with an
@@ -342,6 +359,15 @@ TEST(CudaValidation, AttentionRefusesBadBatchesCachesAndRunWithoutPlan) {
   expect_field([&] { a.run(q.get(), good, KvScale{0.5f}, out.get(), lse.get(), nullptr); }, "kv_scale");
   expect_field([&] { a.run(nullptr, good, KvScale{}, out.get(), lse.get(), nullptr); }, "'q/out/lse' = null");
   expect_field([&] { a.run(q.get(), good, KvScale{}, out.get(), nullptr, nullptr); }, "'q/out/lse' = null");
+  // Misaligned q, out, lse: refused before any launch (a fault would kill the context).
+  expect_field([&] { a.run(q.get() + 1, good, KvScale{}, out.get(), lse.get(), nullptr); }, "'q' = address");
+  expect_field([&] { a.run(q.get(), good, KvScale{}, out.get() + 4, lse.get(), nullptr); }, "'out' = address");
+  expect_field(
+      [&] {
+        a.run(q.get(), good, KvScale{}, out.get(), reinterpret_cast<float*>(reinterpret_cast<char*>(lse.get()) + 2),
+              nullptr);
+      },
+      "'lse' = address");
   cuda_ok(cudaDeviceSynchronize(), "nothing was launched");
 }
 
@@ -377,6 +403,146 @@ TEST(CudaValidation, KernelVariantDispatch) {
   }
   EXPECT_THROW(cuda::attention_variant(1, 16, KvDtype::bf16, AttentionTuning{0, 0, 4}), Error);
   EXPECT_THROW(cuda::attention_variant(1, 16, KvDtype::bf16, AttentionTuning{0, 0, -1}), Error);
+}
+
+// fn throws dcpmla::Error whose message holds every one of `parts`.
+void expect_error(const std::function<void()>& fn, const std::vector<std::string>& parts) {
+  try {
+    fn();
+    ADD_FAILURE() << "accepted; expected an error with '" << parts.front() << "'";
+  } catch (const Error& e) {
+    for (const std::string& part : parts) EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
+}
+
+int devices_here() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    n = 0;
+  }
+  return n;
+}
+
+// attention_variant() is public: a dtype, max_qlen or head count no kernel serves is refused,
+// naming it (before the dtype reaches the variant table's bit per dtype). No device needed.
+TEST(CudaValidation, AttentionVariantRefusesBadArguments) {
+  expect_error([] { (void)cuda::attention_variant(1, 16, KvDtype(7)); }, {"'kv_dtype' = 7"});
+  expect_error([] { (void)cuda::attention_variant(1, 16, KvDtype(40)); }, {"'kv_dtype' = 40"});
+  expect_error([] { (void)cuda::attention_variant(1, 16, KvDtype(-1)); }, {"'kv_dtype' = -1"});
+  expect_error([] { (void)cuda::attention_variant(0, 16, KvDtype::bf16); }, {"'max_qlen' = 0"});
+  expect_error([] { (void)cuda::attention_variant(kMaxQlen + 1, 16, KvDtype::bf16); },
+               {"'max_qlen' = " + std::to_string(kMaxQlen + 1)});
+  expect_error([] { (void)cuda::attention_variant(1, 0, KvDtype::bf16); }, {"'heads' = 0"});
+  expect_error([] { (void)cuda::attention_variant(1, 129, KvDtype::fp8_e4m3); }, {"'heads' = 129"});
+  expect_error([] { (void)cuda::attention_variant(1, -4, KvDtype::bf16); }, {"'heads' = -4"});
+  EXPECT_EQ(cuda::attention_variant(kMaxQlen, 128, KvDtype::fp8_e5m2).rows_per_cta, 64);  // the edges pass
+  // A configuration with a bad field is still refused by the planner's check, naming it as before.
+  AttentionConfig c = good_config();
+  c.limits.max_qlen = 0;
+  expect_error([&] { cuda::Attention a(c); }, {"'limits.max_qlen' = 0"});
+  c = good_config();
+  c.kv_dtype = KvDtype(7);
+  expect_error([&] { cuda::Attention a(c); }, {"'kv_dtype' = 7"});
+}
+
+// Misaligned pointers to the device write path are refused before any launch (the kernel
+// reads latents 16 bytes at a time). Fake, never dereferenced pointers: no device needed.
+TEST(CudaValidation, WriteKvRefusesMisalignedPointers) {
+  alignas(256) static uint8_t mem[4096];
+  const KvCache bf16_cache{mem, 4, 1, 576, KvDtype::bf16};
+  const KvCache fp8_cache{mem, 4, 1, 576, KvDtype::fp8_e4m3};
+  const auto* latents = reinterpret_cast<const bf16*>(mem + 1024);
+  const auto* slots = reinterpret_cast<const int64_t*>(mem + 2048);
+  const auto* scale = reinterpret_cast<const float*>(mem + 3072);
+  expect_error([&] { cuda::write_kv(bf16_cache, latents + 4, slots, 1, KvScale{}, nullptr); },
+               {"'latents' = address", "16-byte aligned"});
+  expect_error(
+      [&] {
+        cuda::write_kv(bf16_cache, latents, reinterpret_cast<const int64_t*>(mem + 2052), 1, KvScale{}, nullptr);
+      },
+      {"'slot_mapping' = address", "8-byte aligned"});
+  expect_error(
+      [&] {
+        cuda::write_kv(fp8_cache, latents, slots, 1,
+                       KvScale{1.0f, reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(scale) + 2)},
+                       nullptr);
+      },
+      {"'kv_scale' = address", "4-byte aligned"});
+}
+
+// A device ordinal past the machine's GPUs is an input error naming `device` (not CUDA's
+// "invalid device ordinal"), for the Attention constructors, workspace_bytes and the
+// conformance ranks. No device needed (CI: 0 GPUs, so device 0 is already past them).
+TEST(CudaValidation, BadDeviceOrdinalIsRefused) {
+  const int n = devices_here();
+  const std::string field = "'device' = " + std::to_string(n);
+  expect_error([&] { cuda::Attention a(good_config(), n); }, {field, "a CUDA device in [0, "});
+  expect_error([&] { cuda::Attention a(good_config(), n + 5); }, {"'device' = " + std::to_string(n + 5)});
+  expect_error([&] { cuda::Attention a(good_config(), nullptr, 0, n); }, {field});
+  expect_error([&] { (void)cuda::Attention::workspace_bytes(good_config(), n); }, {field});
+  const CacheConfig cache{8, 64, 576, KvDtype::bf16, 1.0f};
+  expect_error([&] { (void)cuda::rank_engine_factory(n)(good_config(), cache); }, {field});
+  expect_error([&] { (void)cuda::rank_engine_factory(-1)(good_config(), cache); }, {"'device' = -1"});
+}
+
+// The caller's workspace is checked before anything is allocated: null with bytes > 0 is
+// refused (it used to allocate a workspace of its own), as are a short or misaligned one.
+TEST(CudaValidation, CallerWorkspaceIsCheckedFirst) {
+  expect_error([] { cuda::Attention a(good_config(), nullptr, 4096); }, {"'workspace' = null", "4096 bytes"});
+  DCPMLA_REQUIRE_GPU();
+  const size_t need = cuda::Attention::workspace_bytes(good_config());
+  DeviceBuffer<uint8_t> ws(need + 256);
+  expect_error([&] { cuda::Attention a(good_config(), ws.get(), need - 1); },
+               {"'workspace bytes' = " + std::to_string(need - 1), std::to_string(need)});
+  expect_error([&] { cuda::Attention a(good_config(), ws.get() + 16, need); },
+               {"'workspace' = address", "256-byte aligned"});
+  cuda::Attention ok(good_config(), ws.get(), need);  // the right size at a 256-byte boundary
+  cuda::Attention own(good_config(), nullptr, 0);     // null with 0 bytes: its own workspace
+  EXPECT_EQ(ok.num_sms(), own.num_sms());
+}
+
+// A graph captured around run() replays with whatever plan is current: once a run() was
+// captured over a cache of N blocks, plan() refuses tables naming block N or more (and keeps
+// the previous plan), while before any capture such a table is planned (run() refuses it).
+TEST(CudaGraphBound, PlanAfterCaptureRefusesTablesPastTheCapturedCache) {
+  DCPMLA_REQUIRE_GPU();
+  cuda::Attention a(good_config());
+  DeviceBuffer<uint8_t> bytes(size_t(64) * 64 * 576 * 2);
+  DeviceBuffer<bf16> q(4 * 4 * 16 * 576), out(4 * 4 * 16 * 512);
+  DeviceBuffer<float> lse(4 * 4 * 16);
+  const KvCache cache{bytes.get(), 64, 64, 576, KvDtype::bf16};
+  cudaStream_t stream;
+  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  const std::vector<int32_t> lens{100};
+  auto plan = [&](int32_t second_block) {
+    const std::vector<int32_t> table{3, second_block};
+    a.plan(BatchDesc{lens, 1, table, 2}, stream);
+  };
+  plan(99);  // no capture yet: planned (a run() would refuse the 64-block cache)
+  EXPECT_EQ(a.current_plan().stats().max_block, 99);
+  plan(9);
+  cuda_ok(cudaStreamSynchronize(stream), "plan upload");
+  cudaGraph_t graph;
+  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
+  a.run(q.get(), cache, KvScale{}, out.get(), lse.get(), stream);
+  cuda_ok(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
+  expect_error([&] { plan(64); }, {"'block_tables' = block id 64", "a cache of 64 blocks would read past it"});
+  EXPECT_EQ(a.current_plan().stats().max_block, 9);  // the refused batch left the previous plan
+  plan(63);                                          // inside the captured cache
+  EXPECT_EQ(a.current_plan().stats().max_block, 63);
+  cudaGraphExec_t exec;
+  cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+  cuda_ok(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
+  cuda_ok(cudaStreamSynchronize(stream), "replay over block 63");
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  // A run outside a capture records nothing: a larger cache is no bound.
+  DeviceBuffer<uint8_t> bigger(size_t(128) * 64 * 576 * 2);
+  a.run(q.get(), KvCache{bigger.get(), 128, 64, 576, KvDtype::bf16}, KvScale{}, out.get(), lse.get(), stream);
+  cuda_ok(cudaStreamSynchronize(stream), "run");
+  expect_error([&] { plan(64); }, {"'block_tables' = block id 64"});
+  cudaStreamDestroy(stream);
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include <cuda_runtime.h>  // the typed cudaMalloc overloads
 
@@ -10,6 +11,7 @@
 #include "dcpmla/error.h"
 #include "dcpmla/layout.h"
 #include "attention/variants.h"
+#include "common/host_checks.h"
 #include "common/resources.h"
 #include "common/params.h"
 
@@ -21,9 +23,19 @@ using namespace cuda_detail;
 
 constexpr int kCudaDim = 576, kCudaRank = 512, kCudaMaxHeads = 128;
 
-void require_dtype(KvDtype d) {
-  require(d == KvDtype::bf16 || d == KvDtype::fp8_e4m3 || d == KvDtype::fp8_e5m2, "kv_dtype", int(d),
-          "bf16, fp8_e4m3 or fp8_e5m2");
+bool known_dtype(KvDtype d) { return d == KvDtype::bf16 || d == KvDtype::fp8_e4m3 || d == KvDtype::fp8_e5m2; }
+
+void require_dtype(KvDtype d) { require(known_dtype(d), "kv_dtype", int(d), "bf16, fp8_e4m3 or fp8_e5m2"); }
+
+// What the kernels read and write in vectors (a misaligned address faults and kills the
+// context): q 16 bytes at a time (cp.async), the cache 16 (KvCache::validate checks it on
+// run()), out up to 8 (the combine's stores; 16 required, as the Python layer does), lse and
+// a device kv_scale 4. Plain comparisons: run() passes here every layer.
+void require_io_aligned(const void* q, const void* out, const float* lse, const float* kv_scale_dev) {
+  require_aligned(q, 16, "q", "16-byte aligned device memory (the kernels read q 16 bytes at a time)");
+  require_aligned(out, 16, "out", "16-byte aligned device memory (the kernels write out in vectors)");
+  require_aligned(lse, 4, "lse", "4-byte aligned device memory (float32)");
+  require_aligned(kv_scale_dev, 4, "kv_scale", "a 4-byte aligned device float (the device scale)");
 }
 
 // The library's choice where the tuning leaves it open, from the H200 sweep (bench
@@ -34,13 +46,17 @@ void require_dtype(KvDtype d) {
 int default_tile_tokens(int /*rows*/, bool /*fp8*/) { return 64; }
 int default_ctas_per_sm(int /*rows*/, bool /*fp8*/) { return 1; }
 
-void validate_tuning(const cuda::AttentionTuning& t) {
+}  // namespace
+
+void cuda_detail::validate_tuning(const cuda::AttentionTuning& t) {
   require(t.tile_tokens == 0 || t.tile_tokens == 32 || t.tile_tokens == 64, "tuning.tile_tokens", t.tile_tokens,
           "0 (auto), 32 or 64");
   require(t.ctas_per_sm >= 0 && t.ctas_per_sm <= 2, "tuning.ctas_per_sm", t.ctas_per_sm, "0 (auto), 1 or 2");
   require(t.kernel >= 0 && t.kernel <= 3, "tuning.kernel", t.kernel,
           "0 (auto), 1 (mma.sync), 2 (wgmma) or 3 (fp8 swap)");
 }
+
+namespace {
 
 // The compiled variant (variants.cpp's table) that runs a configuration.
 const KernelVariant& compiled(const cuda::AttentionVariant& v, KvDtype dtype) {
@@ -87,6 +103,8 @@ void validate_attention(const AttentionParams& p) {
          fmt::format("max_batch {}, max_qlen {}, work_capacity {}, chunk_capacity {}", p.plan.max_batch,
                      p.plan.max_qlen, p.plan.work_capacity, p.plan.chunk_capacity),
          ">= 1 each");
+  require_aligned(p.kv, 16, "kv", "16-byte aligned device memory (the cache is read 16 bytes at a time)");
+  require_io_aligned(p.q, p.out, p.lse, p.kv_scale_dev);
 }
 
 }  // namespace
@@ -100,6 +118,10 @@ int attention_rows_per_cta(int max_qlen, int heads) {
 }
 
 AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const AttentionTuning& tuning) {
+  // Public: its arguments reach the variant table (a bit per dtype) and the row arithmetic.
+  require_dtype(dtype);
+  if (max_qlen < 1 || max_qlen > kMaxQlen) fail("max_qlen", max_qlen, fmt::format("in [1, {}]", kMaxQlen));
+  require(heads >= 1 && heads <= kCudaMaxHeads, "heads", heads, "1..128 on the CUDA backend");
   validate_tuning(tuning);
   const bool fp8 = dtype != KvDtype::bf16;
   AttentionVariant v{};
@@ -142,18 +164,14 @@ struct Attention::Impl {
         sms(device_sms(device)),
         planner(checked_config(config, device)),
         softmax_scale(softmax_scale_of(config)),
+        workspace_need(checked_workspace(planner, external, external_bytes)),
         staging(2 * planner.plan_ints() * sizeof(int32_t), "cudaMallocHost(plan staging)"),
         plans{planner.make_plan(staging.as<int32_t>()), planner.make_plan(staging.as<int32_t>() + planner.plan_ints())},
         staged{Event("cudaEventCreate(plan staging)"), Event("cudaEventCreate(plan staging)")} {
-    const size_t need = layout_bytes(planner);
     void* base = external;
     if (external == nullptr) {
-      owned = DeviceBuffer(need, "cudaMalloc(attention workspace)");
+      owned = DeviceBuffer(workspace_need, "cudaMalloc(attention workspace)");
       base = owned.get();
-    } else {
-      require(external_bytes >= need, "workspace bytes", external_bytes, fmt::format(">= {} (workspace_bytes)", need));
-      require(reinterpret_cast<uintptr_t>(external) % 256 == 0, "workspace", fmt::format("address {}", external),
-              "256-byte aligned device memory");
     }
     plan_dev = static_cast<int32_t*>(base);
     split = reinterpret_cast<float*>(static_cast<char*>(base) + plan_region(planner));
@@ -170,9 +188,22 @@ struct Attention::Impl {
             fmt::format("kv_lora_rank {}, rope_dim {}", c.dims.kv_lora_rank, c.dims.rope_dim),
             "kv_lora_rank 512, rope_dim 64 on the CUDA backend");
     (void)softmax_scale_of(c);
-    // The schedule's row groups follow the default variant's rows per CTA.
+    // The schedule's row groups follow the default variant's rows per CTA. A configuration
+    // no variant serves gets a placeholder here: the Planner built from it refuses it, naming
+    // limits.max_qlen, heads or kv_dtype (every caller builds one).
+    const bool servable = c.limits.max_qlen >= 1 && c.limits.max_qlen <= kMaxQlen && c.heads >= 1 &&
+                          c.heads <= kCudaMaxHeads && known_dtype(c.kv_dtype);
     return planner_config(c, Backend::cuda, device < 0 ? 1 : device_sms(device),
-                          attention_variant(c.limits.max_qlen, c.heads, c.kv_dtype).rows_per_cta);
+                          servable ? attention_variant(c.limits.max_qlen, c.heads, c.kv_dtype).rows_per_cta : 16);
+  }
+  // The workspace's size; the caller's (external) is checked here, before anything is
+  // allocated. (Null with bytes > 0 was refused by the constructor: null means our own.)
+  static size_t checked_workspace(const Planner& p, const void* external, size_t bytes) {
+    const size_t need = layout_bytes(p);
+    if (external == nullptr) return need;
+    require(bytes >= need, "workspace bytes", bytes, fmt::format(">= {} (workspace_bytes)", need));
+    require_aligned(external, 256, "workspace", "256-byte aligned device memory");
+    return need;
   }
   // The device plan (256-byte aligned), then the split-K partials.
   static size_t plan_region(const Planner& p) { return (p.plan_ints() * sizeof(int32_t) + 255) / 256 * 256; }
@@ -186,6 +217,7 @@ struct Attention::Impl {
   int device, sms;
   Planner planner;
   float softmax_scale;
+  size_t workspace_need;  // checked before the allocations below (checked_workspace)
   PinnedBuffer staging;
   Plan plans[2];
   Event staged[2];
@@ -196,6 +228,9 @@ struct Attention::Impl {
   DeviceBuffer owned;
   int32_t* plan_dev = nullptr;
   float* split = nullptr;
+  // The fewest blocks of any cache a run() captured into a CUDA graph used (max: none): a
+  // replay reads that cache with whatever plan is current, so plan() refuses tables past it.
+  int64_t captured_blocks = std::numeric_limits<int64_t>::max();
 };
 
 Attention::Attention(const AttentionConfig& config, int device) : Attention(config, nullptr, 0, device) {}
@@ -203,7 +238,14 @@ Attention::Attention(const AttentionConfig& config, int device) : Attention(conf
 Attention::Attention(const AttentionConfig& config, void* workspace, size_t bytes, int device) {
   // The configuration is checked before any CUDA call (fail fast, also without a GPU).
   (void)Planner(Impl::checked_config(config, -1));
-  if (device >= 0) check(cudaSetDevice(device), "cudaSetDevice");
+  if (workspace == nullptr && bytes > 0)
+    fail("workspace", "null",
+         fmt::format("a device pointer to the {} bytes given (or null with bytes 0: the library allocates its own)",
+                     bytes));
+  if (device >= 0) {
+    require_device(device, " (or < 0 for the current device)");
+    check(cudaSetDevice(device), "cudaSetDevice");
+  }
   impl_ = std::make_unique<Impl>(config, device, workspace, bytes);
   set_tuning(AttentionTuning{});
 }
@@ -215,6 +257,7 @@ Attention::~Attention() {
 
 size_t Attention::workspace_bytes(const AttentionConfig& config, int device) {
   (void)Planner(Impl::checked_config(config, -1));
+  if (device >= 0) require_device(device, " (or < 0 for the current device)");
   return Impl::layout_bytes(Planner(Impl::checked_config(config, device < 0 ? current_device() : device)));
 }
 
@@ -231,6 +274,15 @@ void Attention::plan(const BatchDesc& batch, cudaStream_t stream) {
   // The copy two plans back read this staging copy; in practice it finished long ago.
   check(cudaEventSynchronize(m.staged[k].get()), "cudaEventSynchronize(plan staging)");
   m.planner.plan(batch, m.plans[k]);  // validates first; throws before anything is written
+  // A graph captured over a cache replays with this plan: its tables must stay inside that
+  // cache (run() checks the cache only when it runs, i.e. at capture). plans[k] is not the
+  // current plan yet, so a refusal here leaves the previous plan in place.
+  const int64_t max_block = m.plans[k].stats().max_block;
+  if (max_block >= m.captured_blocks)
+    fail("block_tables", fmt::format("block id {}", max_block),
+         fmt::format("< {}: a graph captured over a cache of {} blocks would read past it (capture again over a "
+                     "larger cache, with a new Attention)",
+                     m.captured_blocks, m.captured_blocks));
   check(cudaMemcpyAsync(m.plan_dev, m.plans[k].arena().data(), m.plans[k].used_ints() * sizeof(int32_t),
                         cudaMemcpyHostToDevice, stream),
         "cudaMemcpyAsync(plan upload)");
@@ -248,11 +300,20 @@ AttentionParams Attention::params(const bf16* q, const KvCache& cache, const KvS
 
 void Attention::run(const bf16* q, const KvCache& cache, const KvScale& scale, bf16* out, float* lse,
                     cudaStream_t stream) {
-  const Impl& m = *impl_;
+  Impl& m = *impl_;
   if (!m.planned) fail("plan", "none", "a plan: call plan(batch, stream) before run()");
   validate_run(m.planner.config(), current_plan(), cache, scale);
   // The rest of the parameters are the configuration's, checked when it was built.
   if (q == nullptr || out == nullptr || lse == nullptr) fail("q/out/lse", "null", "device pointers");
+  require_io_aligned(q, out, lse, scale.device);
+  // Inside a capture, remember the cache: later plans must fit it (plan()). A host query of
+  // the stream's state, legal during capture; no synchronisation.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (const cudaError_t e = cudaStreamIsCapturing(stream, &capture); e != cudaSuccess) {
+    (void)cudaGetLastError();  // not left behind for a later launch check to report
+    check(e, "cudaStreamIsCapturing(run stream)");
+  }
+  if (capture == cudaStreamCaptureStatusActive) m.captured_blocks = std::min(m.captured_blocks, cache.num_blocks);
   // The combine reads the cut requests from the device plan; it is skipped only where no plan
   // of this planner cuts a request.
   const bool may_cut = m.planner.config().route != Route::one_stage;

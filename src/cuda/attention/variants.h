@@ -13,7 +13,15 @@
 
 #include "dcpmla/attention.h"
 
+namespace dcpmla::cuda {
+struct AttentionTuning;
+}
+
 namespace dcpmla::cuda_detail {
+
+// Refuses knobs outside their values (dcpmla::Error naming tuning.<knob>); host only, touches
+// no device (attention.cpp; the DCP step checks its tuning with it before it allocates).
+void validate_tuning(const cuda::AttentionTuning& t);
 
 // The kernels; the values are AttentionTuning::kernel's and AttentionVariant::kernel's.
 enum class Kernel : int { mma = 1, wgmma = 2, fp8_swap = 3 };

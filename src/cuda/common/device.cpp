@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "dcpmla/cuda.h"
+#include "dcpmla/error.h"
 #include "common/resources.h"
 
 namespace dcpmla {
@@ -36,6 +37,12 @@ int device_count() {
     return 0;
   }
   return n;
+}
+
+void require_device(int device, const char* also) {
+  const int count = device_count();
+  if (device < 0 || device >= count)
+    fail("device", device, fmt::format("a CUDA device in [0, {}) (this machine has {} GPU(s)){}", count, count, also));
 }
 
 }  // namespace cuda_detail

@@ -97,5 +97,9 @@ class Event : public Owned<cudaEvent_t, DestroyEvent> {
 int current_device();
 int device_sms(int device);
 int device_count();
+// Refuses a device ordinal outside [0, device_count()) with a dcpmla::Error naming `device`
+// (instead of CUDA's "invalid device ordinal" at the first call on it). `also` completes the
+// expectation ("or < 0 for the current device"), empty where no other value is meant.
+void require_device(int device, const char* also = "");
 
 }  // namespace dcpmla::cuda_detail

@@ -30,8 +30,10 @@ class Scratch {
 class CudaRank final : public RankEngine {
  public:
   CudaRank(const AttentionConfig& config, const CacheConfig& cache, int device)
-      // The device is set first: every allocation below lands on it.
-      : cache_config_((cache.validate(), check(cudaSetDevice(device), "cudaSetDevice(rank)"), cache)),
+      // The device is checked (dcpmla::Error naming it) and set first: every allocation below
+      // lands on it.
+      : cache_config_((cache.validate(), require_device(device), check(cudaSetDevice(device), "cudaSetDevice(rank)"),
+                       cache)),
         cache_(size_t(cache.bytes()), "cudaMalloc(rank cache)"),
         stream_("cudaStreamCreate(rank)"),
         attention_(config, device) {}

@@ -9,10 +9,12 @@
 
 #include <cuda_runtime.h>
 
+#include "attention/variants.h"
 #include "dcp/dcp_kernels.h"
 #include "dcpmla/error.h"
 #include "dcpmla/layout.h"
 #include "dcpmla/runner.h"
+#include "common/host_checks.h"
 #include "common/resources.h"
 #include "common/params.h"
 
@@ -42,9 +44,17 @@ DcpMerge parse_dcp_merge(std::string_view s) {
   fail("merge", fmt::format("'{}'", s), "reduce_scatter or all_to_all");
 }
 
-std::string_view to_string(DcpMerge m) { return m == DcpMerge::reduce_scatter ? "reduce_scatter" : "all_to_all"; }
+std::string_view to_string(DcpMerge m) {
+  return m == DcpMerge::reduce_scatter ? "reduce_scatter" : m == DcpMerge::all_to_all ? "all_to_all" : "?";
+}
 
 DcpTraffic dcp_traffic(int world_size, int64_t rows, int heads_local, int rank_dim, DataType reduce_dtype) {
+  require(world_size >= 1, "world_size", world_size, ">= 1");
+  require(rows >= 0, "rows", rows, ">= 0");
+  require(heads_local >= 1, "heads_local", heads_local, ">= 1");
+  require(rank_dim >= 0, "rank_dim", rank_dim, ">= 0");
+  require(reduce_dtype == DataType::bf16 || reduce_dtype == DataType::f32, "reduce_dtype", int(reduce_dtype),
+          "bf16 (1) or f32 (0)");
   const int64_t others = world_size - 1, cells = rows * heads_local;
   DcpTraffic t;
   t.q_all_gather = others * cells * kDim * 2;
@@ -55,6 +65,9 @@ DcpTraffic dcp_traffic(int world_size, int64_t rows, int heads_local, int rank_d
 }
 
 int dcp_ranks_per_group(int world_size, int heads_local) {
+  require(world_size >= 1, "world_size", world_size, ">= 1");
+  require(heads_local >= 1 && heads_local <= kMaxHeads, "heads_local", heads_local,
+          "1..128 (the CUDA kernel's heads per launch)");
   int best = 1;
   for (int d = 1; d <= world_size; ++d)
     if (world_size % d == 0 && int64_t(d) * heads_local <= kMaxHeads) best = d;
@@ -79,6 +92,8 @@ DcpStep::DcpStep(const DcpConfig& config, DeviceCommunicator& comm)
           int(config.reduce_dtype), "bf16 or f32");
   require(config.merge == DcpMerge::reduce_scatter || config.merge == DcpMerge::all_to_all, "merge",
           int(config.merge), "reduce_scatter or all_to_all");
+  // Checked before anything is allocated (set_tuning below checks it again, once it can apply it).
+  cuda_detail::validate_tuning(config.tuning);
   config_.world_size = world_;
   hl_ = config.heads_local;
   rg_ = dcp_ranks_per_group(world_, hl_);
@@ -189,10 +204,13 @@ void DcpStep::agree_on_config() {
   const int32_t signature[] = {world_, hl_, config.interleave, config.block_size, int32_t(config.kv_dtype),
                                int32_t(config.route), l.max_batch, l.max_qlen, lo32(l.max_local_kv_len),
                                hi32(l.max_local_kv_len), int32_t(config.merge), int32_t(config.reduce_dtype),
-                               config.min_segment_tokens, int32_t(std::bit_cast<uint32_t>(softmax_scale_))};
+                               config.min_segment_tokens, int32_t(std::bit_cast<uint32_t>(softmax_scale_)),
+                               // plan() exchanges the batch only with check_agreement: ranks built
+                               // with different values would pair different collectives.
+                               int32_t(config.check_agreement)};
   check_ranks_agree(*host_, signature,
                     "DcpConfig (world_size, heads_local, interleave, block_size, kv_dtype, route, limits, merge, "
-                    "reduce_dtype, min_segment_tokens, softmax_scale)");
+                    "reduce_dtype, min_segment_tokens, softmax_scale, check_agreement)");
 }
 
 DcpStep::~DcpStep() {
@@ -213,21 +231,34 @@ void DcpStep::plan(const BatchDesc& batch) {
     check_ranks_agree(*host_, signature, "batch (B, qlen, table_width, mode, seq_lens hash, block_tables hash)");
   }
 
+  // The write path stores each request's last qlen positions, L - qlen .. L - 1: a live request
+  // needs L >= qlen. The planner accepts 0 < L < qlen in draft mode, so this is checked here,
+  // before the plan is replaced: a refused batch leaves the previous plan, slots and lengths.
+  // (Negative lengths are the planner's to refuse. Plain comparisons; formatted on failure.)
+  const int qlen = batch.qlen;
+  for (int b = 0; b < B; ++b) {
+    const int32_t L = batch.seq_lens[size_t(b)];
+    if (L > 0 && L < qlen)
+      fail(fmt::format("seq_lens[{}]", b), L,
+           fmt::format(">= qlen ({}) or 0 (padding): the DCP step writes each request's last qlen positions", qlen));
+  }
+
+  // The staging copy for the new tokens' slots and lengths: its upload (two plans back) has
+  // finished once this returns (waited for before the plan is replaced).
+  Buffers& bufs = *buffers_;
+  const int k = next_staging_;
+  check(cudaEventSynchronize(bufs.staged[k].get()), "cudaEventSynchronize(DcpStep staging)");
+
   cudaStream_t stream = comm_.stream();
   attention_->plan(batch, stream);  // validates the batch first
   route_ = attention_->current_plan().route();
 
-  // The new tokens' slots: the host mapping, O(batch x qlen), into the staging copy whose
-  // upload (two plans back) has finished.
+  // The new tokens' slots: the host mapping, O(batch x qlen), into that staging copy.
   const auto& c = attention_->planner().config();
-  Buffers& bufs = *buffers_;
-  const int k = next_staging_;
-  check(cudaEventSynchronize(bufs.staged[k].get()), "cudaEventSynchronize(DcpStep staging)");
   auto* slots = bufs.slots_host[k].as<int64_t>();
   auto* lens = bufs.lens_host[k].as<int32_t>();
   std::fill(slots, slots + rows_, kPadSlot);
   std::fill(lens, lens + config_.limits.max_batch, 0);
-  const int qlen = batch.qlen;
   // Block ids were checked by the planner; the cache's size is checked against them at run().
   const int64_t num_blocks = attention_->current_plan().stats().max_block + 1;
   for (int b = 0; b < B; ++b) {
@@ -253,6 +284,13 @@ void DcpStep::run(const bf16* q_local, const bf16* new_latents, const KvCache& c
   require(q_local != nullptr && out != nullptr && lse != nullptr, "q_local/out/lse", "null", "device pointers");
   require(new_latents != nullptr || route_ != Route::two_stage, "new_latents", "null",
           "the verify block's latents (two_stage's stage B reads them)");
+  // The write reads the latents 16 bytes at a time (write_kv checks it too; named here as the
+  // step's argument); the step's own kernels read and write the rest element by element.
+  cuda_detail::require_aligned(new_latents, 16, "new_latents",
+                               "16-byte aligned device memory (the write reads latents 16 bytes at a time)");
+  cuda_detail::require_aligned(q_local, 2, "q_local", "2-byte aligned device memory (bf16)");
+  cuda_detail::require_aligned(out, 2, "out", "2-byte aligned device memory (bf16)");
+  cuda_detail::require_aligned(lse, 4, "lse", "4-byte aligned device memory (float32)");
   validate_run(attention_->planner().config(), attention_->current_plan(), cache, scale);
   cudaStream_t stream = comm_.stream();
   if (new_latents) cuda::write_kv(cache, new_latents, slots_dev_, rows_, scale, stream);

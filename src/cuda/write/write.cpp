@@ -1,6 +1,7 @@
 // Host entry points of the device write path (write_kv.cu): validation before any launch.
 #include "dcpmla/cuda.h"
 #include "dcpmla/error.h"
+#include "common/host_checks.h"
 #include "common/params.h"
 
 namespace dcpmla::cuda {
@@ -13,6 +14,12 @@ void write_kv(const KvCache& cache, const bf16* latents, const int64_t* slots, i
   require(cache.dim % 8 == 0, "dim", cache.dim, "a multiple of 8 on the CUDA backend");
   if (n == 0) return;
   require(latents != nullptr && slots != nullptr, "latents/slot_mapping", "null", "device pointers");
+  // The kernel reads latents 16 bytes at a time, slots as int64 and a device scale as a float:
+  // a misaligned address would fault on the device (plain comparisons: per-layer hot path).
+  cuda_detail::require_aligned(latents, 16, "latents",
+                               "16-byte aligned device memory (the write reads latents 16 bytes at a time)");
+  cuda_detail::require_aligned(slots, 8, "slot_mapping", "8-byte aligned device memory (int64)");
+  cuda_detail::require_aligned(scale.device, 4, "kv_scale", "a 4-byte aligned device float (the device scale)");
   cuda_detail::launch_write_kv(cuda_detail::WriteKvParams{latents, slots, n, cache.num_slots(), cache.dim, cache.dtype,
                                                           scale.value, scale.device, errors,
                                                           static_cast<uint8_t*>(cache.data)},
