@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Checks the register split of the warp-specialised kernels in their SASS.
+
+A kernel that gives its producer warpgroup fewer registers (setmaxnreg.dec) and its
+consumers more (setmaxnreg.inc) only runs as designed when ptxas kept the split. When a
+region needs more registers than its share, ptxas drops the split without a word and the
+whole kernel runs on the launch allocation (168 per thread at 384 threads): the consumers
+then spill, or worse, run slowly without spilling. `fits_launch_registers` (wgmma.cuh)
+checks the arithmetic of the shares; this checks what ptxas made of them:
+
+  - every cubin given has a USETMAXREG.DEALLOC and a USETMAXREG.TRY_ALLOC (the split is
+    there), and
+  - in each region (the code reachable from a USETMAXREG up to the next one or an exit),
+    no live register has an index at or past the region's share.
+
+Liveness comes from nvdisasm's register life ranges (-lrm narrow: one column per
+register), so wide operands (a 128-register wgmma accumulator, 16-byte loads) count whole.
+nvdisasm is the CUDA toolkit's, or the pip package nvidia-cuda-nvdisasm (requirements.txt).
+
+    check_register_split.py CUBIN...      exit 0: all kept and within; 1: not; 77: no nvdisasm
+"""
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+SKIP = 77
+INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+SETMAXREG = re.compile(r"USETMAXREG\.(TRY_ALLOC|DEALLOC)\.CTAPOOL.*?(0x[0-9a-f]+)\s*$")
+TARGET = re.compile(r"`\(([^)]+)\)")
+LABEL = re.compile(r"^(\.L_x_\d+):")
+
+
+def find_nvdisasm():
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    nvcc = shutil.which("nvcc")
+    candidates = [os.path.join(os.path.dirname(nvcc), "nvdisasm")] if nvcc else []
+    candidates += glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "nvidia", "cu*", "bin", "nvdisasm"))
+    return next((c for c in candidates if os.access(c, os.X_OK)), None)
+
+
+def functions(nvdisasm, cubin):
+    """Per kernel: its instructions as (address, text, highest live register index, labels)."""
+    text = subprocess.run([nvdisasm, "-c", "-lrm", "narrow", cubin], check=True, capture_output=True,
+                          text=True).stdout.splitlines()
+    result, name, col0, pending = {}, None, None, []
+    for line in text:
+        if line.startswith("//---") and ".text." in line:
+            name = line.split(".text.", 1)[1].split()[0]
+            result[name], col0 = [], None
+            continue
+        if name is None:
+            continue
+        if "# 0123" in line:  # the life-range table's header: column of R0
+            col0 = line.index("# 0123") + 2
+            continue
+        label = LABEL.match(line)
+        if label:
+            pending.append(label.group(1))
+        m = INSTRUCTION.search(line)
+        if not m or col0 is None:
+            continue
+        gprs = line[col0:line.index("|", col0)] if "|" in line[col0:] else ""
+        live = max((i for i, ch in enumerate(gprs) if ch != " "), default=-1)
+        result[name].append((int(m.group(1), 16), m.group(2), live, pending))
+        pending = []
+    return result
+
+
+def region_live(instrs, start):
+    """Highest live register index over the code reachable from instrs[start + 1]."""
+    at_label = {lab: i for i, (_, _, _, labels) in enumerate(instrs) for lab in labels}
+    seen, stack, highest = set(), [start + 1], -1
+    while stack:
+        i = stack.pop()
+        while i < len(instrs) and i not in seen:
+            seen.add(i)
+            _, ins, live, _ = instrs[i]
+            if "USETMAXREG" in ins:
+                break
+            highest = max(highest, live)
+            guarded = ins.startswith("@")
+            op = ins.split()[1 if guarded else 0]
+            target = TARGET.search(ins)
+            if op.startswith(("BRA", "BRX", "JMP", "CALL")) and target and target.group(1) in at_label:
+                stack.append(at_label[target.group(1)])
+            if not guarded and op.startswith(("BRA", "BRX", "JMP", "EXIT", "RET")):
+                break
+            i += 1
+    return highest
+
+
+def check(nvdisasm, cubin):
+    ok = True
+    for name, instrs in functions(nvdisasm, cubin).items():
+        splits = [(i, SETMAXREG.search(ins)) for i, (_, ins, _, _) in enumerate(instrs) if "USETMAXREG" in ins]
+        kinds = {m.group(1) for _, m in splits if m}
+        short = name if len(name) < 70 else name[:67] + "..."
+        if kinds != {"TRY_ALLOC", "DEALLOC"}:
+            print(f"FAIL {os.path.basename(cubin)} {short}: no register split in the SASS "
+                  f"(found {sorted(kinds) or 'none'}): ptxas dropped setmaxnreg, a region needs more than its share")
+            ok = False
+            continue
+        for i, m in splits:
+            limit, live = int(m.group(2), 16), region_live(instrs, i)
+            verdict = "ok  " if live < limit else "FAIL"
+            ok &= live < limit
+            print(f"{verdict} {os.path.basename(cubin)} {short}: {m.group(1)} {limit} registers, "
+                  f"highest live R{live}")
+    return ok
+
+
+def main(argv):
+    if len(argv) < 2:
+        print(__doc__)
+        return 2
+    nvdisasm = find_nvdisasm()
+    if nvdisasm is None:
+        print("skipped: no nvdisasm (CUDA toolkit, or pip install nvidia-cuda-nvdisasm)")
+        return SKIP
+    results = [check(nvdisasm, cubin) for cubin in argv[1:]]
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
