@@ -28,6 +28,8 @@ class CudaError : public std::runtime_error {
 
 // True when a CUDA device is present and usable (tests skip otherwise).
 bool cuda_device_available();
+// The usable CUDA devices: 0 without a GPU or driver (the runtime's error is cleared).
+int cuda_device_count();
 
 namespace cuda {
 

@@ -415,15 +415,6 @@ void expect_error(const std::function<void()>& fn, const std::vector<std::string
   }
 }
 
-int devices_here() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();
-    n = 0;
-  }
-  return n;
-}
-
 // attention_variant() is public: a dtype, max_qlen or head count no kernel serves is refused,
 // naming it (before the dtype reaches the variant table's bit per dtype). No device needed.
 TEST(CudaValidation, AttentionVariantRefusesBadArguments) {
@@ -475,7 +466,7 @@ TEST(CudaValidation, WriteKvRefusesMisalignedPointers) {
 // "invalid device ordinal"), for the Attention constructors, workspace_bytes and the
 // conformance ranks. No device needed (CI: 0 GPUs, so device 0 is already past them).
 TEST(CudaValidation, BadDeviceOrdinalIsRefused) {
-  const int n = devices_here();
+  const int n = cuda_device_count();
   const std::string field = "'device' = " + std::to_string(n);
   expect_error([&] { cuda::Attention a(good_config(), n); }, {field, "a CUDA device in [0, "});
   expect_error([&] { cuda::Attention a(good_config(), n + 5); }, {"'device' = " + std::to_string(n + 5)});

@@ -14,18 +14,9 @@
 namespace dcpmla::testing {
 namespace {
 
-int gpu_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();
-    n = 0;
-  }
-  return n;
-}
-
 // Runs without a GPU too (CI): asking one node for more ranks than it has GPUs.
 TEST(Nccl, RefusesMoreRanksThanGpus) {
-  const int n = gpu_count() + 1;
+  const int n = cuda_device_count() + 1;
   try {
     make_nccl_communicators(n);
     ADD_FAILURE() << "no error";
@@ -178,7 +169,7 @@ TEST(Nccl, BadArguments) {
   EXPECT_THROW(make_nccl_communicators(0), Error);
   const NcclId id{};
   EXPECT_THROW(make_nccl_communicator(id, 2, 2, 0), Error);  // rank out of range
-  EXPECT_THROW(make_nccl_communicator(id, 1, 0, gpu_count()), Error);  // no such device
+  EXPECT_THROW(make_nccl_communicator(id, 1, 0, cuda_device_count()), Error);  // no such device
 }
 
 }  // namespace

@@ -10,21 +10,13 @@
 #include <cuda_runtime.h>
 
 #include "dcpmla/comm_mpi.h"
+#include "dcpmla/cuda.h"
 #include "dcpmla/comm_nccl.h"
 #include "dcpmla/error.h"
 
 using namespace dcpmla;
 
 namespace {
-
-int gpus() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();
-    n = 0;
-  }
-  return n;
-}
 
 // Every collective over world_size ranks with rank-dependent data; true when exact.
 bool exercise(NcclCommunicator& comm, std::string& why) {
@@ -82,7 +74,7 @@ int main(int argc, char** argv) {
   } catch (const Error& e) {
     // The refusal is right exactly when this node has fewer GPUs than processes.
     what = e.what();
-    const bool expected = gpus() < n && what.find("one GPU per rank") != std::string::npos;
+    const bool expected = cuda_device_count() < n && what.find("one GPU per rank") != std::string::npos;
     ok = expected ? 1 : 0;
     if (expected) what = "refused as expected: " + what;
   } catch (const std::exception& e) {

@@ -49,4 +49,6 @@ void require_device(int device, const char* also) {
 
 bool cuda_device_available() { return cuda_detail::device_count() > 0; }
 
+int cuda_device_count() { return cuda_detail::device_count(); }
+
 }  // namespace dcpmla
