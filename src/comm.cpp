@@ -200,7 +200,8 @@ class InProcessComm final : public Communicator {
     const int bad = detail::disagreeing_rank(calls.data(), state_->world);
     detail::PublishedCall first, other;
     if (bad < 0) {
-      for (int p = 0; p < state_->world; ++p) read(p, calls[size_t(p)].send);
+      // count 0 reads nothing (and its buffers may be null: memcpy of null is undefined).
+      for (int p = 0; p < state_->world && count > 0; ++p) read(p, calls[size_t(p)].send);
     } else {
       first = calls[0];
       other = calls[size_t(bad)];
