@@ -2,6 +2,9 @@
 // device-side barrier, so that each rank's CUDA graph replays on its own (see comm_device.h).
 #include "dcpmla/comm_device.h"
 
+#include <algorithm>
+#include <array>
+
 #include <cstring>
 #include <functional>
 #include <vector>
@@ -172,11 +175,14 @@ class DeviceGroupComm final : public DeviceCommunicator {
   // Every rank's send address for this collective (host barrier twice: all published,
   // then all read, so the slots can be reused by the next collective). When the ranks'
   // calls differ (collective, count or dtype), every rank raises the same error after the
-  // second barrier and nothing is enqueued.
-  std::vector<detail::PublishedCall> publish(Collective op, const void* send, size_t count, DataType t) {
+  // second barrier and nothing is enqueued. The copy is a fixed array (no allocation: the
+  // DCP step calls this per layer).
+  using Calls = std::array<detail::PublishedCall, kMaxDeviceGroupRanks>;
+  Calls publish(Collective op, const void* send, size_t count, DataType t) {
     s_->calls[size_t(rank_)] = {send, count, t, op};
     s_->host_barrier(rank_);
-    std::vector<detail::PublishedCall> calls = s_->calls;
+    Calls calls;
+    std::copy(s_->calls.begin(), s_->calls.end(), calls.begin());
     s_->host_barrier(rank_);
     const int bad = detail::disagreeing_rank(calls.data(), s_->world);
     if (bad >= 0) [[unlikely]]
