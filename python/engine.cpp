@@ -1,6 +1,7 @@
 #include "engine.h"
 
 #include <array>
+#include <initializer_list>
 #include <limits>
 #include <vector>
 
@@ -136,18 +137,39 @@ void check(const T& t, const char* field, uint32_t kinds, const char* dtype_text
     fail(fmt::format("{}.data_ptr", field), fmt::format("{}", t.data()), fmt::format("{}-byte aligned memory", align));
 }
 
-// Refuses an output that shares memory with another tensor of the call (an input it would read
-// while writing it, or the other output): the result would silently depend on the order of the
-// kernels' reads and writes. O(1): both are C-contiguous (checked) on the same device (checked),
-// so their bytes are the ranges [data, data + nbytes), and overlapping ranges share memory.
-template <class A, class B>
-void check_disjoint(const A& out, const char* out_field, const B& other, const char* other_field,
-                    const char* others_text) {
-  const auto a = reinterpret_cast<uintptr_t>(out.data()), b = reinterpret_cast<uintptr_t>(other.data());
-  const size_t na = out.nbytes(), nb = other.nbytes();
-  if (na == 0 || nb == 0 || a >= b + nb || b >= a + na) return;
-  fail(out_field, fmt::format("{} bytes at {:#x}, overlapping {} ({} bytes at {:#x})", na, a, other_field, nb, b),
-       fmt::format("memory that shares no byte with {} (pass a separate buffer)", others_text));
+// A tensor's bytes, named: every tensor of a call is C-contiguous (checked) on the call's device
+// (checked), so it occupies exactly [at, at + bytes).
+struct Bytes {
+  const char* field;
+  uintptr_t at = 0;
+  size_t bytes = 0;
+};
+template <class T>
+Bytes bytes_of(const char* field, const T& t) {
+  return {field, reinterpret_cast<uintptr_t>(t.data()), t.nbytes()};
+}
+template <class T>
+Bytes bytes_of(const char* field, const std::optional<T>& t) {
+  return t ? bytes_of(field, *t) : Bytes{field};
+}
+
+// Refuses an output that shares memory with an input of the call or another output: the
+// result would silently depend on the order of the kernels' reads and writes. O(1) per pair.
+void check_disjoint(std::initializer_list<Bytes> outputs, std::initializer_list<Bytes> inputs) {
+  auto overlap = [](const Bytes& a, const Bytes& b) {
+    return a.bytes > 0 && b.bytes > 0 && a.at < b.at + b.bytes && b.at < a.at + a.bytes;
+  };
+  auto refuse = [](const Bytes& out, const Bytes& other) {
+    fail(out.field, fmt::format("{} bytes at {:#x}, overlapping {} ({} bytes at {:#x})", out.bytes, out.at,
+                                other.field, other.bytes, other.at),
+         "memory that shares no byte with the call's other tensors (pass a separate buffer)");
+  };
+  for (auto o = outputs.begin(); o != outputs.end(); ++o) {
+    for (const Bytes& in : inputs)
+      if (overlap(*o, in)) refuse(*o, in);
+    for (auto other = o + 1; other != outputs.end(); ++other)
+      if (overlap(*o, *other)) refuse(*o, *other);
+  }
 }
 
 // The backend and device of a tensor that decides a free function's placement.
@@ -386,16 +408,8 @@ void Engine::run(Tensor q, Tensor kv_cache, double kv_scale, std::optional<Tenso
   }
   const KvCache cache = cache_of(kv_cache, config_.kv_dtype, where_);
   const KvScale scale = scale_of(kv_scale, kv_scale_tensor, config_.kv_dtype, where_);
-  constexpr const char* kInputs = "q, kv_cache, kv_scale or the other output";
-  check_disjoint(out, "out", q, "q", kInputs);
-  check_disjoint(out, "out", kv_cache, "kv_cache", kInputs);
-  check_disjoint(out, "out", lse, "lse", kInputs);
-  check_disjoint(lse, "lse", q, "q", kInputs);
-  check_disjoint(lse, "lse", kv_cache, "kv_cache", kInputs);
-  if (kv_scale_tensor) {
-    check_disjoint(out, "out", *kv_scale_tensor, "kv_scale", kInputs);
-    check_disjoint(lse, "lse", *kv_scale_tensor, "kv_scale", kInputs);
-  }
+  check_disjoint({bytes_of("out", out), bytes_of("lse", lse)},
+                 {bytes_of("q", q), bytes_of("kv_cache", kv_cache), bytes_of("kv_scale", kv_scale_tensor)});
   if (h.rows == 0) {
     // An empty step (a plan whose qlens are all 0): out and lse are empty and nothing runs (an
     // empty array may have no data pointer, which the kernels refuse). The cache and the scale are
@@ -435,10 +449,9 @@ void write_kv(OutTensor kv_cache, Tensor latent, Tensor slot_mapping, const std:
         "[T, D] (D of kv_cache)", where, 16);
   check(slot_mapping, "slot_mapping", kI64, "int64", Dims{n}, "[T] (T of latent)", where, 8);
   const KvScale scale = scale_of(kv_scale, kv_scale_tensor, dtype, where);
-  constexpr const char* kInputs = "latent, slot_mapping or kv_scale";
-  check_disjoint(kv_cache, "kv_cache", latent, "latent", kInputs);
-  check_disjoint(kv_cache, "kv_cache", slot_mapping, "slot_mapping", kInputs);
-  if (kv_scale_tensor) check_disjoint(kv_cache, "kv_cache", *kv_scale_tensor, "kv_scale", kInputs);
+  check_disjoint({bytes_of("kv_cache", kv_cache)},
+                 {bytes_of("latent", latent), bytes_of("slot_mapping", slot_mapping),
+                  bytes_of("kv_scale", kv_scale_tensor)});
   const auto* slots = static_cast<const int64_t*>(slot_mapping.data());
   if (cpu) {
     std::vector<bf16> scratch;
@@ -509,12 +522,8 @@ void merge_states(Tensor out_parts, Tensor lse_parts, OutTensor out, OutTensor l
   check(out, "out", kind_of(out_parts.dtype()), "the dtype of out_parts", m.out_dims, "[..., W] (out_parts[0]'s shape)",
         where, 16);
   check(lse, "lse", kF32, "float32", m.lse_dims, "[...] (lse_parts[0]'s shape)", where, 4);
-  constexpr const char* kInputs = "out_parts, lse_parts or the other output";
-  check_disjoint(out, "out", out_parts, "out_parts", kInputs);
-  check_disjoint(out, "out", lse_parts, "lse_parts", kInputs);
-  check_disjoint(out, "out", lse, "lse", kInputs);
-  check_disjoint(lse, "lse", out_parts, "out_parts", kInputs);
-  check_disjoint(lse, "lse", lse_parts, "lse_parts", kInputs);
+  check_disjoint({bytes_of("out", out), bytes_of("lse", lse)},
+                 {bytes_of("out_parts", out_parts), bytes_of("lse_parts", lse_parts)});
   const auto* lp = static_cast<const float*>(lse_parts.data());
   auto* lo = static_cast<float*>(lse.data());
   if (cpu) {
