@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -184,6 +185,9 @@ TEST(Merge, MergeAcrossRanksRejectsBadInput) {
   lse = {0.5f, kNegInf};
   o[0] = float_to_bf16(2.0f);
   for (MergeForm form : {MergeForm::all_heads, MergeForm::scatter_heads}) {
+    // Poisoned before each form, so that neither passes on what the other wrote.
+    std::fill(out.begin(), out.end(), float_to_bf16(NAN));
+    std::fill(out_lse.begin(), out_lse.end(), NAN);
     merge(form, 2, 1, width);
     EXPECT_FLOAT_EQ(out_lse[0], 0.5f);
     EXPECT_EQ(out_lse[1], kNegInf);

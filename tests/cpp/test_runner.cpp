@@ -132,9 +132,10 @@ TEST(Runner, EntryPointRefusesHostileSizesAndEnumsBeforeAllocating) {
   // The span is never read: the refusal comes before anything is copied.
   const int64_t max_len = int64_t(8) << 20;
   const std::span<const float> huge(tiny.data(), size_t(max_len) * 576);
-  expect_error([&] { mla_attention(q, huge, one, 1, 1, 1, max_len, 576, AttentionOptions{}); }, "GiB");
+  expect_error([&] { mla_attention(q, huge, one, 1, 1, 1, max_len, 576, AttentionOptions{}); },
+               "'host memory of the inputs' copies");
   // One rank of many in this process has the same bound (it had none: 36 GiB of blocks were
-  // left to the allocator).
+  // left to the allocator; PagedCache's own cap would refuse later, naming num_blocks).
   AttentionOptions big;
   big.block_size = kMaxBlockSize;
   big.world_size = 1;
@@ -142,7 +143,8 @@ TEST(Runner, EntryPointRefusesHostileSizesAndEnumsBeforeAllocating) {
   const auto q512 = testing::random_normal(size_t(512) * 576, 2);
   const std::vector<float> kv512(size_t(512) * 576);
   run_ranks(1, [&](int, Communicator& comm) {
-    expect_error([&] { mla_attention_on_rank(q512, kv512, lens, 512, 1, 1, 1, 576, big, comm); }, "GiB");
+    expect_error([&] { mla_attention_on_rank(q512, kv512, lens, 512, 1, 1, 1, 576, big, comm); },
+                 "'host memory of the inputs' copies");
   });
 }
 
