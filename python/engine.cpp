@@ -311,13 +311,6 @@ std::unique_lock<std::mutex> Engine::lock() const {
   return held;
 }
 
-const Planner& Engine::planner() const {
-#ifdef DCPMLA_HAS_CUDA
-  if (cuda_) return cuda_->attention.planner();
-#endif
-  return cpu_->planner();
-}
-
 const Plan& Engine::current_plan() const {
 #ifdef DCPMLA_HAS_CUDA
   if (cuda_) return cuda_->attention.current_plan();
@@ -388,8 +381,9 @@ void Engine::plan(HostInts1 seq_lens, HostInts2 block_tables, int qlen, const st
 
 void Engine::run(Tensor q, Tensor kv_cache, double kv_scale, std::optional<Tensor> kv_scale_tensor, OutTensor out,
                  OutTensor lse, uintptr_t stream) {
-  const auto held = lock();  // the plan stays this one until the kernels are done (another thread's
-                             // plan() waits), while the GIL is released for them
+  // The plan stays this one until the kernels are launched (CPU: done, with the GIL released):
+  // another thread's plan() waits.
+  const auto held = lock();
   if (!planned_) fail("plan", "none", "a plan: call plan(seq_lens, block_tables, qlen) before run()");
   const PlanHeader& h = current_plan().header();
   const int64_t B = h.batch, T = h.qlen, H = config_.heads, D = config_.dims.dim(), R = config_.dims.kv_lora_rank;
@@ -410,13 +404,6 @@ void Engine::run(Tensor q, Tensor kv_cache, double kv_scale, std::optional<Tenso
   const KvScale scale = scale_of(kv_scale, kv_scale_tensor, config_.kv_dtype, where_);
   check_disjoint({bytes_of("out", out), bytes_of("lse", lse)},
                  {bytes_of("q", q), bytes_of("kv_cache", kv_cache), bytes_of("kv_scale", kv_scale_tensor)});
-  if (h.rows == 0) {
-    // An empty step (a plan whose qlens are all 0): out and lse are empty and nothing runs (an
-    // empty array may have no data pointer, which the kernels refuse). The cache and the scale are
-    // still checked against the plan, as a run with rows would check them.
-    validate_run(planner().config(), current_plan(), cache, scale);
-    return;
-  }
   if (cpu) {
     std::vector<bf16> q16, out16;
     const bf16* qp = host_bf16(q, q16);

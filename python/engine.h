@@ -76,7 +76,6 @@ class Engine {
   // Takes the mutex; called with the GIL held, it releases the GIL while it waits (see above).
   std::unique_lock<std::mutex> lock() const;
   const Plan& current_plan() const;
-  const Planner& planner() const;
 
   mutable std::mutex mutex_;  // guards the plan (cpu_ / cuda_, planned_, packed_)
 

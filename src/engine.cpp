@@ -52,16 +52,18 @@ Attention::Attention(const AttentionConfig& config)
     : planner_(planner_config(config, Backend::cpu, kCpuWorkers, kCpuRowsPerUnit)),
       plan_(planner_.make_plan()),
       softmax_scale_(softmax_scale_of(config)) {
-  // The split-K workspace of the capacities, taken here (plan() allocates nothing) unless the
-  // route never cuts a request; refused with its size before it is allocated.
-  if (config.route == Route::one_stage) return;
+  // The split-K workspace of the capacities, taken here (plan() allocates nothing) unless no
+  // plan cuts a request; refused with its size before it is allocated. Not zero-filled: the
+  // kernels write every partial before the merge reads it, so the pages are committed only
+  // when a step cuts.
+  if (!planner_.may_cut()) return;
   const auto& c = planner_.config();
   const int64_t floats = split_workspace_floats(planner_.work_capacity(), c.limits.max_qlen, c.heads, c.dims.kv_lora_rank);
   require(floats <= kMaxHostBytes / int64_t(sizeof(float)), "split-K workspace",
           fmt::format("{:.3g} GiB", double(floats) * sizeof(float) / double(1 << 30)),
           fmt::format("<= {} GiB (lower heads, limits.max_batch or limits.max_qlen, or route one_stage)",
                       kMaxHostBytes >> 30));
-  workspace_.assign(size_t(floats), 0.0f);
+  workspace_ = std::make_unique_for_overwrite<float[]>(size_t(floats));
 }
 
 void Attention::plan(const BatchDesc& batch) {
@@ -71,7 +73,7 @@ void Attention::plan(const BatchDesc& batch) {
 
 AttentionParams Attention::params(const bf16* q, const KvCache& cache, const KvScale& scale, bf16* out, float* lse) {
   return attention_params(planner_.config(), q, static_cast<const uint8_t*>(cache.data), scale, softmax_scale_,
-                          plan_.view(), workspace_.data(), out, lse);
+                          plan_.view(), workspace_.get(), out, lse);
 }
 
 void Attention::run(const bf16* q, const KvCache& cache, const KvScale& scale, bf16* out, float* lse) {

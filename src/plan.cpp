@@ -94,27 +94,6 @@ size_t Plan::ints(const PlanLimits& limits, int64_t table_capacity, int work_cap
   return checked_offsets(limits, table_capacity, work_capacity, chunk_capacity).total;
 }
 
-Plan::Plan(Plan&& other) noexcept { *this = std::move(other); }
-
-Plan& Plan::operator=(Plan&& other) noexcept {
-  limits_ = other.limits_;
-  table_capacity_ = other.table_capacity_;
-  work_capacity_ = other.work_capacity_;
-  chunk_capacity_ = other.chunk_capacity_;
-  off_rows_ = other.off_rows_;
-  off_q_start_ = other.off_q_start_;
-  off_chunk_work_ = other.off_chunk_work_;
-  off_work_ = other.off_work_;
-  off_split_request_ = other.off_split_request_;
-  off_split_slot_ = other.off_split_slot_;
-  off_subpages_ = other.off_subpages_;
-  owned_ = std::move(other.owned_);
-  base_ = std::exchange(other.base_, nullptr);
-  size_ = std::exchange(other.size_, 0);
-  stats_ = other.stats_;
-  return *this;
-}
-
 int Plan::qlen_of(int b) const {
   require(b >= 0 && b < header().batch, "b", b, fmt::format("a request of the plan, in [0, {})", header().batch));
   return view().q_start[b + 1] - view().q_start[b];
@@ -137,13 +116,13 @@ Plan::Plan(const PlanLimits& limits, int64_t table_capacity, int work_capacity, 
   off_split_request_ = o.split_request;
   off_split_slot_ = o.split_slot;
   off_subpages_ = o.subpages;
-  size_ = o.total;
+  arena_.size = o.total;
   if (storage == nullptr) {
-    owned_.assign(size_, 0);
-    base_ = owned_.data();
+    owned_.assign(arena_.size, 0);
+    arena_.base = owned_.data();
   } else {
-    base_ = storage;
-    std::fill(base_, base_ + size_, 0);
+    arena_.base = storage;
+    std::fill(arena_.base, arena_.base + arena_.size, 0);
   }
   mutable_header().route = int32_t(Route::one_stage);
 }
@@ -175,8 +154,9 @@ Planner::Planner(const PlannerConfig& config) : config_(config) {
   require(c.dims.kv_lora_rank >= 1, "kv_lora_rank", c.dims.kv_lora_rank, ">= 1");
   require(c.dims.rope_dim >= 1, "rope_dim", c.dims.rope_dim, ">= 1 (kv_lora_rank < D)");
   // D = R + P is an int everywhere downstream (found by fuzz_planner).
-  require(c.dims.rope_dim <= INT32_MAX - c.dims.kv_lora_rank, "rope_dim", c.dims.rope_dim,
-          fmt::format("<= {} so that D = kv_lora_rank + rope_dim fits int32", INT32_MAX - c.dims.kv_lora_rank));
+  if (c.dims.rope_dim > INT32_MAX - c.dims.kv_lora_rank)
+    fail("kv_lora_rank + rope_dim", fmt::format("{} + {}", c.dims.kv_lora_rank, c.dims.rope_dim),
+         fmt::format("a latent width D that fits int32 (<= {})", INT32_MAX));
   require(c.limits.max_batch >= 1, "limits.max_batch", c.limits.max_batch, ">= 1");
   require(c.limits.max_qlen >= 1 && c.limits.max_qlen <= kMaxQlen, "limits.max_qlen", c.limits.max_qlen,
           fmt::format("in [1, {}]", kMaxQlen));
@@ -305,7 +285,7 @@ int64_t Planner::validate(const BatchDesc& batch) const {
 void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& plan, PlanStats& stats) const {
   const auto& c = config_;
   const ScheduleCost& cost = c.cost;
-  bool may_cut = c.route != Route::one_stage;
+  bool may_cut = this->may_cut();
   const double slack = c.route == Route::split_k ? 0.0 : cost.slack;
   const int64_t min_tiles = ceil_div(c.min_segment_tokens, kCutTokens);
   const int32_t* q_start = plan.at(plan.off_q_start_);
@@ -414,7 +394,7 @@ void Planner::plan(const BatchDesc& batch, Plan& plan) const {
       plan.chunk_capacity_ != c.num_workers || plan.limits_.max_batch != c.limits.max_batch ||
       plan.limits_.max_qlen != c.limits.max_qlen)
     fail("plan", "a plan of other capacities", "a plan made by this planner's make_plan()");
-  if (plan.base_ == nullptr) fail("plan", "a moved-from Plan", "a plan made by this planner's make_plan()");
+  if (plan.arena_.base == nullptr) fail("plan", "a moved-from Plan", "a plan made by this planner's make_plan()");
   const int64_t max_block = validate(batch);
 
   const int b_count = int(batch.seq_lens.size());

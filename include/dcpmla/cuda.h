@@ -135,7 +135,8 @@ class Attention {
   // this rank's partial; rows whose rank-local window is empty give out 0, lse -inf.
   // q and out 16-byte aligned, lse and scale.device 4-byte aligned (dcpmla::Error otherwise).
   // Inside a capture (cudaStreamIsCapturing on `stream`) it records the cache's num_blocks for
-  // plan()'s check above.
+  // plan()'s check above. A step of no query rows (every qlen 0) may pass null q/out/lse
+  // outside a capture: nothing runs.
   void run(const bf16* q, const KvCache& cache, const KvScale& scale, bf16* out, float* lse, cudaStream_t stream);
 
   // The parameters run() launches with (tests and the bench).

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -32,7 +33,7 @@ struct AttentionConfig {
   int block_size = 64;
   Layout layout;                       // world_size, rank, interleave
   PlanLimits limits;                   // capture limits: every plan's batch must fit them
-  std::optional<float> softmax_scale;  // none: D^-0.5; else a positive normal float
+  std::optional<float> softmax_scale;  // none: D^-0.5; else a positive normal float <= 65536
   LatentDims dims;
   Route route = Route::automatic;      // forced for testing; automatic = the planner's policy
   int num_workers = 0;                 // parallel units a plan spreads over; 0: the backend's
@@ -44,7 +45,8 @@ struct AttentionConfig {
 // parallel units where config.num_workers is 0; rows_per_unit = its kernel's rows per CTA.
 PlannerConfig planner_config(const AttentionConfig& config, Backend backend, int workers, int rows_per_unit);
 
-// The softmax scale a configuration asks for: D^-0.5 by default; throws unless positive normal.
+// The softmax scale a configuration asks for: D^-0.5 by default; throws unless a positive
+// normal float <= kMaxSoftmaxScale.
 float softmax_scale_of(const AttentionConfig& config);
 
 // Checks a run's cache and scale against the planner and the current plan, before anything
@@ -78,7 +80,7 @@ class Attention {
   Plan plan_;
   float softmax_scale_;
   bool planned_ = false;
-  std::vector<float> workspace_;
+  std::unique_ptr<float[]> workspace_;  // split-K partials (null when no plan cuts)
 };
 
 }  // namespace dcpmla

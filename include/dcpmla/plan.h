@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dcpmla/layout.h"
@@ -137,20 +138,21 @@ class Plan {
   Plan(const Plan&) = delete;  // the view points into the arena
   Plan& operator=(const Plan&) = delete;
   // A vector's move keeps its buffer, so the arena stays where it was; the moved-from plan
-  // holds none (a planner refuses it) instead of pointing into the new owner's.
-  Plan(Plan&& other) noexcept;
-  Plan& operator=(Plan&& other) noexcept;
+  // holds none (ArenaRef: a planner refuses it) instead of pointing into the new owner's. As
+  // any moved-from object, it may then only be assigned to or destroyed.
+  Plan(Plan&&) = default;
+  Plan& operator=(Plan&&) = default;
 
-  const PlanHeader& header() const { return *reinterpret_cast<const PlanHeader*>(base_); }
+  const PlanHeader& header() const { return *reinterpret_cast<const PlanHeader*>(arena_.base); }
   Route route() const { return Route(header().route); }
   const PlanStats& stats() const { return stats_; }
 
   // The whole plan is one int32 arena at a stable address; a device backend copies its
   // used prefix (used_ints()) verbatim and rebuilds the view over its copy.
-  std::span<const int32_t> arena() const { return {base_, size_}; }
+  std::span<const int32_t> arena() const { return {arena_.base, arena_.size}; }
   // Ints of the arena this plan uses: everything up to its own sub-page rows (the last part).
   size_t used_ints() const;
-  PlanView view() const { return view_at(base_); }
+  PlanView view() const { return view_at(arena_.base); }
   PlanView view_at(const int32_t* base) const;
 
   // Inspection (checked: b in [0, batch), t in [0, qlen_of(b))).
@@ -160,16 +162,28 @@ class Plan {
 
  private:
   friend class Planner;
-  PlanHeader& mutable_header() { return *reinterpret_cast<PlanHeader*>(base_); }
-  int32_t* at(size_t offset) { return base_ + offset; }
+  PlanHeader& mutable_header() { return *reinterpret_cast<PlanHeader*>(arena_.base); }
+  int32_t* at(size_t offset) { return arena_.base + offset; }
 
   PlanLimits limits_;
   int64_t table_capacity_;
   int work_capacity_, chunk_capacity_;
   size_t off_rows_, off_q_start_, off_chunk_work_, off_work_, off_split_request_, off_split_slot_, off_subpages_;
   std::vector<int32_t> owned_;  // empty when the caller provides the storage
-  int32_t* base_;
-  size_t size_;
+  // The arena's address and size; a move leaves the source without one.
+  struct ArenaRef {
+    int32_t* base = nullptr;
+    size_t size = 0;
+    ArenaRef() = default;
+    ArenaRef(int32_t* b, size_t n) : base(b), size(n) {}
+    ArenaRef(ArenaRef&& o) noexcept : base(std::exchange(o.base, nullptr)), size(std::exchange(o.size, 0)) {}
+    ArenaRef& operator=(ArenaRef&& o) noexcept {
+      base = std::exchange(o.base, nullptr);
+      size = std::exchange(o.size, 0);
+      return *this;
+    }
+  };
+  ArenaRef arena_;
   PlanStats stats_;
 };
 
@@ -194,6 +208,9 @@ class Planner {
   int page() const { return page_; }
   int64_t table_capacity() const { return table_capacity_; }
   int work_capacity() const { return work_capacity_; }
+  // Whether its plans may cut a request into pieces (every route but one_stage): then the
+  // backend needs the split-K workspace and the combine.
+  bool may_cut() const { return config_.route != Route::one_stage; }
 
   // A plan with buffers for the capture limits (allocate once, re-plan into it); with
   // storage, in the caller's plan_ints() int32s.

@@ -107,11 +107,13 @@ AttentionResult mla_attention_on_rank(std::span<const float> q, std::span<const 
 // planned with; a mismatch raises dcpmla::Error on every rank (never a hang or a wrong merge).
 void check_ranks_agree(Communicator& comm, std::span<const int32_t> signature, std::string_view what);
 
-// Most host memory the in-process entry point may ask for: every rank's merge buffers (which
-// grow as world_size^2: each rank gathers every rank's partial) and, with the CPU engines,
-// every rank's cache shard and kernel workspace live in this one process. A problem needing more is refused before anything is
-// allocated (block_size 65536 with 64 short requests on 8 ranks would be 39 GB of blocks).
-inline constexpr int64_t kMaxInProcessBytes = int64_t(8) << 30;
+// Most host memory the in-process entry point may ask for in all: the inputs' copies, every
+// rank's merge buffers (which grow as world_size^2: each rank gathers every rank's partial)
+// and, with the CPU engines, every rank's cache shard and kernel workspace live in this one
+// process. A problem needing more is refused before anything is allocated (block_size 65536
+// with 64 short requests on 8 ranks would be 39 GB of blocks). The same bound as one object's
+// (kMaxHostBytes, cache.h): one process, one budget.
+inline constexpr int64_t kMaxInProcessBytes = kMaxHostBytes;
 
 // The conformance entry point (SPEC §5): options.world_size ranks as threads of this
 // process, each driving its engine (CPU by default). Refuses more than kMaxInProcessRanks

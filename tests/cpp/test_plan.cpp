@@ -363,7 +363,7 @@ TEST(Plan, RefusesConfigurationsWhoseArithmeticWouldOverflow) {
   expect_error([&] { Planner p(c); }, "'limits.max_local_kv_len' = 9223372036854775804");
   c = config();
   c.dims = LatentDims{512, INT32_MAX - 3};  // D = R + P
-  expect_error([&] { Planner p(c); }, "'rope_dim' = 2147483644");
+  expect_error([&] { Planner p(c); }, "'kv_lora_rank + rope_dim' = 512 + 2147483644");
   c = config();
   c.block_size = 3;  // page 1: three sub-pages per block: block ids past INT32_MAX / 3 would overflow
   c.limits = PlanLimits{1, 1, 16};

@@ -303,20 +303,28 @@ void Attention::run(const bf16* q, const KvCache& cache, const KvScale& scale, b
   Impl& m = *impl_;
   if (!m.planned) fail("plan", "none", "a plan: call plan(batch, stream) before run()");
   validate_run(m.planner.config(), current_plan(), cache, scale);
-  // The rest of the parameters are the configuration's, checked when it was built.
-  if (q == nullptr || out == nullptr || lse == nullptr) fail("q/out/lse", "null", "device pointers");
-  require_io_aligned(q, out, lse, scale.device);
-  // Inside a capture, remember the cache: later plans must fit it (plan()). A host query of
-  // the stream's state, legal during capture; no synchronisation.
+  // A host query of the stream's state, legal during capture; no synchronisation.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (const cudaError_t e = cudaStreamIsCapturing(stream, &capture); e != cudaSuccess) {
     (void)cudaGetLastError();  // not left behind for a later launch check to report
     check(e, "cudaStreamIsCapturing(run stream)");
   }
-  if (capture == cudaStreamCaptureStatusActive) m.captured_blocks = std::min(m.captured_blocks, cache.num_blocks);
+  const bool capturing = capture == cudaStreamCaptureStatusActive;
+  // A step of no query rows (every qlen 0) may come with empty, null buffers: nothing runs, as
+  // on the CPU backend. Not inside a capture: the graph replays later plans, which have rows,
+  // on the buffers it captured.
+  if (q == nullptr || out == nullptr || lse == nullptr) {
+    if (current_plan().header().rows > 0 || capturing)
+      fail("q/out/lse", "null", "device pointers (null only for a step of no query rows, outside a graph capture)");
+    return;
+  }
+  // The rest of the parameters are the configuration's, checked when it was built.
+  require_io_aligned(q, out, lse, scale.device);
+  // Inside a capture, remember the cache: later plans must fit it (plan()).
+  if (capturing) m.captured_blocks = std::min(m.captured_blocks, cache.num_blocks);
   // The combine reads the cut requests from the device plan; it is skipped only where no plan
   // of this planner cuts a request.
-  const bool may_cut = m.planner.config().route != Route::one_stage;
+  const bool may_cut = m.planner.may_cut();
   launch(params(q, cache, scale, out, lse), stream, m.sms, may_cut, *m.kernel);
 }
 
