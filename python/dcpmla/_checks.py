@@ -76,16 +76,14 @@ def _array(field, x, dtype, ndim, layout):
         raise _error(f"{field}.dtype", a.dtype, f"{dtype} {layout}")
     if a.ndim != ndim:
         raise _error(f"{field}.ndim", a.ndim, f"{ndim} {layout}")
-    limit = _dcpmla.max_in_process_bytes
-    if not a.flags.c_contiguous and a.nbytes > limit:
-        raise _error(field, f"a non-contiguous view of shape {a.shape} ({a.nbytes / 2**30:.3g} GiB)",
-                     f"at most {limit / 2**30:.3g} GiB to copy (pass a contiguous array)")
+    if not a.flags.c_contiguous:
+        _too_big_to_copy(field, a, dtype, "copy")
     return np.ascontiguousarray(a)
 
 
 def _too_big_to_copy(field, a, dtype, what):
     """Refuses copying (or scanning) `a` into `dtype` beyond the in-process limit, from its shape
-    alone, as _array does: a broadcast view describes petabytes in a few bytes, and copying or
+    alone: a broadcast view describes petabytes in a few bytes, and copying or
     reading it would run out of memory, or run for hours, before any value is checked."""
     limit = _dcpmla.max_in_process_bytes
     nbytes = a.size * max(a.dtype.itemsize, dtype.itemsize)
@@ -96,7 +94,7 @@ def _too_big_to_copy(field, a, dtype, what):
 
 
 def _index(a, flat):
-    return ", ".join(str(int(i)) for i in np.unravel_index(flat, a.shape)) if a.ndim else ""
+    return ", ".join(str(int(i)) for i in np.unravel_index(flat, a.shape))
 
 
 def _int_array(field, x, dtype, layout, ndim=1, check_shape=None):
@@ -130,9 +128,8 @@ def _int_array(field, x, dtype, layout, ndim=1, check_shape=None):
     if a.size and a.dtype.kind not in "iu":
         raise _error(f"{field}.dtype", a.dtype, f"an integer dtype {layout}")
     if a.size and (a.min() < info.min or a.max() > info.max):
-        bad = tuple(int(i) for i in np.argwhere((a < info.min) | (a > info.max))[0])
-        where = ", ".join(map(str, bad))
-        raise _error(f"{field}[{where}]", a[bad], f"a value that fits {dtype}")
+        flat = int(np.flatnonzero((a < info.min) | (a > info.max))[0])
+        raise _error(f"{field}[{_index(a, flat)}]", a.flat[flat], f"a value that fits {dtype}")
     return np.ascontiguousarray(a, dtype=dtype)
 
 

@@ -19,7 +19,7 @@ import weakref
 import numpy as np
 
 from . import _dcpmla
-from ._checks import (_INT32_MAX, _INT64_MAX, _error, _int, _int_array, _native_array, _require_usable_cuda,
+from ._checks import (_INT64_MAX, _error, _int, _int_array, _native_array, _require_usable_cuda,
                       _scale, _str)
 
 _DL_CUDA = 2  # DLPack's device type of CUDA memory
@@ -35,7 +35,6 @@ _VALUES = "float32 or bfloat16 (ml_dtypes.bfloat16, or uint16 / int16 holding bf
 _CACHE = {"bf16": "bfloat16 (ml_dtypes.bfloat16, or uint16 / int16 holding bf16 bits) for kv_dtype bf16",
           "fp8_e4m3": "uint8 / int8 or ml_dtypes.float8_e4m3fn for kv_dtype fp8_e4m3",
           "fp8_e5m2": "uint8 / int8 or ml_dtypes.float8_e5m2 for kv_dtype fp8_e5m2"}
-_ROPE_DIM = 64  # D = kv_lora_rank + 64 (the engine's rope part)
 
 
 def _torch():
@@ -142,7 +141,7 @@ def _kv_scale(kv_scale, stream):
     """(value, tensor) for the native call: a float, or a one-element float32 tensor read when the
     call runs."""
     if hasattr(kv_scale, "__dlpack__"):
-        return 1.0, _dlpack("kv_scale", _native_array("kv_scale", kv_scale, "float32 (a one-element array)"), stream)
+        return 1.0, _tensor("kv_scale", kv_scale, stream, "float32 (a one-element array)", raw=False)
     return _scale("kv_scale", kv_scale), None
 
 
@@ -197,9 +196,6 @@ class Attention:
         if softmax_scale is not None:
             softmax_scale = _scale("softmax_scale", softmax_scale, ", or None for D ** -0.5")
         kv_lora_rank = _int("kv_lora_rank", kv_lora_rank)
-        if not 1 <= kv_lora_rank <= _INT32_MAX - _ROPE_DIM:
-            raise _error("kv_lora_rank", kv_lora_rank, f"an integer in [1, {_INT32_MAX - _ROPE_DIM}]: "
-                         f"D = kv_lora_rank + {_ROPE_DIM} (the rope part) must fit int32")
         max_batch = _int("max_batch", max_batch)
         self._native = _dcpmla._Engine(
             heads=_int("heads", heads), kv_dtype=_str("kv_dtype", kv_dtype),
@@ -366,13 +362,13 @@ def merge_states(out_parts, lse_parts, *, out=None, lse=None, stream=None):
         each other (refused).
     """
     s = _stream(stream, out_parts, _cuda_index(out_parts))
+    parts = _tensor("out_parts", out_parts, s, _VALUES)
+    lse_in = _tensor("lse_parts", lse_parts, s, "float32", raw=False)
     if (out is None or lse is None) and (isinstance(out_parts, np.ndarray) or _is_torch(out_parts)):
         # The partials are checked before the outputs are allocated from their shapes: a
         # broadcast view would otherwise ask for petabytes before its strides are refused.
-        _dcpmla._check_merge_inputs(_tensor("out_parts", out_parts, None, _VALUES),
-                                    _tensor("lse_parts", lse_parts, None, "float32", raw=False))
-    parts = _tensor("out_parts", out_parts, s, _VALUES)
-    lse_in = _tensor("lse_parts", lse_parts, s, "float32", raw=False)
+        # (numpy and torch are passed as they are, so they can be imported twice.)
+        _dcpmla._check_merge_inputs(parts, lse_in)
     if out is None:
         out = _empty_like("out", out_parts, tuple(out_parts.shape[1:]), True)
     if lse is None:
