@@ -4,7 +4,7 @@
 
 namespace dcpmla {
 
-// Both run per slot_of call (per token): plain comparisons, messages formatted only on failure.
+// Plain comparisons, messages formatted only on failure (slot_of calls this per call).
 void Layout::validate() const {
   if (world_size < 1) fail("world_size", world_size, ">= 1");
   if (rank < 0 || rank >= world_size)
@@ -66,7 +66,7 @@ namespace detail {
 
 int64_t slot_of_validated(int64_t p, std::span<const int32_t> table, int block_size, int64_t num_blocks,
                           const Layout& layout, int request) {
-  // Called per token of every step (the DCP step's plan, the conformance driver): format only
+  // Called per token of every step (the DCP step's plan, slot_mapping, slots_of): format only
   // when a check fails.
   if (p < 0) fail("position", p, ">= 0");
   if (layout.owner(p) != layout.rank) return kPadSlot;

@@ -13,7 +13,7 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLn2 = 0.6931471805599453f;
 
-// The checks below are plain comparisons (merge_split_k runs once per cut row): format only on failure.
+// The checks below are plain comparisons, formatted only on failure.
 void require_pointer(const void* p, std::string_view field) {
   if (p == nullptr) fail(field, "null", "a host pointer");
 }
@@ -101,6 +101,12 @@ void merge_split_k(const float* part_o, const float* part_m, const float* part_l
   require_pointer(part_l, "part_l");
   require_pointer(o, "o");
   require_pointer(lse, "lse");
+  detail::merge_split_k_unchecked(part_o, part_m, part_l, segments, segment_stride_o, segment_stride_ml, width, o, lse);
+}
+
+void detail::merge_split_k_unchecked(const float* part_o, const float* part_m, const float* part_l, int segments,
+                                     int64_t segment_stride_o, int64_t segment_stride_ml, int width, bf16* o,
+                                     float* lse) {
   // l = 0 marks an empty segment; a NaN l (a NaN or inf score or value) must poison the row,
   // also when its m is -inf (every score NaN), so it counts as not empty.
   float m = kNegInf;

@@ -41,4 +41,11 @@ void combine_partials(const bf16* o_parts, const float* lse_parts, int n, bf16* 
 void merge_split_k(const float* part_o, const float* part_m, const float* part_l, int segments,
                    int64_t segment_stride_o, int64_t segment_stride_ml, int width, bf16* o, float* lse);
 
+namespace detail {
+// merge_split_k without the argument checks, for the CPU kernel: it runs per cut row inside an
+// OpenMP loop (where a throw would terminate) on arguments the plan already bounds.
+void merge_split_k_unchecked(const float* part_o, const float* part_m, const float* part_l, int segments,
+                             int64_t segment_stride_o, int64_t segment_stride_ml, int width, bf16* o, float* lse);
+}  // namespace detail
+
 }  // namespace dcpmla

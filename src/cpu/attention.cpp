@@ -194,8 +194,8 @@ void attention_cpu(const AttentionParams& p) {
     if (in_slot >= int64_t(plan.q_start[b + 1] - plan.q_start[b]) * H) continue;
     const int first = plan.split_slot[i], pieces = plan.split_slot[i + 1] - first;
     const int64_t base = first * slot_rows + in_slot, row = int64_t(plan.q_start[b]) * H + in_slot;
-    merge_split_k(p.part_o + base * R, p.part_m + base, p.part_l + base, pieces, slot_rows * R, slot_rows, R,
-                  p.out + row * R, p.lse + row);
+    detail::merge_split_k_unchecked(p.part_o + base * R, p.part_m + base, p.part_l + base, pieces, slot_rows * R,
+                                    slot_rows, R, p.out + row * R, p.lse + row);
   }
 }
 

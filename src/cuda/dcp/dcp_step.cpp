@@ -267,7 +267,9 @@ void DcpStep::plan(const BatchDesc& batch) {
     if (L == 0) continue;
     const auto table = batch.block_tables.subspan(size_t(b) * size_t(batch.table_width), size_t(batch.table_width));
     for (int t = 0; t < qlen; ++t)
-      slots[int64_t(b) * qlen + t] = slot_of(int64_t(L) - qlen + t, table, c.block_size, num_blocks, c.layout);
+      // The planner validated the layout and block size: the per-token form checks only p and the table.
+      slots[int64_t(b) * qlen + t] =
+          detail::slot_of_validated(int64_t(L) - qlen + t, table, c.block_size, num_blocks, c.layout, b);
   }
   check(cudaMemcpyAsync(slots_dev_, slots, size_t(rows_) * 8, cudaMemcpyHostToDevice, stream),
         "cudaMemcpyAsync(slots)");
@@ -284,10 +286,8 @@ void DcpStep::run(const bf16* q_local, const bf16* new_latents, const KvCache& c
   require(q_local != nullptr && out != nullptr && lse != nullptr, "q_local/out/lse", "null", "device pointers");
   require(new_latents != nullptr || route_ != Route::two_stage, "new_latents", "null",
           "the verify block's latents (two_stage's stage B reads them)");
-  // The write reads the latents 16 bytes at a time (write_kv checks it too; named here as the
-  // step's argument); the step's own kernels read and write the rest element by element.
-  cuda_detail::require_aligned(new_latents, 16, "new_latents",
-                               "16-byte aligned device memory (the write reads latents 16 bytes at a time)");
+  // The latents' 16-byte alignment is write_kv's check; the step's own kernels read and write
+  // the rest element by element.
   cuda_detail::require_aligned(q_local, 2, "q_local", "2-byte aligned device memory (bf16)");
   cuda_detail::require_aligned(out, 2, "out", "2-byte aligned device memory (bf16)");
   cuda_detail::require_aligned(lse, 4, "lse", "4-byte aligned device memory (float32)");
