@@ -103,8 +103,7 @@ namespace {
 
 using detail::Collective;
 
-// f32 and bf16 sum in float; i32 sums exactly in int64 (as MPI and the device group do) and
-// wraps to int32 like their int32 sums.
+// f32 and bf16 sum in float (i32 sums in int64: reduce_scatter_sum).
 void add_into(float* acc, const void* src, size_t count, DataType t) {
   if (t == DataType::f32) {
     const auto* s = static_cast<const float*>(src);
@@ -147,7 +146,7 @@ class InProcessComm final : public Communicator {
   void reduce_scatter_sum(const void* send, void* recv, size_t count, DataType t) override {
     check_args("reduce_scatter_sum", send, recv, count, t);
     const size_t offset = size_t(rank_) * count * size_of(t);
-    if (t == DataType::i32) {
+    if (t == DataType::i32) {  // exactly in int64, wrapped to int32 like MPI's and the device group's sums
       std::vector<int64_t> acc(count, 0);
       exchange(Collective::reduce_scatter_sum, send, count, t, [&](int, const void* src) {
         const auto* s = reinterpret_cast<const int32_t*>(static_cast<const char*>(src) + offset);

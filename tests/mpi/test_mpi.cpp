@@ -112,7 +112,8 @@ int main(int argc, char** argv) {
                    "all_gather, count x world_size past int");
     expect_error([&] { comm->all_gather(nullptr, r.data(), 1, DataType::i32); }, "'send' = null", "null send");
     expect_error([&] { comm->all_to_all(s.data(), nullptr, 1, DataType::i32); }, "'recv' = null", "null recv");
-    // i32 sums exactly beyond 2**24 (as the in-process group now does)
+    // i32 sums exactly beyond 2**24: MPI always did; a cross-check of the in-process group's
+    // int64 sum (tests/cpp/test_comm.cpp), which summed through float before
     for (auto& x : s) x = (1 << 24) + 1;
     comm->reduce_scatter_sum(s.data(), r.data(), 4, DataType::i32);
     bool exact = true;

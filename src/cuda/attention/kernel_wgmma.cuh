@@ -24,7 +24,8 @@
 //     folded into the softmax and output scales) into the stage as soon as both consumers
 //     have released it ("empty" mbarriers), fences them for the async proxy and arrives. It
 //     runs ahead across units, so the dequantise pass is off the consumers' path.
-// Tiles are numbered across a CTA's units (gt): tile gt sits in stage gt % 2.
+// fp8: tiles are numbered across a CTA's units (gt), tile gt in stage gt % 2; bf16 units start
+// at stage 0 (gbase stays 0: numbering them too cost 25 registers).
 //
 // Shared memory (WgShared, from a 1024-byte aligned base; every buffer is a stack of (rows, 64)
 // column blocks of 128-byte rows, the 16-byte chunk c of row r at chunk c ^ (r & 7)):
@@ -71,7 +72,7 @@ enum WgBarrier : int {
   kBarConsumers = 4,  // both consumers (the whole CTA for bf16)
 };
 // The mbarriers (WgShared::bar): full[0], full[1] ("stage s holds a tile"; one arrival per
-// loader thread), then "P free": WG1 has consumed P(i) and alpha(i), sP may be rewritten (one
+// loader (bf16) or producer (fp8) thread), then "P free": WG1 has consumed P(i) and alpha(i), sP may be rewritten (one
 // arrival per WG1 thread; WG0 waits on it from its own branch, where a named barrier would
 // have to be the slower unaligned barrier.sync), then for fp8 empty[0], empty[1] ("both
 // consumers are done with stage s"; one arrival per consumer thread).

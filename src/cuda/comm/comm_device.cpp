@@ -230,9 +230,7 @@ DeviceGroup::DeviceGroup(int world_size, int device, std::chrono::milliseconds t
   require(world_size >= 1 && world_size <= kMaxDeviceGroupRanks, "world_size", world_size,
           fmt::format("in [1, {}] for a device group (ranks simulated on one GPU)", kMaxDeviceGroupRanks));
   require(timeout.count() > 0, "timeout", fmt::format("{} ms", timeout.count()), "> 0");
-  const int count = cuda_detail::device_count();
-  require(device >= 0 && device < count, "device", device,
-          fmt::format("a CUDA device in [0, {}) (this machine has {} GPU(s))", count, count));
+  cuda_detail::require_device(device);
   state_ = std::make_shared<State>(world_size, device, timeout);
   check(cudaSetDevice(device), "cudaSetDevice(device group)");
   state_->flags = cuda_detail::DeviceBuffer(sizeof(unsigned long long) * size_t(world_size), "cudaMalloc(group flags)");
