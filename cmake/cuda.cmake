@@ -104,23 +104,25 @@ endif()
 # ptxas drops a setmaxnreg split without a word when a region needs more than its share, and
 # the kernel then runs on the launch allocation. Their cubins are kept from the normal compile
 # (-keep), so the check costs no extra compilation; it runs without a GPU.
-set(_dcpmla_split_kernels wg64_fp8 fp8_swap_e4m3 fp8_swap_e5m2)
-set(_dcpmla_cubins "${CMAKE_BINARY_DIR}/cubins")
-file(MAKE_DIRECTORY "${_dcpmla_cubins}")
-set(_dcpmla_split_cubins "")
-foreach(_kernel ${_dcpmla_split_kernels})
-  set_property(SOURCE "${CMAKE_CURRENT_SOURCE_DIR}/src/cuda/attention/instantiations/${_kernel}.cu" APPEND PROPERTY COMPILE_OPTIONS
-               -keep "-keep-dir=${_dcpmla_cubins}")
-  list(APPEND _dcpmla_split_cubins "${_dcpmla_cubins}/${_kernel}.cubin")
-endforeach()
 if(DCPMLA_TESTS)
-  if(NOT Python_EXECUTABLE)
+  set(_dcpmla_split_kernels wg64_fp8 fp8_swap_e4m3 fp8_swap_e5m2)
+  set(_dcpmla_cubins "${CMAKE_BINARY_DIR}/cubins")
+  file(MAKE_DIRECTORY "${_dcpmla_cubins}")
+  set(_dcpmla_split_cubins "")
+  foreach(_kernel ${_dcpmla_split_kernels})
+    set_property(SOURCE "${CMAKE_CURRENT_SOURCE_DIR}/src/cuda/attention/instantiations/${_kernel}.cu" APPEND
+                 PROPERTY COMPILE_OPTIONS -keep "-keep-dir=${_dcpmla_cubins}")
+    list(APPEND _dcpmla_split_cubins "${_dcpmla_cubins}/${_kernel}.cubin")
+  endforeach()
+  # The project's interpreter (the Makefile passes the .venv's, which has nvdisasm), else any.
+  set(_dcpmla_python "${Python_EXECUTABLE}")
+  if(NOT _dcpmla_python)
     find_package(Python3 COMPONENTS Interpreter QUIET)
-    set(Python_EXECUTABLE "${Python3_EXECUTABLE}")
+    set(_dcpmla_python "${Python3_EXECUTABLE}")
   endif()
-  if(Python_EXECUTABLE)
+  if(_dcpmla_python)
     add_test(NAME register_split
-      COMMAND "${Python_EXECUTABLE}" "${CMAKE_CURRENT_SOURCE_DIR}/scripts/check_register_split.py" ${_dcpmla_split_cubins})
+      COMMAND "${_dcpmla_python}" "${CMAKE_CURRENT_SOURCE_DIR}/scripts/check_register_split.py" ${_dcpmla_split_cubins})
     # 77: no nvdisasm on this machine (neither the toolkit's nor the pip package's).
     set_tests_properties(register_split PROPERTIES SKIP_RETURN_CODE 77 LABELS "ptx")
   endif()

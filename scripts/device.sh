@@ -3,7 +3,8 @@
 #   scripts/device.sh [all|test|bench|ab]   (default all)
 #   scripts/device.sh deps                  here, before the call: fills .devdeps/ (carry it);
 #                                           AB_REV=<rev> also puts that commit's tree in it
-# One configure and build with the machine's own toolchain (nvcc, cmake, g++), then:
+# One configure and build with the machine's own toolchain (nvcc, cmake, g++; mode ab also
+# builds the other tree's bench), then:
 #   test    ctest -L "${LABELS:-gpu}": every GPU test is a CTest test with labels: gpu (all of
 #           them), dcp (the DCP step, device and NCCL communicators, mpirun), sanitize (the
 #           compute-sanitizer runs); the Python grid with device="cuda" is the test pytest_cuda
@@ -129,7 +130,7 @@ t0=$(date +%s)
 # follows content, not times: sources whose content changed since this script's last build
 # are touched, and everything is when some object is newer than that build (something was
 # built here outside this script, e.g. an experiment on an edited source).
-SOURCES=(src include tests bench python cmake CMakeLists.txt)
+SOURCES=(src include tests bench python apps cmake CMakeLists.txt)
 mkdir -p "$BUILD"
 find "${SOURCES[@]}" -type f -print0 | xargs -0 sha1sum | sort >"$BUILD/.sources.new"
 if [[ -f "$BUILD/.sources" ]]; then
@@ -155,13 +156,16 @@ build_tree() {  # source dir, build dir, [targets...]
 }
 [[ -f .devdeps/commit ]] && export DCPMLA_COMMIT="$(cat .devdeps/commit)"
 build_tree . "$BUILD"
-if [[ $? -ne 0 ]]; then
+built=$?
+# What this build was made from, timed after its objects, also when it failed: the objects it
+# did make are then not mistaken for objects built outside this script.
+mv "$BUILD/.sources.new" "$BUILD/.sources" && touch "$BUILD/.sources"
+if [[ $built -ne 0 ]]; then
   say "BUILD FAILED ($(( $(date +%s) - t0 )) s); last lines of build.log:"
   grep -E "error|Error" "$OUT/build.log" | head -n 30
   tail -n 30 "$OUT/build.log"
   exit 1
 fi
-mv "$BUILD/.sources.new" "$BUILD/.sources" && touch "$BUILD/.sources"  # what this build was made from, timed after its objects
 say "built in $(( $(date +%s) - t0 )) s ($(grep -E 'dcpmla: (NCCL|MPI)' "$OUT/build.log" | tr '\n' ' '))"
 
 # ---- tests: one ctest run over the labels --------------------------------------------------
@@ -215,6 +219,10 @@ fi
 if [[ "$MODE" == ab ]]; then
   [[ -f .devdeps/ab/.commit ]] || { say "mode ab: no .devdeps/ab (run AB_REV=<rev> scripts/device.sh deps)"; exit 1; }
   t0=$(date +%s)
+  # git archive stamps the other tree with its commit's time, older than any object of an
+  # earlier AB_REV on a warm machine: a build of another commit starts from scratch.
+  cmp -s .devdeps/ab/.commit "$BUILD-ab/.commit" || rm -rf "$BUILD-ab"
+  mkdir -p "$BUILD-ab" && cp .devdeps/ab/.commit "$BUILD-ab/.commit"
   DCPMLA_COMMIT="$(cat .devdeps/ab/.commit)" build_tree .devdeps/ab "$BUILD-ab" dcpmla_bench ||
     { say "BUILD FAILED (the other tree)"; tail -n 30 "$OUT/build.log"; exit 1; }
   say "other tree $(cat .devdeps/ab/.commit) built in $(( $(date +%s) - t0 )) s"
