@@ -2,16 +2,17 @@
 # Build, test and benchmark the CUDA backend on a GPU machine in one call:
 #   scripts/device.sh [all|test|bench|ab]   (default all)
 #   scripts/device.sh deps                  here, before the call: fills .devdeps/ (carry it);
-#                                           AB_REV=<rev> also puts that commit's tree in it
+#                                           AB_REV="<rev> [<rev>...]" also puts those commits'
+#                                           trees in it
 # One configure and build with the machine's own toolchain (nvcc, cmake, g++; mode ab also
 # builds the other tree's bench), then:
 #   test    ctest -L "${LABELS:-gpu}": every GPU test is a CTest test with labels: gpu (all of
 #           them), dcp (the DCP step, device and NCCL communicators, mpirun), sanitize (the
 #           compute-sanitizer runs); the Python grid with device="cuda" is the test pytest_cuda
 #   bench   dcpmla_dcp_bench and dcpmla_bench (--json, with their metadata); tables printed last
-#   ab      dcpmla_bench of this tree and of AB_REV's (carried) in one call, alternating
-#           this, other, this, other with AB_BENCH_ARGS: an experiment against its base on the
-#           same warm card, without a second machine start
+#   ab      dcpmla_bench of this tree and of each AB_REV's (carried) in one call, alternating
+#           this, the others, this, the others with AB_BENCH_ARGS: experiments against their
+#           base on the same warm card, without a second machine start
 # NCU=1 also profiles the attention kernels (NCU_KERNELS, a regex; NCU_COUNT launches) at
 # NCU_SHAPES (Nsight Compute).
 # Logs and JSON go to $OUT (default build-device/out). What the GPU image lacks (libfmt-dev,
@@ -68,11 +69,13 @@ CFG
   # The commit the copy is of (the GPU machine's copy of .git is not this checkout's).
   git describe --always --dirty --abbrev=12 >.devdeps/commit
   mkdir -p .devdeps/vectors && cp ../shared/vectors/* .devdeps/vectors/ 2>/dev/null || true
-  if [[ -n "${AB_REV:-}" ]]; then
-    mkdir -p .devdeps/ab && git archive "$AB_REV" | tar -x -C .devdeps/ab || exit 1
-    git rev-parse --short=12 "$AB_REV" >.devdeps/ab/.commit
-    say "the other tree of mode ab: $AB_REV ($(cat .devdeps/ab/.commit))"
-  fi
+  i=0
+  for rev in ${AB_REV:-}; do
+    i=$((i + 1))
+    mkdir -p ".devdeps/ab/$i" && git archive "$rev" | tar -x -C ".devdeps/ab/$i" || exit 1
+    echo "$rev $(git rev-parse --short=12 "$rev")" >".devdeps/ab/$i/.commit"
+    say "other tree $i of mode ab: $(cat ".devdeps/ab/$i/.commit")"
+  done
   say ".devdeps ready ($(du -sh .devdeps | cut -f1)); pass carry=[\".devdeps\"] to the device call"
   exit 0
 fi
@@ -215,26 +218,35 @@ if [[ "$NCU" == 1 ]] && command -v ncu >/dev/null 2>&1; then
   fi
 fi
 
-# ---- ab: this tree against AB_REV's, alternating on the same card ----------------------------
+# ---- ab: this tree against each AB_REV's, alternating on the same card -----------------------
 if [[ "$MODE" == ab ]]; then
-  [[ -f .devdeps/ab/.commit ]] || { say "mode ab: no .devdeps/ab (run AB_REV=<rev> scripts/device.sh deps)"; exit 1; }
-  t0=$(date +%s)
-  # git archive stamps the other tree with its commit's time, older than any object of an
-  # earlier AB_REV on a warm machine: a build of another commit starts from scratch.
-  cmp -s .devdeps/ab/.commit "$BUILD-ab/.commit" || rm -rf "$BUILD-ab"
-  mkdir -p "$BUILD-ab" && cp .devdeps/ab/.commit "$BUILD-ab/.commit"
-  DCPMLA_COMMIT="$(cat .devdeps/ab/.commit)" build_tree .devdeps/ab "$BUILD-ab" dcpmla_bench ||
-    { say "BUILD FAILED (the other tree)"; tail -n 30 "$OUT/build.log"; exit 1; }
-  say "other tree $(cat .devdeps/ab/.commit) built in $(( $(date +%s) - t0 )) s"
+  others=()
+  for d in .devdeps/ab/*/; do [[ -f "$d.commit" ]] && others+=("${d%/}"); done
+  [[ ${#others[@]} -gt 0 ]] || { say "mode ab: no .devdeps/ab (run AB_REV=<rev> scripts/device.sh deps)"; exit 1; }
+  for d in "${others[@]}"; do
+    t0=$(date +%s)
+    b="$BUILD-ab-$(basename "$d")"
+    # git archive stamps a tree with its commit's time, older than any object of an earlier
+    # commit built here on a warm machine: a build of another commit starts from scratch.
+    cmp -s "$d/.commit" "$b/.commit" || rm -rf "$b"
+    mkdir -p "$b" && cp "$d/.commit" "$b/.commit"
+    DCPMLA_COMMIT="$(cut -d' ' -f2 "$d/.commit")" build_tree "$d" "$b" dcpmla_bench ||
+      { say "BUILD FAILED (other tree $(cat "$d/.commit"))"; tail -n 30 "$OUT/build.log"; exit 1; }
+    say "other tree $(cat "$d/.commit") built in $(( $(date +%s) - t0 )) s"
+  done
   for round in 1 2; do
-    for side in this other; do
-      bin="$BUILD/bench/dcpmla_bench"
-      [[ $side == other ]] && bin="$BUILD-ab/bench/dcpmla_bench"
+    for side in this "${others[@]}"; do
+      if [[ $side == this ]]; then
+        bin="$BUILD/bench/dcpmla_bench" name=this label="this $(cat .devdeps/commit)"
+      else
+        bin="$BUILD-ab-$(basename "$side")/bench/dcpmla_bench" name="other$(basename "$side")"
+        label="$(cat "$side/.commit")"
+      fi
       # shellcheck disable=SC2086
-      timeout 240 "$bin" --json "$OUT/ab_${side}_$round.json" ${AB_BENCH_ARGS:---no-baseline} \
-        >"$OUT/ab_${side}_$round.log" 2>&1 || status=1
-      echo "=== $side ($([[ $side == this ]] && cat .devdeps/commit || cat .devdeps/ab/.commit)), round $round"
-      cat "$OUT/ab_${side}_$round.log"
+      timeout 240 "$bin" --json "$OUT/ab_${name}_$round.json" ${AB_BENCH_ARGS:---no-baseline} \
+        >"$OUT/ab_${name}_$round.log" 2>&1 || status=1
+      echo "=== $label, round $round"
+      grep -E '^ ' "$OUT/ab_${name}_$round.log"
     done
   done
 fi

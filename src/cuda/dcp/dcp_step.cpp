@@ -286,8 +286,10 @@ void DcpStep::run(const bf16* q_local, const bf16* new_latents, const KvCache& c
   require(q_local != nullptr && out != nullptr && lse != nullptr, "q_local/out/lse", "null", "device pointers");
   require(new_latents != nullptr || route_ != Route::two_stage, "new_latents", "null",
           "the verify block's latents (two_stage's stage B reads them)");
-  // The latents' 16-byte alignment is write_kv's check; the step's own kernels read and write
-  // the rest element by element.
+  // write_kv reads the latents 16 bytes at a time (checked here too, to name the caller's
+  // argument); the step's own kernels read and write the rest element by element.
+  cuda_detail::require_aligned(new_latents, 16, "new_latents",
+                               "16-byte aligned device memory (the write reads latents 16 bytes at a time)");
   cuda_detail::require_aligned(q_local, 2, "q_local", "2-byte aligned device memory (bf16)");
   cuda_detail::require_aligned(out, 2, "out", "2-byte aligned device memory (bf16)");
   cuda_detail::require_aligned(lse, 4, "lse", "4-byte aligned device memory (float32)");
