@@ -127,11 +127,10 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
   // n-th use (n = gt / STAGES) completes phase n of full[stage] and of empty[stage].
   uint32_t gbase = 0;
 
-  if (role == 0) {
-    // ================= producer ==================================================================
-    setmaxnreg_dec<C::PRODUCER_REGS>();
-    // Eight threads per token row (chunks lc + 8 m: one 128-byte row of each column block),
-    // tokens lt + 16 j; a warp's copy reads 4 tokens x 128 contiguous bytes.
+  // ================= producer role ==============================================================
+  // Eight threads per token row (chunks lc + 8 m: one 128-byte row of each column block),
+  // tokens lt + 16 j; a warp's copy reads 4 tokens x 128 contiguous bytes.
+  auto producer_role = [&] {
     const int lt = t >> 3, lc = t & 7;
     for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
       const UnitSpan us = unit_span<M, NT>(p, cur, ps);
@@ -170,6 +169,10 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
       gbase += uint32_t(us.ntiles);
     }
     cp_async_wait_all();  // the CTA does not exit with copies in flight
+  };
+  if (role == 0) {
+    setmaxnreg_dec<C::PRODUCER_REGS>();
+    producer_role();
     return;
   }
 
@@ -205,7 +208,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
 
     // Q rows [row0, row0 + nr) as hi + lo e4m3, scaled per row: 16 consumer threads per row,
     // chunk (8 values) q16 + 16 m. Padding rows of the CTA are zero.
-    {
+    auto load_q = [&] {
       const int ct = tid - 128, r = ct >> 4, q16 = ct & 15;
       const bf16* qrow = p.q + (us.q_row + r) * kDim;
       uint4 raw[5];
@@ -258,7 +261,8 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
         *reinterpret_cast<uint2*>(sh.q + off) = make_uint2(hi[0], hi[1]);
         *reinterpret_cast<uint2*>(sh.q + M * 128 + off) = make_uint2(lo[0], lo[1]);
       }
-    }
+    };
+    load_q();
     fence_proxy_async();  // Q is read by wgmma (async proxy)
     consumers_sync();
 
@@ -423,58 +427,61 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
     }
 
     // ---- merge the two consumers' states, normalise, write -----------------------------------
-    // l of a row over this warpgroup: lanes of one c share the rows; then the four warps.
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        float v = l_run[j][u];
-#pragma unroll
-        for (int d = 4; d <= 16; d <<= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
-        if (g == 0) sL[(cw * 4 + w) * M + row_of(j, u)] = v;
-      }
-    if (cw == 1) {
-#pragma unroll
-      for (int bb = 0; bb < 8; ++bb)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) sO1[(bb * 8 + e) * 128 + t] = o[bb][e];
-      if (w == 0 && g == 0)
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int u = 0; u < 2; ++u) sM1[row_of(j, u)] = m_run[j][u];
-    }
-    consumers_sync();
-    if (cw == 0) {
-#pragma unroll
+    auto merge_and_store = [&] {
+      // l of a row over this warpgroup: lanes of one c share the rows; then the four warps.
+  #pragma unroll
       for (int j = 0; j < 2; ++j)
-#pragma unroll
+  #pragma unroll
         for (int u = 0; u < 2; ++u) {
-          const int r = row_of(j, u);
-          const float m0 = m_run[j][u], m1 = sM1[r];
-          const float mn = fmaxf(m0, m1), mu = mn == kNegInf ? 0.0f : mn;
-          const float f0 = fast_exp2(m0 - mu), f1 = fast_exp2(m1 - mu);
-          float l0 = 0.0f, l1 = 0.0f;
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            l0 += sL[q * M + r];
-            l1 += sL[(4 + q) * M + r];
-          }
-          const float l = l0 * f0 + l1 * f1;
-#pragma unroll
-          for (int bb = 0; bb < 8; ++bb)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int e = 4 * j + 2 * h + u;
-              o[bb][e] = o[bb][e] * f0 + sO1[(bb * 8 + e) * 128 + t] * f1;
-            }
-          if (r < nr) {
-            store_row_slice<8, 16>(p, us, r, 128 * w + 2 * g, l, out_scale,
-                                  [&](int bb) { return make_float2(o[bb][4 * j + u], o[bb][4 * j + 2 + u]); });
-            if (w == 0 && g == 0) store_row_stats(p, us, r, mn, l);
-          }
+          float v = l_run[j][u];
+  #pragma unroll
+          for (int d = 4; d <= 16; d <<= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+          if (g == 0) sL[(cw * 4 + w) * M + row_of(j, u)] = v;
         }
-    }
+      if (cw == 1) {
+  #pragma unroll
+        for (int bb = 0; bb < 8; ++bb)
+  #pragma unroll
+          for (int e = 0; e < 8; ++e) sO1[(bb * 8 + e) * 128 + t] = o[bb][e];
+        if (w == 0 && g == 0)
+  #pragma unroll
+          for (int j = 0; j < 2; ++j)
+  #pragma unroll
+            for (int u = 0; u < 2; ++u) sM1[row_of(j, u)] = m_run[j][u];
+      }
+      consumers_sync();
+      if (cw == 0) {
+  #pragma unroll
+        for (int j = 0; j < 2; ++j)
+  #pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            const int r = row_of(j, u);
+            const float m0 = m_run[j][u], m1 = sM1[r];
+            const float mn = fmaxf(m0, m1), mu = mn == kNegInf ? 0.0f : mn;
+            const float f0 = fast_exp2(m0 - mu), f1 = fast_exp2(m1 - mu);
+            float l0 = 0.0f, l1 = 0.0f;
+  #pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              l0 += sL[q * M + r];
+              l1 += sL[(4 + q) * M + r];
+            }
+            const float l = l0 * f0 + l1 * f1;
+  #pragma unroll
+            for (int bb = 0; bb < 8; ++bb)
+  #pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                const int e = 4 * j + 2 * h + u;
+                o[bb][e] = o[bb][e] * f0 + sO1[(bb * 8 + e) * 128 + t] * f1;
+              }
+            if (r < nr) {
+              store_row_slice<8, 16>(p, us, r, 128 * w + 2 * g, l, out_scale,
+                                    [&](int bb) { return make_float2(o[bb][4 * j + u], o[bb][4 * j + 2 + u]); });
+              if (w == 0 && g == 0) store_row_stats(p, us, r, mn, l);
+            }
+          }
+      }
+    };
+    merge_and_store();
     consumers_sync();  // sQ, sO1, sL, sM1 are reused by the next unit
   }
 }

@@ -291,8 +291,9 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
     for (int k = 0; k < 128; ++k) o[k] = 0.0f;
     float m_run[2] = {kNegInf, kNegInf}, l_run[2] = {0.0f, 0.0f};
 
-    if (wg == 0) {
-      // ================= WG0: S, softmax, O[:, 0:256] ==========================================
+    // The softmax role (WG0): S, the online softmax, P and alpha to WG1, O[:, 0:256] += P V;
+    // then the row statistics for the epilogue.
+    auto softmax_role = [&] {
       const int lim0 = min(sLen[r0], tok_hi), lim1 = min(sLen[r1], tok_hi);
       for (int i = 0; i < ntiles; ++i) {
         const int s = (gbase + i) & 1;
@@ -401,8 +402,10 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         sM[r0] = m_run[0];
         sM[r1] = m_run[1];
       }
-    } else {
-      // ================= WG1: O[:, 256:512] (bf16: and the loads) =============================
+    };
+    // The P V role (WG1): O[:, 256:512] += P V with P from shared memory; for bf16 also the
+    // loads of the next tiles.
+    auto pv_role = [&] {
       for (int i = 0; i < ntiles; ++i) {
         const int s = (gbase + i) & 1;
         named_sync(kBarPReady, 256);
@@ -432,7 +435,9 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         // WG0 cannot arrive on kBarSFree twice before this warpgroup has synced on it once.
         if (i + 1 < ntiles) mbar_arrive(bar_a + 8 * kMbarPFree);
       }
-    }
+    };
+    if (wg == 0) softmax_role();
+    else pv_role();
     consumers_sync();  // sL, sM
 
     // ---- epilogue: normalise, write this warpgroup's 256 columns ----------------------------
