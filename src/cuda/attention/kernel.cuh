@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
     const UnitSpan u = unit_span<M, NT>(p, cur, ps);
     const int row0 = u.row0, nr = u.nr;
     const int tok_lo = u.tok_lo, tok_hi = u.tok_hi, ntiles = u.ntiles;
-    const int32_t *lens = u.lens, *subpages = u.subpages;
+    const int32_t* lens = u.lens;
     if (tid < M) sLen[tid] = tid < nr ? lens[(row0 + tid) / p.heads] : 0;
 
     // Q rows [row0, row0 + nr) of request b; padding rows of the CTA are zero.
@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
 #pragma unroll
       for (int j = 0; j < kTokens; ++j) {
         const int jt = tok_lo + i * NT + tk + kPass * j;
-        sp.v[j] = (i < ntiles && jt < tok_hi) ? subpages[jt >> ps.page_shift] : 0;
+        sp.v[j] = token_subpage(u, ps, i, jt);
       }
       return sp;
     };
@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
       for (int j = 0; j < kTokens; ++j) {
         const int tok = tk + kPass * j, jt = tok_lo + i * NT + tok;
         const bool ok = jt < tok_hi;
-        const uint8_t* src = ok ? p.kv + (int64_t(sp.v[j]) * ps.page + (jt & (ps.page - 1))) * C::STORED_ROW_BYTES : p.kv;
+        const uint8_t* src = ok ? token_row<C::STORED_ROW_BYTES>(p, ps, sp.v[j], jt) : p.kv;
         if constexpr (!FP8) {
           const uint32_t dst = smem_addr(st);
 #pragma unroll

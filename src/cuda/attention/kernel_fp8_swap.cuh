@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int jt = us.tok_lo + i * NT + lt + 16 * j;
-          sp[j] = (i < us.ntiles && jt < us.tok_hi) ? us.subpages[jt >> ps.page_shift] : 0;
+          sp[j] = token_subpage(us, ps, i, jt);
         }
       };
       // Two tiles ahead: a lookup's latency is longer than a tile's issue.
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
         for (int j = 0; j < 4; ++j) {
           const int tok = lt + 16 * j, jt = us.tok_lo + i * NT + tok;
           const bool ok = jt < us.tok_hi;  // past it: zero-filled, never read
-          const uint8_t* src = ok ? p.kv + (int64_t(sp[j]) * ps.page + (jt & (ps.page - 1))) * kDim : p.kv;
+          const uint8_t* src = ok ? token_row<kDim>(p, ps, sp[j], jt) : p.kv;
 #pragma unroll
           for (int m = 0; m < C::BLOCKS; ++m)
             if (m < C::BLOCKS - 1 || lc < 4)

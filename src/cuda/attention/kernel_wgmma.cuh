@@ -116,16 +116,13 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
   uint32_t gbase = 0;
   for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
     const UnitSpan u = unit_span<M, NT>(p, cur, ps);
-    // Sub-page of this thread's token of tile i (0 past the end: never dereferenced).
-    auto subpage = [&](int i) {
-      const int j = u.tok_lo + i * NT + tk;
-      return (i < u.ntiles && j < u.tok_hi) ? u.subpages[j >> ps.page_shift] : 0;
-    };
+    // Sub-page of this thread's token of tile i.
+    auto subpage = [&](int i) { return token_subpage(u, ps, i, u.tok_lo + i * NT + tk); };
     // Raw bytes of tile i (zeros past tok_hi).
     auto read = [&](int i, int sp) {
       const int j = u.tok_lo + i * NT + tk;
       const bool ok = j < u.tok_hi;
-      const uint8_t* src = p.kv + (int64_t(sp) * ps.page + (j & (ps.page - 1))) * kDim;
+      const uint8_t* src = token_row<kDim>(p, ps, sp, j);
 #pragma unroll
       for (int k = 0; k < kDim / 32; ++k)
         raw[k] = ok ? __ldg(reinterpret_cast<const uint4*>(src + (2 * k + half) * 16)) : make_uint4(0u, 0u, 0u, 0u);
@@ -235,7 +232,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
     const UnitSpan u = unit_span<M, NT>(p, cur, ps);
     const int row0 = u.row0, nr = u.nr;
     const int tok_lo = u.tok_lo, tok_hi = u.tok_hi, ntiles = u.ntiles;
-    const int32_t *lens = u.lens, *subpages = u.subpages;
+    const int32_t* lens = u.lens;
     if (tid < M) sLen[tid] = tid < nr ? lens[(row0 + tid) / p.heads] : 0;
 
     // ---- bf16 loader helpers (WG1) ------------------------------------------------------------
@@ -244,7 +241,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int jt = tok_lo + i * NT + lt + 16 * j;
-        sp[j] = (i < ntiles && jt < tok_hi) ? subpages[jt >> ps.page_shift] : 0;
+        sp[j] = token_subpage(u, ps, i, jt);
       }
     };
     // Tile i -> stage s by cp.async (tokens at or past tok_hi are zero-filled), then one
@@ -255,7 +252,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
       for (int j = 0; j < 4; ++j) {
         const int tok = lt + 16 * j, jt = tok_lo + i * NT + tok;
         const bool ok = jt < tok_hi;
-        const uint8_t* src = ok ? p.kv + (int64_t(sp[j]) * ps.page + (jt & (ps.page - 1))) * (kDim * 2) : p.kv;
+        const uint8_t* src = ok ? token_row<kDim * 2>(p, ps, sp[j], jt) : p.kv;
 #pragma unroll
         for (int m = 0; m < kDim / 64; ++m) {
           const int ch = lc + 8 * m;

@@ -105,6 +105,20 @@ __device__ __forceinline__ UnitSpan unit_span(const AttentionParams& p, const Un
   return u;
 }
 
+// The sub-page holding token jt of the unit's tile i, from its row of the sub-page table; 0
+// past the last tile or at or past tok_hi, where the loaders read nothing (zero-fill) and
+// the table may end.
+__device__ __forceinline__ int token_subpage(const UnitSpan& u, const PlanScalars& ps, int i, int jt) {
+  return (i < u.ntiles && jt < u.tok_hi) ? u.subpages[jt >> ps.page_shift] : 0;
+}
+
+// Token jt's stored row (ROW_BYTES) in the paged cache, on its sub-page.
+template <int ROW_BYTES>
+__device__ __forceinline__ const uint8_t* token_row(const AttentionParams& p, const PlanScalars& ps, int subpage,
+                                                    int jt) {
+  return p.kv + (int64_t(subpage) * ps.page + (jt & (ps.page - 1))) * ROW_BYTES;
+}
+
 // Columns col + STRIDE n, col + STRIDE n + 1 (n < N) of row dst_row + r of unit u, from
 // pair(n) = (o, o'), scaled by out_scale / l: l = 0 means no key (o = 0); a NaN l propagates.
 template <int N, int STRIDE = 8, typename Pair>
