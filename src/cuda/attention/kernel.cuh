@@ -16,22 +16,11 @@
 #include "common/params.h"
 #include "common/utils.cuh"
 #include "config.h"
+#include "softmax.cuh"
+#include "swizzle.cuh"
 #include "unit.cuh"
 
 namespace dcpmla::cuda_detail {
-
-// Byte offset of 16-byte chunk `chunk` of row `row` in a (rows, 576) bf16 buffer. The XOR
-// spreads the 8 rows an ldmatrix reads over distinct banks (rows are 1152 B = 0 mod 128).
-__device__ __forceinline__ uint32_t swz(int row, int chunk) {
-  return uint32_t(row * (kDim * 2) + ((chunk ^ (row & 7)) << 4));
-}
-// Same for P, (M, NT) bf16: rows of NT / 8 chunks. With 4 chunks (64 B) pairs of rows
-// share banks, hence the row >> 1.
-template <int NT>
-__device__ __forceinline__ uint32_t swz_p(int row, int chunk) {
-  if constexpr (NT == 64) return uint32_t(row * 128 + ((chunk ^ (row & 7)) << 4));
-  else return uint32_t(row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4));
-}
 
 template <int MT, int NT, int CPS, bool FP8>
 __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_constant__ AttentionParams p) {
@@ -70,14 +59,7 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
     const int32_t* lens = u.lens;
     if (tid < M) sLen[tid] = tid < nr ? lens[(row0 + tid) / p.heads] : 0;
 
-    // Q rows [row0, row0 + nr) of request b; padding rows of the CTA are zero.
-    const bf16* qb = p.q + u.q_row * kDim;
-    for (int idx = tid; idx < M * (kDim / 8); idx += kThreads) {
-      const int r = idx / (kDim / 8), ch = idx % (kDim / 8);
-      const bool ok = r < nr;
-      cp_async_16(sQ_a + swz(r, ch), ok ? static_cast<const void*>(qb + int64_t(r) * kDim + ch * 8) : p.q,
-                  ok ? 16 : 0);
-    }
+    load_q_async<M, kThreads>(p, u, sQ_a, tid, swz);
     cp_async_commit();
 
     // Tile i: tokens [tok_lo + i NT, +NT) -> stage s; eight threads per token row, so that a
@@ -282,10 +264,8 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
           mx0 = fmaxf(mx0, sMax[q * M + r0]);
           mx1 = fmaxf(mx1, sMax[q * M + r1]);
         }
-        const float mn0 = fmaxf(m_run[0], mx0), mn1 = fmaxf(m_run[1], mx1);
-        // A row with no key yet keeps m = -inf; exponents then use 0 so that nothing is NaN.
-        const float mu0 = mn0 == kNegInf ? 0.0f : mn0, mu1 = mn1 == kNegInf ? 0.0f : mn1;
-        const float al0 = fast_exp2(m_run[0] - mu0), al1 = fast_exp2(m_run[1] - mu1);
+        const SoftmaxStep st0 = softmax_step(m_run[0], mx0), st1 = softmax_step(m_run[1], mx1);
+        const float mu0 = st0.mu, mu1 = st1.mu, al0 = st0.alpha, al1 = st1.alpha;
         float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
         for (int n = 0; n < C::NTW; ++n) {
@@ -299,8 +279,8 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
         }
         l_run[0] = l_run[0] * al0 + sum0;
         l_run[1] = l_run[1] * al1 + sum1;
-        m_run[0] = mn0;
-        m_run[1] = mn1;
+        m_run[0] = st0.m;
+        m_run[1] = st1.m;
         if (wn == 0 && c == 0) {
           sAlpha[r0] = al0;
           sAlpha[r1] = al1;

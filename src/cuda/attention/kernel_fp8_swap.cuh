@@ -55,6 +55,8 @@
 #include "common/params.h"
 #include "common/utils.cuh"
 #include "config.h"
+#include "softmax.cuh"
+#include "swizzle.cuh"
 #include "unit.cuh"
 #include "wgmma.cuh"
 
@@ -158,7 +160,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
 #pragma unroll
           for (int m = 0; m < C::BLOCKS; ++m)
             if (m < C::BLOCKS - 1 || lc < 4)
-              cp_async_16(dst + m * (NT * 128) + tok * 128 + ((lc ^ (tok & 7)) << 4), src + (lc + 8 * m) * 16,
+              cp_async_16(dst + swz128(tok, m, lc, NT * 128), src + (lc + 8 * m) * 16,
                           ok ? 16 : 0);
         }
         cp_async_mbar_arrive(full_a + 8 * s);
@@ -256,8 +258,8 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
             lo[e >> 1] = l;
           }
         }
-        const int byte = ch * 8, within = byte & 127;
-        const int off = (byte >> 7) * (2 * M * 128) + r * 128 + ((((within >> 4) ^ (r & 7))) << 4) + (within & 15);
+        const int byte = ch * 8;  // hi and lo blocks alternate: a block of each per 128 bytes of Q
+        const int off = swz128(r, byte >> 7, (byte >> 4) & 7, 2 * M * 128) + (byte & 15);
         *reinterpret_cast<uint2*>(sh.q + off) = make_uint2(hi[0], hi[1]);
         *reinterpret_cast<uint2*>(sh.q + M * 128 + off) = make_uint2(lo[0], lo[1]);
       }
@@ -347,18 +349,17 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
         for (int u = 0; u < 2; ++u) {
           const int r = row_of(j, u);
           const float tmax = fmaxf(fmaxf(sRed[r], sRed[M + r]), fmaxf(sRed[2 * M + r], sRed[3 * M + r]));
-          const float mn = fmaxf(m_run[j][u], tmax);
-          // A row with no key yet keeps m = -inf; exponents then use 0 so that nothing is NaN.
-          const float mu = mn == kNegInf ? 0.0f : mn;
-          alpha[j][u] = fast_exp2(m_run[j][u] - mu);
+          const SoftmaxStep st = softmax_step(m_run[j][u], tmax);
+          const float mu = st.mu;
+          alpha[j][u] = st.alpha;
           const float p0 = fast_exp2(x[j][0][u] - mu), p1 = fast_exp2(x[j][1][u] - mu);
           l_run[j][u] = l_run[j][u] * alpha[j][u] + (p0 + p1);
-          m_run[j][u] = mn;
+          m_run[j][u] = st.m;
           // 3. P^T[r][k]: token g + 8 h of this warp's 16 is k 16 w + 4 (g >> 1) + (g & 1) + 2 h.
           uint16_t ph, pl;
           split_e4m3x2(p0 * 256.0f, p1 * 256.0f, ph, pl);
           const int kk = 16 * w + 4 * (g >> 1) + (g & 1);
-          const int off = r * 128 + (((kk >> 4) ^ (r & 7)) << 4) + (kk & 15);
+          const int off = swz128(r, 0, kk >> 4, M * 128) + (kk & 15);
           sPh[off] = uint8_t(ph);
           sPh[off + 2] = uint8_t(ph >> 8);
           sPl[off] = uint8_t(pl);
@@ -457,8 +458,8 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
           for (int u = 0; u < 2; ++u) {
             const int r = row_of(j, u);
             const float m0 = m_run[j][u], m1 = sM1[r];
-            const float mn = fmaxf(m0, m1), mu = mn == kNegInf ? 0.0f : mn;
-            const float f0 = fast_exp2(m0 - mu), f1 = fast_exp2(m1 - mu);
+            const SoftmaxStep st = softmax_step(m0, m1);  // the merged state's maximum and both factors
+            const float mn = st.m, f0 = st.alpha, f1 = fast_exp2(m1 - st.mu);
             float l0 = 0.0f, l1 = 0.0f;
   #pragma unroll
             for (int q = 0; q < 4; ++q) {

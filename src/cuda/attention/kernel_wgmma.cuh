@@ -40,6 +40,8 @@
 #include "common/params.h"
 #include "common/utils.cuh"
 #include "config.h"
+#include "softmax.cuh"
+#include "swizzle.cuh"
 #include "unit.cuh"
 #include "wgmma.cuh"
 
@@ -92,13 +94,6 @@ inline constexpr int kWgSmemBytes = int(sizeof(WgShared)) + 1024;  // + slack to
 static_assert(kWgSmemBytes <= kSmemPerCta, "wgmma tiles do not fit in shared memory");
 
 
-// Byte offset of 16-byte chunk `chunk` (0..71 along D) of row `row` in a (ROWS, 576) bf16
-// buffer stored as 9 column blocks of (ROWS, 64) with the 128-byte swizzle.
-template <int ROWS>
-__device__ __forceinline__ uint32_t swz128(int row, int chunk) {
-  return uint32_t((chunk >> 3) * (ROWS * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
-}
-
 // fp8 producer warpgroup (thread t of 128): streams the raw bytes of each tile into
 // registers one tile ahead (two threads per token, alternating 16-byte chunks of its row),
 // waits until both consumers have released the tile's stage, dequantises into it (exact:
@@ -132,16 +127,14 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
     for (int i = 0; i < u.ntiles; ++i) {
       const uint32_t gt = gbase + uint32_t(i), s = gt & 1u, n = gt >> 1;
       if (n > 0) mbar_wait(bar_a + 8 * (kMbarEmpty0 + s), (n - 1) & 1u);
-      // fp8 chunk 2 k + half = bf16 chunks 4 k + 2 half + e (e < 2): column block k / 2,
-      // chunk 4 (k & 1) + 2 half + e of the token's row, swizzled (swz128) by tk & 7.
-      uint8_t* row = sh.kv[s] + tk * 128;
+      // fp8 chunk 2 k + half of the token's row = bf16 chunks 4 k + 2 half + e (e < 2).
 #pragma unroll
       for (int k = 0; k < kDim / 32; ++k) {
         uint32_t v[8];
         fp8x16_to_bf16x16(raw[k], E5M2, v);
 #pragma unroll
         for (int e = 0; e < 2; ++e)
-          *reinterpret_cast<uint4*>(row + (k >> 1) * (NT * 128) + (((4 * (k & 1) + 2 * half + e) ^ (tk & 7)) << 4)) =
+          *reinterpret_cast<uint4*>(sh.kv[s] + swz128(tk, k >> 1, 4 * (k & 1) + 2 * half + e, NT * 128)) =
               make_uint4(v[4 * e], v[4 * e + 1], v[4 * e + 2], v[4 * e + 3]);
       }
       fence_proxy_async();  // the stores are read by wgmma (async proxy)
@@ -256,7 +249,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
 #pragma unroll
         for (int m = 0; m < kDim / 64; ++m) {
           const int ch = lc + 8 * m;
-          cp_async_16(dst + swz128<NT>(tok, ch), src + ch * 16, ok ? 16 : 0);
+          cp_async_16(dst + swz128(tok, ch >> 3, ch & 7, NT * 128), src + ch * 16, ok ? 16 : 0);
         }
       }
       cp_async_mbar_arrive(bar_a + 8 * (kMbarFull0 + s));
@@ -272,14 +265,8 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
       }
     }
 
-    // Q rows [row0, row0 + nr) of request b; padding rows of the CTA are zero.
-    const bf16* qb = p.q + u.q_row * kDim;
-    for (int idx = tid; idx < M * (kDim / 8); idx += C::CONSUMERS) {
-      const int r = idx / (kDim / 8), ch = idx % (kDim / 8);
-      const bool ok = r < nr;
-      cp_async_16(sQ_a + swz128<M>(r, ch), ok ? static_cast<const void*>(qb + int64_t(r) * kDim + ch * 8) : p.q,
-                  ok ? 16 : 0);
-    }
+    load_q_async<M, C::CONSUMERS>(p, u, sQ_a, tid,
+                                  [](int r, int ch) { return swz128(r, ch >> 3, ch & 7, M * 128); });
     cp_async_wait_all();
     fence_proxy_async();
     consumers_sync();  // Q and sLen visible to both warpgroups
@@ -335,10 +322,8 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
           mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, d));
           mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, d));
         }
-        const float mn0 = fmaxf(m_run[0], mx0 * sl2), mn1 = fmaxf(m_run[1], mx1 * sl2);  // sl2 > 0
-        // A row with no key yet keeps m = -inf; exponents then use 0 so that nothing is NaN.
-        const float mu0 = mn0 == kNegInf ? 0.0f : mn0, mu1 = mn1 == kNegInf ? 0.0f : mn1;
-        const float al0 = fast_exp2(m_run[0] - mu0), al1 = fast_exp2(m_run[1] - mu1);
+        const SoftmaxStep st0 = softmax_step(m_run[0], mx0 * sl2), st1 = softmax_step(m_run[1], mx1 * sl2);  // sl2 > 0
+        const float mu0 = st0.mu, mu1 = st1.mu, al0 = st0.alpha, al1 = st1.alpha;
         float sum0 = 0.0f, sum1 = 0.0f;
         uint32_t pa[4][4];  // A fragments of P V, k16 step kk = tokens [16 kk, 16 kk + 16)
 #pragma unroll
@@ -352,8 +337,8 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         }
         l_run[0] = l_run[0] * al0 + sum0;
         l_run[1] = l_run[1] * al1 + sum1;
-        m_run[0] = mn0;
-        m_run[1] = mn1;
+        m_run[0] = st0.m;
+        m_run[1] = st1.m;
         rescale_o(al0, al1);
 
         // Hand P (bf16, K-major swizzled (64, 64)) and alpha to WG1.

@@ -179,4 +179,18 @@ void launch_attention_kernel(const AttentionParams& p, int grid, int threads, in
   }
 }
 
+// The unit's Q rows [row0, row0 + nr) into shared memory by cp.async (THREADS threads from
+// `tid`, not committed): 16-byte chunk ch of row r at sQ + at(r, ch), the kernel's layout.
+// Padding rows of the CTA are zero-filled.
+template <int M, int THREADS, typename At>
+__device__ __forceinline__ void load_q_async(const AttentionParams& p, const UnitSpan& u, uint32_t sQ, int tid,
+                                             At at) {
+  const bf16* qb = p.q + u.q_row * kDim;
+  for (int idx = tid; idx < M * (kDim / 8); idx += THREADS) {
+    const int r = idx / (kDim / 8), ch = idx % (kDim / 8);
+    const bool ok = r < u.nr;
+    cp_async_16(sQ + at(r, ch), ok ? static_cast<const void*>(qb + int64_t(r) * kDim + ch * 8) : p.q, ok ? 16 : 0);
+  }
+}
+
 }  // namespace dcpmla::cuda_detail
