@@ -15,17 +15,16 @@
 //   Per tile the tensor cores run S, then (after softmax) both halves of P V together; WG1's
 //   half may still run while WG0 starts the next S. (Overlapping softmax with the tensor
 //   cores needs another schedule: bench/NOTES.md, next steps.)
-// Who fills the stages depends on the cache:
-//   bf16 (256 threads): WG1 also loads tile i + 2 into the stage of tile i once both halves
-//     of P V_i are done, by cp.async straight into the swizzled stage; each loader thread's
-//     copies arrive on the stage's mbarrier when they land (cp.async.mbarrier.arrive.noinc).
-//   fp8 (384 threads): a third warpgroup, the producer (104 registers; the consumers take 200),
-//     keeps the raw bytes of the next tile in registers, dequantises them (exact; kv_scale
-//     folded into the softmax and output scales) into the stage as soon as both consumers
-//     have released it ("empty" mbarriers), fences them for the async proxy and arrives. It
-//     runs ahead across units, so the dequantise pass is off the consumers' path.
-// fp8: tiles are numbered across a CTA's units (gt), tile gt in stage gt % 2; bf16 units start
-// at stage 0 (gbase stays 0: numbering them too cost 25 registers).
+// A third warpgroup, the producer, fills the stages: it waits until both consumers have
+// released a stage ("empty" mbarriers), fills it and arrives on its "full" mbarrier, running
+// ahead across the CTA's units (tiles are numbered across them: tile gt sits in stage gt % 2),
+// so the next unit's first tiles load during this unit's last tiles and epilogue.
+//   bf16: cp.async straight into the swizzled stage; each producer thread's copies arrive on
+//     the stage's full barrier when they land (cp.async.mbarrier.arrive.noinc). 40 registers;
+//     the consumers take 232.
+//   fp8: the raw bytes of the next tile wait in registers, are dequantised (exact; kv_scale
+//     folded into the softmax and output scales) into the stage, fenced for the async proxy,
+//     then arrived. 104 registers; the consumers take 200.
 //
 // Shared memory (WgShared, from a 1024-byte aligned base; every buffer is a stack of (rows, 64)
 // column blocks of 128-byte rows, the 16-byte chunk c of row r at chunk c ^ (r & 7)):
@@ -51,12 +50,13 @@ template <bool FP8>
 struct WgConfig {
   static constexpr int M = 64;         // query rows per CTA: one wgmma M
   static constexpr int NT = 64;        // KV tokens per tile: N of S, K of P V
-  // Two consumer warpgroups; fp8 adds the dequantising producer.
-  static constexpr int THREADS = FP8 ? 384 : 256;
+  // Two consumer warpgroups and the producer.
+  static constexpr int THREADS = 384;
   static constexpr int CONSUMERS = 256;
-  // fp8's register split (168 per thread at launch: 104 + 2 x 200 = 3 x 168).
-  static constexpr int PRODUCER_REGS = 104, CONSUMER_REGS = 200;
-  static_assert(!FP8 || fits_launch_registers(THREADS, PRODUCER_REGS, CONSUMER_REGS));
+  // The register split (168 per thread at launch, 3 x 168 in all): fp8's producer holds a tile
+  // of raw bytes, bf16's only issues copies.
+  static constexpr int PRODUCER_REGS = FP8 ? 104 : 40, CONSUMER_REGS = FP8 ? 200 : 232;
+  static_assert(fits_launch_registers(THREADS, PRODUCER_REGS, CONSUMER_REGS));
   static constexpr int STAGES = 2;
   static constexpr int KSTEPS = kDim / 16;                  // 36 k16 steps of S
   static constexpr int Q_BYTES = M * kDim * 2;              // (64, 576) bf16
@@ -70,14 +70,13 @@ struct WgConfig {
 // two consumer warpgroups together.
 enum WgBarrier : int {
   kBarPReady = 1,     // P(i) and alpha(i) are in shared memory
-  kBarSFree = 3,      // bf16: WG0 is done with tile i's stage
-  kBarConsumers = 4,  // both consumers (the whole CTA for bf16)
+  kBarConsumers = 4,  // both consumers
 };
 // The mbarriers (WgShared::bar): full[0], full[1] ("stage s holds a tile"; one arrival per
-// loader (bf16) or producer (fp8) thread), then "P free": WG1 has consumed P(i) and alpha(i), sP may be rewritten (one
+// producer thread), then "P free": WG1 has consumed P(i) and alpha(i), sP may be rewritten (one
 // arrival per WG1 thread; WG0 waits on it from its own branch, where a named barrier would
-// have to be the slower unaligned barrier.sync), then for fp8 empty[0], empty[1] ("both
-// consumers are done with stage s"; one arrival per consumer thread).
+// have to be the slower unaligned barrier.sync), then empty[0], empty[1] ("both consumers are
+// done with stage s"; one arrival per consumer thread).
 enum WgMbarrier : int { kMbarFull0 = 0, kMbarFull1 = 1, kMbarPFree = 2, kMbarEmpty0 = 3, kMbarEmpty1 = 4 };
 
 // The kernel's shared memory (from a 1024-byte aligned base; the operands on swizzle atoms).
@@ -93,6 +92,47 @@ struct WgShared {
 inline constexpr int kWgSmemBytes = int(sizeof(WgShared)) + 1024;  // + slack to align the base
 static_assert(kWgSmemBytes <= kSmemPerCta, "wgmma tiles do not fit in shared memory");
 
+
+// bf16 producer warpgroup (thread t of 128): each tile by cp.async straight into its swizzled
+// stage as soon as both consumers have released it. Eight threads per token (chunks lc + 8 m,
+// m < 9: one 128-byte row of each column block), tokens lt + 16 j (j < 4): a warp's copy reads
+// 4 tokens x 128 contiguous bytes. The next tile's sub-pages are looked up while this tile's
+// copies are in flight.
+__device__ __forceinline__ void wgmma_bf16_producer(const AttentionParams& p, const PlanScalars& ps, WgShared& sh,
+                                                    int t) {
+  using C = WgConfig<false>;
+  constexpr int M = C::M, NT = C::NT;
+  const uint32_t bar_a = smem_addr(sh.bar), sKV_a = smem_addr(sh.kv[0]);
+  const int lt = t >> 3, lc = t & 7;
+  uint32_t gbase = 0;
+  for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
+    const UnitSpan u = unit_span<M, NT>(p, cur, ps);
+    // The sub-pages of this thread's four tokens of tile i (0 past the end: never dereferenced).
+    auto subpages = [&](int i, int (&sp)[4]) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sp[j] = token_subpage(u, ps, i, u.tok_lo + i * NT + lt + 16 * j);
+    };
+    int sp[4];
+    if (u.ntiles > 0) subpages(0, sp);
+    for (int i = 0; i < u.ntiles; ++i) {
+      const uint32_t gt = gbase + uint32_t(i), s = gt & 1u, n = gt >> 1;
+      if (n > 0) mbar_wait(bar_a + 8 * (kMbarEmpty0 + s), (n - 1) & 1u);
+      const uint32_t dst = sKV_a + s * C::TILE_BYTES;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int tok = lt + 16 * j, jt = u.tok_lo + i * NT + tok;
+        const bool ok = jt < u.tok_hi;  // past it: zero-filled, never read
+        const uint8_t* src = ok ? token_row<kDim * 2>(p, ps, sp[j], jt) : p.kv;
+#pragma unroll
+        for (int m = 0; m < kDim / 64; ++m)
+          cp_async_16(dst + swz128(tok, m, lc, NT * 128), src + (lc + 8 * m) * 16, ok ? 16 : 0);
+      }
+      cp_async_mbar_arrive(bar_a + 8 * (kMbarFull0 + s));
+      if (i + 1 < u.ntiles) subpages(i + 1, sp);
+    }
+    gbase += uint32_t(u.ntiles);
+  }
+}
 
 // fp8 producer warpgroup (thread t of 128): streams the raw bytes of each tile into
 // registers one tile ahead (two threads per token, alternating 16-byte chunks of its row),
@@ -171,41 +211,32 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
   const int r0 = (t >> 5) * 16 + g, r1 = r0 + 8;  // the two accumulator rows of this thread
 
   if (tid == 0) {
-    // bf16: one cp.async arrival per loader thread; fp8: one plain arrival per producer thread.
+    // One arrival per producer thread (bf16: when its copies land).
     mbar_init(bar_a + 8 * kMbarFull0, 128);
     mbar_init(bar_a + 8 * kMbarFull1, 128);
     mbar_init(bar_a + 8 * kMbarPFree, 128);
-    if constexpr (FP8) {
-      mbar_init(bar_a + 8 * kMbarEmpty0, C::CONSUMERS);
-      mbar_init(bar_a + 8 * kMbarEmpty1, C::CONSUMERS);
-    }
+    mbar_init(bar_a + 8 * kMbarEmpty0, C::CONSUMERS);
+    mbar_init(bar_a + 8 * kMbarEmpty1, C::CONSUMERS);
   }
   __syncthreads();
 
   const PlanScalars ps = plan_scalars<M>(p);
-  if constexpr (FP8) {
-    if (wg == 2) {
-      setmaxnreg_dec<C::PRODUCER_REGS>();
-      if (p.kv_dtype == KvDtype::fp8_e5m2) wgmma_fp8_producer<true>(p, ps, sh, t);
-      else wgmma_fp8_producer<false>(p, ps, sh, t);
-      return;
-    }
-    setmaxnreg_inc<C::CONSUMER_REGS>();
+  if (wg == 2) {
+    setmaxnreg_dec<C::PRODUCER_REGS>();
+    if constexpr (!FP8) wgmma_bf16_producer(p, ps, sh, t);
+    else if (p.kv_dtype == KvDtype::fp8_e5m2) wgmma_fp8_producer<true>(p, ps, sh, t);
+    else wgmma_fp8_producer<false>(p, ps, sh, t);
+    return;
   }
+  setmaxnreg_inc<C::CONSUMER_REGS>();
   auto consumers_sync = [] { named_sync(kBarConsumers, C::CONSUMERS); };
 
   const float kv_scale = FP8 ? kv_scale_of(p) : 1.0f;
   const float sl2 = p.softmax_scale * kv_scale * kLog2e;
   const float out_scale = kv_scale;  // v = stored * kv_scale
 
-  // bf16 loader (WG1) mapping: eight threads per token (chunks lc + 8 m, m < 9: one 128-byte
-  // row of each column block), tokens lt + 16 j (j < 4); a warp's copy reads 4 tokens x 128
-  // contiguous bytes.
-  const int lt = t >> 3, lc = t & 7;
   uint32_t phase = 0;  // bit k: parity of the next completion of mbarrier k this thread waits for
-  // The unit's first tile, numbered across the CTA's units for fp8 (whose producer runs
-  // ahead); bf16 units start from stage 0, the CTA syncing between units.
-  uint32_t gbase = 0;
+  uint32_t gbase = 0;  // the unit's first tile, numbered across the CTA's units
 
   float o[128];  // (64, 256) slice of O: this warpgroup's columns [256 wg, 256 wg + 256)
   // O's rows r0, r1 times alpha; once the running maxima settle alpha is exactly 1 (skipped).
@@ -227,43 +258,6 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
     const int tok_lo = u.tok_lo, tok_hi = u.tok_hi, ntiles = u.ntiles;
     const int32_t* lens = u.lens;
     if (tid < M) sLen[tid] = tid < nr ? lens[(row0 + tid) / p.heads] : 0;
-
-    // ---- bf16 loader helpers (WG1) ------------------------------------------------------------
-    // The sub-pages of this thread's four tokens of tile i (0 past the end: never dereferenced).
-    auto fetch_subpages_bf16 = [&](int i, int (&sp)[4]) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int jt = tok_lo + i * NT + lt + 16 * j;
-        sp[j] = token_subpage(u, ps, i, jt);
-      }
-    };
-    // Tile i -> stage s by cp.async (tokens at or past tok_hi are zero-filled), then one
-    // arrival on full[s] when this thread's copies have landed.
-    auto load_tile_bf16 = [&](int i, int s, const int (&sp)[4]) {
-      const uint32_t dst = sKV_a + s * C::TILE_BYTES;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int tok = lt + 16 * j, jt = tok_lo + i * NT + tok;
-        const bool ok = jt < tok_hi;
-        const uint8_t* src = ok ? token_row<kDim * 2>(p, ps, sp[j], jt) : p.kv;
-#pragma unroll
-        for (int m = 0; m < kDim / 64; ++m) {
-          const int ch = lc + 8 * m;
-          cp_async_16(dst + swz128(tok, ch >> 3, ch & 7, NT * 128), src + ch * 16, ok ? 16 : 0);
-        }
-      }
-      cp_async_mbar_arrive(bar_a + 8 * (kMbarFull0 + s));
-    };
-
-    if constexpr (!FP8) {
-      if (wg == 1) {
-        int sp[4];
-        for (int i = 0; i < 2 && i < ntiles; ++i) {
-          fetch_subpages_bf16(i, sp);
-          load_tile_bf16(i, (gbase + i) & 1, sp);
-        }
-      }
-    }
 
     load_q_async<M, C::CONSUMERS>(p, u, sQ_a, tid,
                                   [](int r, int ch) { return swz128(r, ch >> 3, ch & 7, M * 128); });
@@ -369,8 +363,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(o);
-        if constexpr (FP8) mbar_arrive(bar_a + 8 * (kMbarEmpty0 + s));
-        else if (i + 2 < ntiles) named_arrive(kBarSFree, 256);
+        mbar_arrive(bar_a + 8 * (kMbarEmpty0 + s));
       }
       // l over the quad of lanes that share a row (each summed its own tokens).
 #pragma unroll
@@ -385,17 +378,13 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         sM[r1] = m_run[1];
       }
     };
-    // The P V role (WG1): O[:, 256:512] += P V with P from shared memory; for bf16 also the
-    // loads of the next tiles.
+    // The P V role (WG1): O[:, 256:512] += P V with P from shared memory.
     auto pv_role = [&] {
       for (int i = 0; i < ntiles; ++i) {
         const int s = (gbase + i) & 1;
         named_sync(kBarPReady, 256);
         mbar_wait(bar_a + 8 * (kMbarFull0 + s), (phase >> s) & 1u);  // long complete (no proxy fence: see WG0)
         phase ^= 1u << s;
-        // The sub-page lookup for the next load has P V to land.
-        int subpage_next[4];
-        if constexpr (!FP8) fetch_subpages_bf16(i + 2, subpage_next);
         rescale_o(sAlpha[r0], sAlpha[r1]);
         const uint32_t sK = sKV_a + s * C::TILE_BYTES;
         wgmma_fence();
@@ -406,15 +395,9 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(o);
-        if constexpr (FP8) {
-          mbar_arrive(bar_a + 8 * (kMbarEmpty0 + s));
-        } else if (i + 2 < ntiles) {
-          named_sync(kBarSFree, 256);  // WG0 has finished reading stage s
-          load_tile_bf16(i + 2, s, subpage_next);
-        }
+        mbar_arrive(bar_a + 8 * (kMbarEmpty0 + s));
         // sP and sAlpha may be rewritten once every WG1 thread has arrived (its reads above
-        // are released to WG0's writes of the next tile). After the stage handover, so that
-        // WG0 cannot arrive on kBarSFree twice before this warpgroup has synced on it once.
+        // are released to WG0's writes of the next tile).
         if (i + 1 < ntiles) mbar_arrive(bar_a + 8 * kMbarPFree);
       }
     };
@@ -431,7 +414,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
                             [&](int j) { return make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]); });
     }
     if (tid < nr) store_row_stats(p, u, tid, sM[tid], sL[tid]);
-    if constexpr (FP8) gbase += uint32_t(ntiles);
+    gbase += uint32_t(ntiles);
     consumers_sync();  // shared memory is reused by the next unit
   }
 }
