@@ -71,9 +71,8 @@ void launch(const AttentionParams& p, cudaStream_t stream, int num_sms, bool mer
   k.launch(p, int(std::min<int64_t>(int64_t(p.plan.chunk_capacity) * groups, int64_t(num_sms) * k.ctas_per_sm)),
            stream);
   if (merge) {
-    // Cut requests' rows, at most max_batch x max_qlen x heads: one small CTA each.
-    const int64_t rows_cap = int64_t(p.plan.max_batch) * p.plan.max_qlen * p.heads;
-    launch_split_merge(p, int(std::min<int64_t>(rows_cap, int64_t(num_sms) * 16)), stream);
+    // Cut requests' rows: at most max_batch x max_qlen x heads.
+    launch_split_merge(p, int64_t(p.plan.max_batch) * p.plan.max_qlen * p.heads, num_sms, stream);
   }
 }
 

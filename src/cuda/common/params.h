@@ -59,7 +59,7 @@ void launch_attention_variant(const AttentionParams& p, int grid, cudaStream_t s
 template <int MT, int NT, int CPS, bool FP8>
 int attention_smem_bytes();
 
-void launch_split_merge(const AttentionParams& p, int grid, cudaStream_t stream);
+void launch_split_merge(const AttentionParams& p, int64_t max_cut_rows, int num_sms, cudaStream_t stream);
 void launch_write_kv(const WriteKvParams& p, cudaStream_t stream);
 void launch_slot_mapping(const SlotMappingParams& p, cudaStream_t stream);
 void launch_merge(const MergeParams& p, cudaStream_t stream);
