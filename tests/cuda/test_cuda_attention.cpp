@@ -84,7 +84,7 @@ std::vector<Scenario> scenarios() {
     }
   }
 
-  // Randomized sweep.  // Randomized sweep.
+  // Randomized sweep.
   std::mt19937_64 rng(20261129);
   auto pick = [&](auto const& options) { return options[size_t(rng() % options.size())]; };
   const std::vector<M> modes{M::decode, M::verify, M::draft};
