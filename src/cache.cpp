@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <type_traits>
 
 #include "dcpmla/error.h"
@@ -14,8 +13,7 @@ namespace dcpmla {
 
 int subpage_size(int block_size) {
   // block_size & -block_size negates INT_MIN (UB) and gives 0 for 0: refuse what no cache accepts.
-  if (block_size < 1 || block_size > kMaxBlockSize)
-    fail("block_size", block_size, fmt::format("in [1, {}]", kMaxBlockSize));
+  require_block_size(block_size);
   const int pow2 = block_size & -block_size;  // largest power of two dividing block_size
   return pow2 < 128 ? pow2 : 128;
 }
@@ -25,15 +23,13 @@ namespace {
 // Checked by every run and write_kv (KvCache::validate): messages are formatted only on failure.
 void validate_shape(int64_t num_blocks, int block_size, int dim, KvDtype dtype) {
   require(num_blocks >= 1, "num_blocks", num_blocks, ">= 1");
-  if (block_size < 1 || block_size > kMaxBlockSize)
-    fail("block_size", block_size, fmt::format("in [1, {}]", kMaxBlockSize));
+  require_block_size(block_size);
   require(dim >= 1, "dim", dim, ">= 1");
-  require(dtype == KvDtype::bf16 || dtype == KvDtype::fp8_e4m3 || dtype == KvDtype::fp8_e5m2, "kv_dtype",
-          int(dtype), "bf16, fp8_e4m3 or fp8_e5m2");
-  // bytes = num_blocks x block_size x dim x bytes per value must not overflow int64.
-  const int64_t max_blocks = std::numeric_limits<int64_t>::max() / (int64_t(block_size) * dim * bytes_per_value(dtype));
-  if (num_blocks > max_blocks)
-    fail("num_blocks", num_blocks, fmt::format("<= {} (the cache's byte count must fit int64)", max_blocks));
+  require_known("kv_dtype", dtype);
+  if (!checked_product({num_blocks, block_size, dim, bytes_per_value(dtype)}))
+    fail("num_blocks", num_blocks,
+         fmt::format("num_blocks x block_size {} x dim {} x {} bytes that fit int64", block_size, dim,
+                     bytes_per_value(dtype)));
 }
 
 }  // namespace

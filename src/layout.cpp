@@ -12,10 +12,14 @@ void Layout::validate() const {
   if (interleave < 1) fail("interleave", interleave, ">= 1");
 }
 
-void Layout::validate_with_block_size(int block_size) const {
-  validate();
+void require_block_size(int block_size) {
   if (block_size < 1 || block_size > kMaxBlockSize)
     fail("block_size", block_size, fmt::format("in [1, {}]", kMaxBlockSize));
+}
+
+void Layout::validate_with_block_size(int block_size) const {
+  validate();
+  require_block_size(block_size);
   if (block_size % interleave != 0)
     fail("interleave", interleave, fmt::format("a divisor of block_size ({})", block_size));
 }
@@ -37,8 +41,7 @@ bool seq_len_ok(Mode mode, int64_t seq_len, int qlen) {
 int64_t row_window(Mode mode, int64_t seq_len, int qlen, int t) {
   // Per query row of every plan: plain comparisons, formatting only on failure. Without them
   // L < qlen would give a negative window silently.
-  if (mode != Mode::decode && mode != Mode::verify && mode != Mode::draft)
-    fail("mode", int(mode), "decode, verify or draft");
+  require_known("mode", mode);
   if (qlen < 1) fail("qlen", qlen, ">= 1");
   if (mode == Mode::decode && qlen != 1) fail("qlen", qlen, "1 in decode mode");
   if (t < 0 || t >= qlen) fail("t", t, fmt::format("a query row in [0, qlen ({}))", qlen));

@@ -22,9 +22,8 @@ void require_pointer(const void* p, std::string_view field) {
 void require_shape(int64_t rows, int width, int64_t parts) {
   if (rows < 0) fail("rows", rows, ">= 0 (0 is an empty call)");
   if (width < 1) fail("width", width, ">= 1");
-  if (rows > std::numeric_limits<int64_t>::max() / width / parts)
-    fail("rows", rows, fmt::format("at most {} with width {} and {} partials",
-                                   std::numeric_limits<int64_t>::max() / width / parts, width, parts));
+  if (!checked_product({parts, rows, width}))
+    fail("rows", rows, fmt::format("{} partials x rows x width {} values that fit int64", parts, width));
 }
 
 // Row-wise LSE merge of n partials at o_at(k), lse_at(k). Ranks whose lse is -inf

@@ -176,15 +176,12 @@ Planner::Planner(const PlannerConfig& config) : config_(config) {
           fmt::format("a cost in [0, {}] (tiles)", kMaxScheduleCost));
   require(c.cost.slack >= 0 && c.cost.slack <= kMaxScheduleCost, "cost.slack", c.cost.slack,
           fmt::format("a fraction in [0, {}] of a chunk's share", kMaxScheduleCost));
-  require(c.backend == Backend::cpu || c.backend == Backend::cuda, "backend", int(c.backend), "cpu (0) or cuda (1)");
-  require(c.route == Route::automatic || c.route == Route::one_stage || c.route == Route::two_stage ||
-              c.route == Route::split_k,
-          "route", int(c.route), "automatic (0), one_stage (1), two_stage (2) or split_k (3)");
+  require_known("backend", c.backend);
+  require_known("route", c.route);
   // Heads beyond what any route serves are the heads' fault, not the route's.
   require(c.heads >= 1 && c.heads <= max_heads(c.backend), "heads", c.heads,
           fmt::format("in [1, {}] on the {} backend", max_heads(c.backend), to_string(c.backend)));
-  require(c.kv_dtype == KvDtype::bf16 || c.kv_dtype == KvDtype::fp8_e4m3 || c.kv_dtype == KvDtype::fp8_e5m2,
-          "kv_dtype", int(c.kv_dtype), "bf16, fp8_e4m3 or fp8_e5m2");
+  require_known("kv_dtype", c.kv_dtype);
   // Auto may take one_stage or split_k; a forced route must be served for some mode (the
   // step's mode is checked against it at plan time).
   const Route checked = c.route == Route::automatic ? Route::one_stage : c.route;
@@ -223,8 +220,7 @@ int64_t Planner::validate(const BatchDesc& batch) const {
   const int64_t b_count = int64_t(batch.seq_lens.size());
   if (b_count < 1 || b_count > c.limits.max_batch)
     fail("batch", b_count, fmt::format("1..limits.max_batch ({})", c.limits.max_batch));
-  if (batch.mode != Mode::decode && batch.mode != Mode::verify && batch.mode != Mode::draft)
-    fail("mode", int(batch.mode), "decode, verify or draft");
+  require_known("mode", batch.mode);
   if (batch.qlen < 1 || batch.qlen > c.limits.max_qlen)
     fail("qlen", batch.qlen, fmt::format("1..limits.max_qlen ({})", c.limits.max_qlen));
   if (batch.mode == Mode::decode && batch.qlen != 1) fail("qlen", batch.qlen, "1 in decode mode");

@@ -30,15 +30,13 @@ ReferenceResult reference_attention(std::span<const float> q, std::span<const fl
   // must be an error, never a read past kv or a NaN/-inf row that looks like an answer.
   if (batch < 0) fail("batch", batch, ">= 0");
   if (qlen < 1) fail("qlen", qlen, ">= 1");
-  if (mode != Mode::decode && mode != Mode::verify && mode != Mode::draft)
-    fail("mode", int32_t(mode), "decode (0), verify (1) or draft (2)");
+  require_known("mode", mode);
   if (mode == Mode::decode && qlen != 1) fail("qlen", qlen, "1 in decode mode");
   if (heads < 1) fail("heads", heads, ">= 1");
   if (max_len < 0) fail("max_len", max_len, ">= 0");
   if (dim < 1) fail("dim", dim, ">= 1");
   if (rank_dim < 1 || rank_dim > dim) fail("rank_dim", rank_dim, fmt::format("in [1, D = {}]", dim));
-  if (kv_dtype != KvDtype::bf16 && kv_dtype != KvDtype::fp8_e4m3 && kv_dtype != KvDtype::fp8_e5m2)
-    fail("kv_dtype", int32_t(kv_dtype), "bf16 (0), fp8_e4m3 (1) or fp8_e5m2 (2)");
+  require_known("kv_dtype", kv_dtype);
   KvScale{kv_scale}.validate(kv_dtype);
   if (!(std::isfinite(softmax_scale) && softmax_scale > 0)) fail("softmax_scale", softmax_scale, "finite and > 0");
   if (seq_lens.size() != size_t(batch))

@@ -45,9 +45,8 @@ void merge_across_ranks(Communicator& comm, MergeForm form, const bf16* o, const
   if (heads < 1) fail("heads", heads, ">= 1");
   if (width < 1) fail("width", width, ">= 1");
   // n x rows x heads x width values gathered: they must be addressable in int64.
-  if (rows > std::numeric_limits<int64_t>::max() / (int64_t(heads) * width) / n)
-    fail("rows", rows, fmt::format("at most {} with heads {}, width {} and world_size {}",
-                                   std::numeric_limits<int64_t>::max() / (int64_t(heads) * width) / n, heads, width, n));
+  if (!checked_product({n, rows, heads, width}))
+    fail("rows", rows, fmt::format("world_size {} x rows x heads {} x width {} values that fit int64", n, heads, width));
   if (form == MergeForm::scatter_heads && heads % n != 0)
     fail("heads", heads, fmt::format("a multiple of world_size ({}) for merge = scatter_heads", n));
   if (rows > 0 && (o == nullptr || lse == nullptr || out == nullptr || out_lse == nullptr))
@@ -173,10 +172,9 @@ struct Inputs {
 // a x b x c as a count, or an error naming the field: the size checks of valid-looking
 // arguments wrapped before (max_len 2^62 made kv's expected size 0, then a null read).
 int64_t checked_count(std::string_view field, int64_t a, int64_t b, int64_t c) {
-  int64_t n = 0;
-  if (__builtin_mul_overflow(a, b, &n) || __builtin_mul_overflow(n, c, &n))
-    fail(field, fmt::format("{} x {} x {} values", a, b, c), "a size that fits int64");
-  return n;
+  const auto n = checked_product({a, b, c});
+  if (!n) fail(field, fmt::format("{} x {} x {} values", a, b, c), "a size that fits int64");
+  return *n;
 }
 
 // Validates the conformance path's arguments and sizes its inputs (rows, tokens, tables),

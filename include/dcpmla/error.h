@@ -3,6 +3,9 @@
 // always before any memory is touched. Never an assert: asserts vanish in release builds.
 #pragma once
 
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -25,6 +28,16 @@ template <class T>
 template <class T>
 void require(bool ok, std::string_view field, const T& value, std::string_view expected) {
   if (!ok) fail(field, value, expected);
+}
+
+// The product of sizes, or nullopt when a factor is negative or the product overflows int64:
+// a size check of valid-looking arguments must not wrap (a max_len of 2^62 once made an
+// expected size of 0, then a null read).
+inline std::optional<int64_t> checked_product(std::initializer_list<int64_t> factors) {
+  int64_t n = 1;
+  for (const int64_t f : factors)
+    if (f < 0 || __builtin_mul_overflow(n, f, &n)) return std::nullopt;
+  return n;
 }
 
 }  // namespace dcpmla

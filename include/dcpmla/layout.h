@@ -17,6 +17,8 @@ inline constexpr int64_t kPadSlot = -1;
 // 1024). Far larger blocks only waste memory -- every request holds at least one block on
 // every rank -- and a block_size near 2^31 would make a cache of terabytes.
 inline constexpr int kMaxBlockSize = 1 << 16;
+// Throws Error unless block_size is in [1, kMaxBlockSize].
+void require_block_size(int block_size);
 
 // Largest query block (rows per request) accepted: a verify block is 1 + a few draft
 // tokens. Bounds every allocation sized by qlen (row_local_lengths, a plan's rows) before it

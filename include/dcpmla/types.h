@@ -22,6 +22,18 @@ std::string_view to_string(KvDtype d);
 std::string_view to_string(Route r);  // Route::automatic -> "auto"
 std::string_view to_string(Backend b);
 
+// Whether a value (an enum cast from any integer, as C and Python callers may pass) names one
+// of the enum's members; require_known throws Error naming `field`, the value and the members
+// ("'mode' = 7: expected decode (0), verify (1) or draft (2)").
+bool is_known(Mode m);
+bool is_known(KvDtype d);
+bool is_known(Route r);
+bool is_known(Backend b);
+void require_known(std::string_view field, Mode m);
+void require_known(std::string_view field, KvDtype d);
+void require_known(std::string_view field, Route r);
+void require_known(std::string_view field, Backend b);
+
 inline int bytes_per_value(KvDtype d) { return d == KvDtype::bf16 ? 2 : 1; }
 
 // Latent geometry: D = R + P values per cached token; the value is the first R.

@@ -122,14 +122,11 @@ void attend_range(const AttentionParams& p, const Dequantizer& deq, int b, int h
 }  // namespace
 
 int64_t split_workspace_floats(int64_t work_capacity, int max_qlen, int heads, int rank_dim) {
-  int64_t floats = 0;
-  const bool overflow = __builtin_mul_overflow(work_capacity, int64_t(max_qlen), &floats) ||
-                        __builtin_mul_overflow(floats, int64_t(heads), &floats) ||
-                        __builtin_mul_overflow(floats, int64_t(rank_dim) + 2, &floats);
-  if (overflow || floats < 0)
+  const auto floats = checked_product({work_capacity, max_qlen, heads, int64_t(rank_dim) + 2});
+  if (!floats)
     fail("split-K workspace", fmt::format("{} x {} x {} x ({} + 2) floats", work_capacity, max_qlen, heads, rank_dim),
          "a count that fits int64 (lower heads, kv_lora_rank or the limits)");
-  return floats;
+  return *floats;
 }
 
 AttentionParams attention_params(const PlannerConfig& c, const bf16* q, const uint8_t* kv, const KvScale& kv_scale,

@@ -398,7 +398,7 @@ TEST(Plan, RefusesHostileCapacitiesCostsAndEnums) {
   expect_error([&] { Planner p(c); }, "'backend' = 7: expected cpu (0) or cuda (1)");
   c = config();
   c.route = Route(9);
-  expect_error([&] { Planner p(c); }, "'route' = 9: expected automatic (0)");
+  expect_error([&] { Planner p(c); }, "'route' = 9: expected auto (0), one_stage (1), two_stage (2) or split_k (3)");
   // A hand-made Plan of negative capacities got a wrapped, 15-int arena.
   expect_error([] { Plan p(PlanLimits{-1, 1, 1}, 1, 1, 1); }, "'limits.max_batch' = -1");
   expect_error([] { Plan p(PlanLimits{1, 1, 1}, 0, 1, 1); }, "'table_capacity' = 0");

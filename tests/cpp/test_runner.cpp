@@ -108,9 +108,38 @@ TEST(Runner, EntryPointRefusesBadInput) {
   expect_error([&] { call(o); }, "GiB");
   o.block_size = kMaxBlockSize * 2;
   expect_error([&] { call(o); }, "'block_size' = 131072");
-  expect_error([] { parse_route("fast"); }, "'route' = 'fast'");
-  expect_error([] { parse_mode("prefill"); }, "'mode' = 'prefill'");
-  expect_error([] { parse_kv_dtype("fp16"); }, "kv_dtype");
+  expect_error([] { parse_route("fast"); }, "'route' = 'fast': expected auto, one_stage, two_stage or split_k");
+  expect_error([] { parse_mode("prefill"); }, "'mode' = 'prefill': expected decode, verify or draft");
+  expect_error([] { parse_kv_dtype("fp16"); }, "'kv_dtype' = 'fp16': expected bf16, fp8_e4m3 or fp8_e5m2");
+  expect_error([] { parse_backend("tpu"); }, "'device' = 'tpu': expected cpu or cuda");
+}
+
+// Enums cast from any integer (C and Python callers): one check per enum, from its name table.
+TEST(Types, UnknownEnumValuesAreRefusedWithTheirMembers) {
+  testing::expect_error([] { require_known("mode", Mode(3)); }, "'mode' = 3: expected decode (0), verify (1) or draft (2)");
+  testing::expect_error([] { require_known("kv_dtype", KvDtype(-1)); },
+               "'kv_dtype' = -1: expected bf16 (0), fp8_e4m3 (1) or fp8_e5m2 (2)");
+  testing::expect_error([] { require_known("route", Route(4)); }, "'route' = 4: expected auto (0), one_stage (1)");
+  testing::expect_error([] { require_known("backend", Backend(2)); }, "'backend' = 2: expected cpu (0) or cuda (1)");
+  for (const Mode m : {Mode::decode, Mode::verify, Mode::draft}) {
+    EXPECT_TRUE(is_known(m));
+    require_known("mode", m);
+  }
+  for (const KvDtype d : {KvDtype::bf16, KvDtype::fp8_e4m3, KvDtype::fp8_e5m2}) require_known("kv_dtype", d);
+  for (const Route r : {Route::automatic, Route::one_stage, Route::two_stage, Route::split_k}) require_known("route", r);
+  EXPECT_FALSE(is_known(KvDtype(3)));
+  EXPECT_FALSE(is_known(Route(-1)));
+}
+
+TEST(Types, CheckedProductRefusesOverflowAndNegativeFactors) {
+  EXPECT_EQ(checked_product({}), 1);
+  EXPECT_EQ(checked_product({3, 0, int64_t(1) << 62}), 0);
+  EXPECT_EQ(checked_product({int64_t(1) << 31, int64_t(1) << 31}), int64_t(1) << 62);
+  EXPECT_EQ(checked_product({int64_t(1) << 31, int64_t(1) << 31, 2}), std::nullopt);  // 2^63
+  EXPECT_EQ(checked_product({int64_t(1) << 62, 2}), std::nullopt);
+  EXPECT_EQ(checked_product({-1, 5}), std::nullopt);
+  EXPECT_EQ(checked_product({5, -1}), std::nullopt);
+  EXPECT_EQ(checked_product({1, 576, 4611686018427387904}), std::nullopt);  // max_len 2^62
 }
 
 // Found by a hostile-input audit: each was a crash, a silent default or an allocation

@@ -23,10 +23,6 @@ using namespace cuda_detail;
 
 constexpr int kCudaDim = 576, kCudaRank = 512, kCudaMaxHeads = 128;
 
-bool known_dtype(KvDtype d) { return d == KvDtype::bf16 || d == KvDtype::fp8_e4m3 || d == KvDtype::fp8_e5m2; }
-
-void require_dtype(KvDtype d) { require(known_dtype(d), "kv_dtype", int(d), "bf16, fp8_e4m3 or fp8_e5m2"); }
-
 // What the kernels read and write in vectors (a misaligned address faults and kills the
 // context): q 16 bytes at a time (cp.async), the cache 16 (KvCache::validate checks it on
 // run()), out up to 8 (the combine's stores; 16 required, as the Python layer does), lse and
@@ -87,7 +83,7 @@ void validate_attention(const AttentionParams& p) {
               p.plan.subpage_table != nullptr && p.plan.work != nullptr && p.plan.chunk_work != nullptr &&
               p.plan.split_request != nullptr && p.plan.split_slot != nullptr,
           "plan", "a view with null buffers", "a view over a device copy of a plan (Plan::view_at)");
-  require_dtype(p.kv_dtype);
+  require_known("kv_dtype", p.kv_dtype);
   require(p.heads >= 1 && p.heads <= kCudaMaxHeads, "heads", p.heads, "1..128 on the CUDA backend");
   require(p.dim == kCudaDim, "dim", p.dim, "576 (kv_lora_rank 512 + rope_dim 64) on the CUDA backend");
   require(p.rank_dim == kCudaRank, "rank_dim", p.rank_dim, "512 on the CUDA backend");
@@ -118,7 +114,7 @@ int attention_rows_per_cta(int max_qlen, int heads) {
 
 AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const AttentionTuning& tuning) {
   // Public: its arguments reach the variant table (a bit per dtype) and the row arithmetic.
-  require_dtype(dtype);
+  require_known("kv_dtype", dtype);
   if (max_qlen < 1 || max_qlen > kMaxQlen) fail("max_qlen", max_qlen, fmt::format("in [1, {}]", kMaxQlen));
   require(heads >= 1 && heads <= kCudaMaxHeads, "heads", heads, "1..128 on the CUDA backend");
   validate_tuning(tuning);
@@ -191,7 +187,7 @@ struct Attention::Impl {
     // no variant serves gets a placeholder here: the Planner built from it refuses it, naming
     // limits.max_qlen, heads or kv_dtype (every caller builds one).
     const bool servable = c.limits.max_qlen >= 1 && c.limits.max_qlen <= kMaxQlen && c.heads >= 1 &&
-                          c.heads <= kCudaMaxHeads && known_dtype(c.kv_dtype);
+                          c.heads <= kCudaMaxHeads && is_known(c.kv_dtype);
     return planner_config(c, Backend::cuda, device < 0 ? 1 : device_sms(device),
                           servable ? attention_variant(c.limits.max_qlen, c.heads, c.kv_dtype).rows_per_cta : 16);
   }
