@@ -14,7 +14,8 @@
 #           this, the others, this, the others with AB_BENCH_ARGS: experiments against their
 #           base on the same warm card, without a second machine start
 # NCU=1 also profiles the attention kernels (NCU_KERNELS, a regex; NCU_COUNT launches) at
-# NCU_SHAPES (Nsight Compute).
+# NCU_SHAPES (Nsight Compute); NCU_SOURCE=1 adds the stall samples per SASS instruction
+# (scripts/ncu_hot.py prints the hottest: which wait the warps sit in).
 # Logs and JSON go to $OUT (default build-device/out). What the GPU image lacks (libfmt-dev,
 # googletest, CLI11, nlohmann-json, nccl.h) is taken from .devdeps/.
 set -uo pipefail
@@ -206,6 +207,18 @@ if [[ "$NCU" == 1 ]] && command -v ncu >/dev/null 2>&1; then
   grep -E "^=== |Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Registers Per|Achieved Occupancy|Shared Memory|Tensor|Pipe" \
     "$OUT/ncu.txt" | head -n 100
   grep -E "stalled|stall" "$OUT/ncu.txt" | cut -c1-300 | head -n 16
+  # The stall samples per SASS instruction (NCU_SOURCE=1): the instruction each warp waits in.
+  if [[ "${NCU_SOURCE:-0}" == 1 ]]; then
+    for shape in ${NCU_SHAPES:-decode128}; do
+      rep="$OUT/ncu_src_$shape"
+      timeout 90 ncu --clock-control none -k regex:"$NCU_KERNELS" -c 1 --section SourceCounters \
+        --section WarpStateStats -f -o "$rep" \
+        "$BUILD/bench/dcpmla_bench" --only "$shape" --runs 3 --no-baseline --no-ceilings >"$rep.log" 2>&1
+      ncu --import "$rep.ncu-rep" --page source --csv --print-source sass >"$rep.csv" 2>>"$rep.log"
+      say "hottest instructions at $shape:"
+      python3 scripts/ncu_hot.py "$rep.csv" --top 30 || tail -n 5 "$rep.log"
+    done
+  fi
   # Stall reasons per issued instruction, all warps of the kernel (NCU_STALLS=1).
   if [[ "${NCU_STALLS:-0}" == 1 ]]; then
     for shape in ${NCU_SHAPES:-decode16_e4m3}; do

@@ -1,0 +1,53 @@
+#!/usr/bin/env python3
+"""The hottest SASS instructions of an Nsight Compute source page, by warp-stall samples.
+
+    ncu --import rep.ncu-rep --page source --csv --print-source sass > page.csv
+    scripts/ncu_hot.py page.csv [--top 30]
+
+Prints, for the instructions holding the most samples until --top rows, the share of all
+samples, the samples not issued, and the SASS, so that a stall is named by the instruction
+that waits (an mbarrier try-wait on a full stage, a named barrier, a wgmma wait) rather than
+by the section's averages. Column names differ between Nsight versions: any column whose name
+starts with "Warp Stall Sampling (All" / "(Not" counts, and the instruction text is the
+"Source" column.
+"""
+import argparse
+import csv
+import sys
+
+
+def number(text):
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("page", help="the CSV of ncu --page source --csv --print-source sass")
+    ap.add_argument("--top", type=int, default=30, help="rows to print")
+    args = ap.parse_args()
+    with open(args.page, newline="") as f:
+        lines = [line for line in f if line.startswith('"')]  # ncu prints ==PROF== lines around the table
+    rows = list(csv.DictReader(lines))
+    if not rows:
+        sys.exit(f"{args.page}: no source table (ncu's output is in the file)")
+    cols = list(rows[0])
+    all_col = next((c for c in cols if c.startswith("Warp Stall Sampling (All")), None)
+    not_col = next((c for c in cols if c.startswith("Warp Stall Sampling (Not")), None)
+    src_col = next((c for c in cols if c.strip() in ("Source", "# Source")), None)
+    addr_col = next((c for c in cols if c.strip() == "Address"), None)
+    if all_col is None or src_col is None:
+        sys.exit(f"{args.page}: columns {cols} lack the stall samples or the source")
+    total = sum(number(r[all_col]) for r in rows) or 1.0
+    hot = sorted(rows, key=lambda r: number(r[all_col]), reverse=True)[: args.top]
+    print(f"{len(rows)} instructions, {total:.0f} samples; the {len(hot)} hottest:")
+    for r in hot:
+        share = 100.0 * number(r[all_col]) / total
+        not_issued = number(r[not_col]) if not_col else float("nan")
+        print(f"{share:5.1f}%  not issued {not_issued:8.0f}  {r.get(addr_col, '') if addr_col else ''}  {r[src_col].strip()}")
+
+
+if __name__ == "__main__":
+    main()
