@@ -20,6 +20,20 @@ from reference import reference_attention
 D, R = 576, 512
 
 
+class DLPackOnly:
+    """An array producer known only through the DLPack protocol."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, **kwargs):
+        return self._a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+
 @dataclass(frozen=True)
 class Step:
     mode: str = "verify"

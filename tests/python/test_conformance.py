@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import dcpmla
+from engine_case import DLPackOnly
 from reference import assert_close, reference_attention, round_bf16
 
 D, R = 576, 512
@@ -315,19 +316,6 @@ def test_deterministic():
 
 
 # --- array interchange ----------------------------------------------------------------------
-
-class DLPackOnly:
-    """An array producer known only through the DLPack protocol."""
-
-    def __init__(self, a):
-        self._a = a
-
-    def __dlpack__(self, **kwargs):
-        return self._a.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self._a.__dlpack_device__()
-
 
 def test_dlpack_and_non_contiguous_inputs():
     rng = np.random.default_rng(9)

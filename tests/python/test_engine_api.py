@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import dcpmla
-from engine_case import (D, R, Step, attention_kwargs, empty_rows, engine_reference, make_inputs, packed_case,
-                         scale_of, slots_and_latents)
+from engine_case import (D, R, DLPackOnly, Step, attention_kwargs, empty_rows, engine_reference, make_inputs,
+                         packed_case, scale_of, slots_and_latents)
 from reference import assert_close
 
 LIMITS = dict(max_batch=8, max_qlen=8, max_local_len=4096, device="cpu")
@@ -186,18 +186,9 @@ def test_bad_input_names_the_argument():
     with error(r"field 'q' = memoryview: expected an array or tensor"):  # q is named before out is allocated
         att.run(memoryview(q), cache)
 
-    class Producer:  # a DLPack producer that is neither numpy nor torch: outputs are not allocated for it
-        def __init__(self, a):
-            self.a = a
-
-        def __dlpack__(self, **kw):
-            return self.a.__dlpack__(**kw)
-
-        def __dlpack_device__(self):
-            return self.a.__dlpack_device__()
-
+    # A DLPack producer that is neither numpy nor torch: outputs are not allocated for it.
     with error(r"field 'out' = None: expected a buffer"):
-        att.run(Producer(q), cache)
+        att.run(DLPackOnly(q), cache)
 
 
 def test_bad_plans_are_refused_and_keep_the_last_plan():
