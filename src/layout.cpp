@@ -39,15 +39,13 @@ bool seq_len_ok(Mode mode, int64_t seq_len, int qlen) {
 }  // namespace
 
 int64_t row_window(Mode mode, int64_t seq_len, int qlen, int t) {
-  // Per query row of every plan: plain comparisons, formatting only on failure. Without them
-  // L < qlen would give a negative window silently.
+  // Without these checks L < qlen would give a negative window silently.
   require_known("mode", mode);
   if (qlen < 1) fail("qlen", qlen, ">= 1");
   if (mode == Mode::decode && qlen != 1) fail("qlen", qlen, "1 in decode mode");
   if (t < 0 || t >= qlen) fail("t", t, fmt::format("a query row in [0, qlen ({}))", qlen));
   if (!seq_len_ok(mode, seq_len, qlen)) fail_seq_len("seq_len", mode, seq_len, qlen);
-  if (seq_len == 0) return 0;
-  return mode == Mode::draft ? seq_len : seq_len - qlen + t + 1;
+  return detail::row_window_unchecked(mode, seq_len, qlen, t);
 }
 
 void validate_seq_len(Mode mode, int64_t seq_len, int qlen, int request) {
@@ -57,11 +55,13 @@ void validate_seq_len(Mode mode, int64_t seq_len, int qlen, int request) {
 
 std::vector<int64_t> row_local_lengths(Mode mode, int64_t seq_len, int qlen, const Layout& layout) {
   layout.validate();
+  require_known("mode", mode);
   require(qlen >= 1 && qlen <= kMaxQlen, "qlen", qlen, fmt::format("in [1, {}]", kMaxQlen));
   if (mode == Mode::decode) require(qlen == 1, "qlen", qlen, "1 in decode mode");
   validate_seq_len(mode, seq_len, qlen, 0);
   std::vector<int64_t> lens(static_cast<size_t>(qlen));
-  for (int t = 0; t < qlen; ++t) lens[size_t(t)] = layout.local_length(row_window(mode, seq_len, qlen, t));
+  for (int t = 0; t < qlen; ++t)
+    lens[size_t(t)] = layout.local_length(detail::row_window_unchecked(mode, seq_len, qlen, t));
   return lens;
 }
 

@@ -95,13 +95,13 @@ size_t Plan::ints(const PlanLimits& limits, int64_t table_capacity, int work_cap
 }
 
 int Plan::qlen_of(int b) const {
-  require(b >= 0 && b < header().batch, "b", b, fmt::format("a request of the plan, in [0, {})", header().batch));
+  if (b < 0 || b >= header().batch) fail("b", b, fmt::format("a request of the plan, in [0, {})", header().batch));
   return view().q_start[b + 1] - view().q_start[b];
 }
 
 int32_t Plan::row_local_len(int b, int t) const {
   const int qlen = qlen_of(b);
-  require(t >= 0 && t < qlen, "t", t, fmt::format("a query row of request {}, in [0, {})", b, qlen));
+  if (t < 0 || t >= qlen) fail("t", t, fmt::format("a query row of request {}, in [0, {})", b, qlen));
   return view().row_local_len[view().q_start[b] + t];
 }
 
@@ -429,7 +429,7 @@ void Planner::plan(const BatchDesc& batch, Plan& plan) const {
     int64_t most = 0;
     for (int t = 0; t < qb; ++t) {
       const int64_t n = c.route == Route::two_stage ? layout.local_length(len == 0 ? 0 : len - qb)
-                                                    : layout.local_length(row_window(batch.mode, len, qb, t));
+                                                    : layout.local_length(detail::row_window_unchecked(batch.mode, len, qb, t));
       rows[total_rows + t] = int32_t(n);
       most = std::max(most, n);
     }

@@ -71,7 +71,7 @@ ReferenceResult reference_attention(std::span<const float> q, std::span<const fl
   for (int64_t bt = 0; bt < int64_t(rows.size()); ++bt) {
     const auto [b, t] = rows[size_t(bt)];
     const int qb = qlens.empty() ? qlen : qlens[size_t(b)];
-    const int64_t w = row_window(mode, seq_lens[size_t(b)], qb, t);
+    const int64_t w = detail::row_window_unchecked(mode, seq_lens[size_t(b)], qb, t);
     if (w <= 0) continue;
     std::vector<double> k(size_t(w) * dim);
     for (int64_t j = 0; j < w; ++j)

@@ -21,26 +21,11 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
-MergeForm parse_merge_form(std::string_view s) {
-  if (s == "all_heads") return MergeForm::all_heads;
-  if (s == "scatter_heads") return MergeForm::scatter_heads;
-  fail("merge", fmt::format("'{}'", s), "all_heads or scatter_heads");
-}
-
-std::string_view to_string(MergeForm f) {
-  switch (f) {
-    case MergeForm::all_heads: return "all_heads";
-    case MergeForm::scatter_heads: return "scatter_heads";
-  }
-  return "?";
-}
-
 void merge_across_ranks(Communicator& comm, MergeForm form, const bf16* o, const float* lse,
                         int64_t rows, int heads, int width, bf16* out, float* out_lse) {
   const int n = comm.world_size();
   // Checked before the first collective; every rank gets the same arguments, so all fail alike.
-  if (form != MergeForm::all_heads && form != MergeForm::scatter_heads)
-    fail("merge", int32_t(form), "all_heads (0) or scatter_heads (1)");
+  require_known("merge", form);
   if (rows < 0) fail("rows", rows, ">= 0");
   if (heads < 1) fail("heads", heads, ">= 1");
   if (width < 1) fail("width", width, ">= 1");
@@ -217,8 +202,7 @@ Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<co
   }
   const Layout group{o.world_size, 0, o.interleave};
   group.validate_with_block_size(o.block_size);
-  require(o.merge == MergeForm::all_heads || o.merge == MergeForm::scatter_heads, "merge", int(o.merge),
-          "all_heads (0) or scatter_heads (1)");
+  require_known("merge", o.merge);
   if (o.merge == MergeForm::scatter_heads)
     require(heads % o.world_size == 0, "heads", heads,
             fmt::format("a multiple of world_size ({}) for merge = scatter_heads", o.world_size));

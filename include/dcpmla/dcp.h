@@ -35,8 +35,11 @@
 namespace dcpmla {
 
 enum class DcpMerge : int32_t { reduce_scatter, all_to_all };
-DcpMerge parse_dcp_merge(std::string_view s);
-std::string_view to_string(DcpMerge m);
+inline constexpr std::array<EnumName, 2> kDcpMergeNames{
+    {{int32_t(DcpMerge::reduce_scatter), "reduce_scatter"}, {int32_t(DcpMerge::all_to_all), "all_to_all"}}};
+constexpr std::span<const EnumName> enum_names(DcpMerge) { return kDcpMergeNames; }
+inline DcpMerge parse_dcp_merge(std::string_view s) { return parse_enum<DcpMerge>("merge", s); }
+inline std::string_view to_string(DcpMerge m) { return enum_name(m); }
 
 struct DcpConfig {
   int world_size = 0;  // 0: the communicator's; otherwise it must equal it

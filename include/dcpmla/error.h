@@ -25,6 +25,8 @@ template <class T>
   throw Error(fmt::format("dcpmla: field '{}' = {}: expected {}", field, value, expected));
 }
 
+// Its arguments are built before the call: where a message is formatted (fmt::format) and the
+// check runs per step, per layer or per element, write `if (!ok) fail(...)` instead.
 template <class T>
 void require(bool ok, std::string_view field, const T& value, std::string_view expected) {
   if (!ok) fail(field, value, expected);

@@ -58,6 +58,16 @@ struct Layout {
 // valid, qlen >= 1 (1 in decode), 0 <= t < qlen and L is valid for the mode (validate_seq_len).
 int64_t row_window(Mode mode, int64_t seq_len, int qlen, int t);
 
+namespace detail {
+// row_window for callers that validated mode, qlen and seq_len once for the batch (the
+// planner and the reference, per query row; the reference's loop is OpenMP, where a throw
+// would terminate).
+inline int64_t row_window_unchecked(Mode mode, int64_t seq_len, int qlen, int t) {
+  if (seq_len == 0) return 0;
+  return mode == Mode::draft ? seq_len : seq_len - qlen + t + 1;
+}
+}  // namespace detail
+
 // Checks L against the mode: L >= 0, and L >= qlen unless L == 0 (padding) for causal modes.
 void validate_seq_len(Mode mode, int64_t seq_len, int qlen, int request);
 

@@ -22,8 +22,11 @@ enum class MergeForm : int32_t {
   all_heads,      // every rank keeps all H heads (all-gather of partials, local combine)
   scatter_heads,  // each rank keeps H/N heads (all-gather of lse, correction, reduce-scatter)
 };
-MergeForm parse_merge_form(std::string_view s);
-std::string_view to_string(MergeForm f);
+inline constexpr std::array<EnumName, 2> kMergeFormNames{
+    {{int32_t(MergeForm::all_heads), "all_heads"}, {int32_t(MergeForm::scatter_heads), "scatter_heads"}}};
+constexpr std::span<const EnumName> enum_names(MergeForm) { return kMergeFormNames; }
+inline MergeForm parse_merge_form(std::string_view s) { return parse_enum<MergeForm>("merge", s); }
+inline std::string_view to_string(MergeForm f) { return enum_name(f); }
 
 // Merges this rank's partial (o, lse over all H heads of `rows` query rows) with the
 // other ranks'. all_heads: out/lse hold [rows, H, R] / [rows, H]. scatter_heads: they

@@ -2,9 +2,8 @@
 #pragma once
 
 #include <array>
-#include <cstddef>
 #include <cstdint>
-#include <utility>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -15,52 +14,71 @@ enum class KvDtype : int32_t { bf16, fp8_e4m3, fp8_e5m2 };
 enum class Route : int32_t { automatic, one_stage, two_stage, split_k };
 enum class Backend : int32_t { cpu, cuda };
 
-Mode parse_mode(std::string_view s);
-KvDtype parse_kv_dtype(std::string_view s);
-Route parse_route(std::string_view s);  // "auto" -> Route::automatic
-Backend parse_backend(std::string_view s);
+// Each enum's members and names, in one table per enum (enum_names, found by argument-dependent
+// lookup, so that the enums of other headers use the same checks: MergeForm, DcpMerge).
+struct EnumName {
+  int32_t value;
+  std::string_view name;
+};
+inline constexpr std::array<EnumName, 3> kModeNames{
+    {{int32_t(Mode::decode), "decode"}, {int32_t(Mode::verify), "verify"}, {int32_t(Mode::draft), "draft"}}};
+inline constexpr std::array<EnumName, 3> kDtypeNames{{{int32_t(KvDtype::bf16), "bf16"},
+                                                      {int32_t(KvDtype::fp8_e4m3), "fp8_e4m3"},
+                                                      {int32_t(KvDtype::fp8_e5m2), "fp8_e5m2"}}};
+inline constexpr std::array<EnumName, 4> kRouteNames{{{int32_t(Route::automatic), "auto"},
+                                                      {int32_t(Route::one_stage), "one_stage"},
+                                                      {int32_t(Route::two_stage), "two_stage"},
+                                                      {int32_t(Route::split_k), "split_k"}}};
+inline constexpr std::array<EnumName, 2> kBackendNames{{{int32_t(Backend::cpu), "cpu"}, {int32_t(Backend::cuda), "cuda"}}};
+constexpr std::span<const EnumName> enum_names(Mode) { return kModeNames; }
+constexpr std::span<const EnumName> enum_names(KvDtype) { return kDtypeNames; }
+constexpr std::span<const EnumName> enum_names(Route) { return kRouteNames; }
+constexpr std::span<const EnumName> enum_names(Backend) { return kBackendNames; }
 
-std::string_view to_string(Mode m);
-std::string_view to_string(KvDtype d);
-std::string_view to_string(Route r);  // Route::automatic -> "auto"
-std::string_view to_string(Backend b);
+template <class E>
+concept NamedEnum = requires(E e) { enum_names(e); };
 
 namespace detail {
-// Each enum's members and names (types.cpp parses and prints with them).
-template <class E, size_t N>
-using Names = std::array<std::pair<E, std::string_view>, N>;
-inline constexpr Names<Mode, 3> kModeNames{{{Mode::decode, "decode"}, {Mode::verify, "verify"}, {Mode::draft, "draft"}}};
-inline constexpr Names<KvDtype, 3> kDtypeNames{
-    {{KvDtype::bf16, "bf16"}, {KvDtype::fp8_e4m3, "fp8_e4m3"}, {KvDtype::fp8_e5m2, "fp8_e5m2"}}};
-inline constexpr Names<Route, 4> kRouteNames{
-    {{Route::automatic, "auto"}, {Route::one_stage, "one_stage"}, {Route::two_stage, "two_stage"}, {Route::split_k, "split_k"}}};
-inline constexpr Names<Backend, 2> kBackendNames{{{Backend::cpu, "cpu"}, {Backend::cuda, "cuda"}}};
-
-template <class E, size_t N>
-constexpr bool is_member(const Names<E, N>& names, E e) {
-  for (const auto& [v, name] : names)
-    if (v == e) return true;
-  return false;
-}
-
-// "'mode' = 7: expected decode (0), verify (1) or draft (2)" (out of line: formatting).
-[[noreturn]] void fail_unknown(std::string_view field, Mode m);
-[[noreturn]] void fail_unknown(std::string_view field, KvDtype d);
-[[noreturn]] void fail_unknown(std::string_view field, Route r);
-[[noreturn]] void fail_unknown(std::string_view field, Backend b);
+// "'field' = 7: expected a (0), b (1) or c (2)" and "'field' = 'x': expected a, b or c" (out of
+// line: formatting).
+[[noreturn]] void fail_member(std::string_view field, int32_t value, std::span<const EnumName> names);
+[[noreturn]] void fail_name(std::string_view field, std::string_view s, std::span<const EnumName> names);
 }  // namespace detail
 
 // Whether a value (an enum cast from any integer, as C and Python callers may pass) names one
 // of the enum's members; require_known throws Error naming `field`, the value and the members.
-// Inline: the planner checks a mode per query row.
-inline bool is_known(Mode m) { return detail::is_member(detail::kModeNames, m); }
-inline bool is_known(KvDtype d) { return detail::is_member(detail::kDtypeNames, d); }
-inline bool is_known(Route r) { return detail::is_member(detail::kRouteNames, r); }
-inline bool is_known(Backend b) { return detail::is_member(detail::kBackendNames, b); }
-template <class E>
-void require_known(std::string_view field, E e) {
-  if (!is_known(e)) detail::fail_unknown(field, e);
+template <NamedEnum E>
+constexpr bool is_known(E e) {
+  for (const EnumName& n : enum_names(e))
+    if (n.value == int32_t(e)) return true;
+  return false;
 }
+template <NamedEnum E>
+void require_known(std::string_view field, E e) {
+  if (!is_known(e)) detail::fail_member(field, int32_t(e), enum_names(e));
+}
+// The member's name ("?" for an unknown value), and the member a name stands for.
+template <NamedEnum E>
+constexpr std::string_view enum_name(E e) {
+  for (const EnumName& n : enum_names(e))
+    if (n.value == int32_t(e)) return n.name;
+  return "?";
+}
+template <NamedEnum E>
+E parse_enum(std::string_view field, std::string_view s) {
+  for (const EnumName& n : enum_names(E{}))
+    if (n.name == s) return E(n.value);
+  detail::fail_name(field, s, enum_names(E{}));
+}
+
+inline Mode parse_mode(std::string_view s) { return parse_enum<Mode>("mode", s); }
+inline KvDtype parse_kv_dtype(std::string_view s) { return parse_enum<KvDtype>("kv_dtype", s); }
+inline Route parse_route(std::string_view s) { return parse_enum<Route>("route", s); }  // "auto" -> automatic
+inline Backend parse_backend(std::string_view s) { return parse_enum<Backend>("device", s); }
+inline std::string_view to_string(Mode m) { return enum_name(m); }
+inline std::string_view to_string(KvDtype d) { return enum_name(d); }
+inline std::string_view to_string(Route r) { return enum_name(r); }  // Route::automatic -> "auto"
+inline std::string_view to_string(Backend b) { return enum_name(b); }
 
 inline int bytes_per_value(KvDtype d) { return d == KvDtype::bf16 ? 2 : 1; }
 

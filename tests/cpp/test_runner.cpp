@@ -121,6 +121,13 @@ TEST(Types, UnknownEnumValuesAreRefusedWithTheirMembers) {
                "'kv_dtype' = -1: expected bf16 (0), fp8_e4m3 (1) or fp8_e5m2 (2)");
   testing::expect_error([] { require_known("route", Route(4)); }, "'route' = 4: expected auto (0), one_stage (1)");
   testing::expect_error([] { require_known("backend", Backend(2)); }, "'backend' = 2: expected cpu (0) or cuda (1)");
+  // An enum of another header joins through its own table (enum_names, found by ADL).
+  testing::expect_error([] { require_known("merge", MergeForm(2)); },
+                        "'merge' = 2: expected all_heads (0) or scatter_heads (1)");
+  testing::expect_error([] { parse_merge_form("gather"); }, "'merge' = 'gather': expected all_heads or scatter_heads");
+  EXPECT_EQ(parse_merge_form("scatter_heads"), MergeForm::scatter_heads);
+  EXPECT_EQ(to_string(Route::automatic), "auto");
+  EXPECT_EQ(parse_route("auto"), Route::automatic);
   for (const Mode m : {Mode::decode, Mode::verify, Mode::draft}) {
     EXPECT_TRUE(is_known(m));
     require_known("mode", m);

@@ -38,16 +38,6 @@ uint32_t fnv1a(std::span<const int32_t> values, uint32_t h = 2166136261u) {
 
 }  // namespace
 
-DcpMerge parse_dcp_merge(std::string_view s) {
-  if (s == "reduce_scatter") return DcpMerge::reduce_scatter;
-  if (s == "all_to_all") return DcpMerge::all_to_all;
-  fail("merge", fmt::format("'{}'", s), "reduce_scatter or all_to_all");
-}
-
-std::string_view to_string(DcpMerge m) {
-  return m == DcpMerge::reduce_scatter ? "reduce_scatter" : m == DcpMerge::all_to_all ? "all_to_all" : "?";
-}
-
 DcpTraffic dcp_traffic(int world_size, int64_t rows, int heads_local, int rank_dim, DataType reduce_dtype) {
   require(world_size >= 1, "world_size", world_size, ">= 1");
   require(rows >= 0, "rows", rows, ">= 0");
@@ -90,8 +80,7 @@ DcpStep::DcpStep(const DcpConfig& config, DeviceCommunicator& comm)
           "1..128 (the CUDA kernel's heads per launch)");
   require(config.reduce_dtype == DataType::bf16 || config.reduce_dtype == DataType::f32, "reduce_dtype",
           int(config.reduce_dtype), "bf16 or f32");
-  require(config.merge == DcpMerge::reduce_scatter || config.merge == DcpMerge::all_to_all, "merge",
-          int(config.merge), "reduce_scatter or all_to_all");
+  require_known("merge", config.merge);
   // Checked before anything is allocated (set_tuning below checks it again, once it can apply it).
   cuda_detail::validate_tuning(config.tuning);
   config_.world_size = world_;
