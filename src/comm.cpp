@@ -37,7 +37,7 @@ void fail_collective_args(const char* op, const void* send, const void* recv, si
     fail("recv", "null", fmt::format("a buffer (in {}, count = {})", op, count));
   fail("count", count,
        fmt::format("at most {} (in {}: count x element bytes x world_size ({}) must fit size_t)",
-                   (SIZE_MAX / 4) / size_t(world_size > 0 ? world_size : 1), op, world_size));
+                   max_collective_count(world_size), op, world_size));
 }
 
 namespace detail {
@@ -136,7 +136,7 @@ class InProcessComm final : public Communicator {
   int world_size() const override { return state_->world; }
 
   void all_gather(const void* send, void* recv, size_t count, DataType t) override {
-    check_args("all_gather", send, recv, count, t);
+    check_collective_args_or_abort(*this, "all_gather", send, recv, count, t);
     const size_t bytes = count * size_of(t);
     exchange(Collective::all_gather, send, count, t, [&](int p, const void* src) {
       std::memcpy(static_cast<char*>(recv) + size_t(p) * bytes, src, bytes);
@@ -144,7 +144,7 @@ class InProcessComm final : public Communicator {
   }
 
   void reduce_scatter_sum(const void* send, void* recv, size_t count, DataType t) override {
-    check_args("reduce_scatter_sum", send, recv, count, t);
+    check_collective_args_or_abort(*this, "reduce_scatter_sum", send, recv, count, t);
     const size_t offset = size_t(rank_) * count * size_of(t);
     if (t == DataType::i32) {  // exactly in int64, wrapped to int32 like MPI's and the device group's sums
       std::vector<int64_t> acc(count, 0);
@@ -162,7 +162,7 @@ class InProcessComm final : public Communicator {
   }
 
   void all_to_all(const void* send, void* recv, size_t count, DataType t) override {
-    check_args("all_to_all", send, recv, count, t);
+    check_collective_args_or_abort(*this, "all_to_all", send, recv, count, t);
     const size_t bytes = count * size_of(t);
     exchange(Collective::all_to_all, send, count, t, [&](int p, const void* src) {
       std::memcpy(static_cast<char*>(recv) + size_t(p) * bytes,
@@ -178,15 +178,6 @@ class InProcessComm final : public Communicator {
   void abort() override { state_->abort(rank_); }
 
  private:
-  // A rank that refuses its arguments never joins the collective: it aborts the group so
-  // that its peers raise at once instead of waiting for the timeout.
-  void check_args(const char* op, const void* send, const void* recv, size_t count, DataType t) {
-    if (!collective_args_ok(send, recv, count, t, state_->world)) [[unlikely]] {
-      abort();
-      fail_collective_args(op, send, recv, count, t, state_->world);
-    }
-  }
-
   // Publishes this rank's call, then reads every rank's send buffer between two barriers
   // (all published; all read before anyone reuses a buffer). When the ranks' calls differ
   // (collective, count or dtype) nobody reads: every rank passes the second barrier and

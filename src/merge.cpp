@@ -26,6 +26,14 @@ void require_shape(int64_t rows, int width, int64_t parts) {
     fail("rows", rows, fmt::format("{} partials x rows x width {} values that fit int64", parts, width));
 }
 
+// `width` zeros in this thread's scratch: the merges run per row (inside OpenMP loops on the
+// CPU backend, every step), so the buffer is allocated once per thread, not once per row.
+float* zeroed_scratch(int width) {
+  thread_local std::vector<float> acc;
+  acc.assign(size_t(width), 0.0f);
+  return acc.data();
+}
+
 // Row-wise LSE merge of n partials at o_at(k), lse_at(k). Ranks whose lse is -inf
 // hold no key of the row and get weight 0; all -inf gives o = 0, lse = -inf.
 // A NaN lse (a NaN or inf read by the row) is not empty: it makes the row's out and lse NaN.
@@ -38,7 +46,7 @@ void merge_row(int n, OAt o_at, LseAt lse_at, int width, bf16* o, float* lse) {
     *lse = kNegInf;
     return;
   }
-  std::vector<float> acc(size_t(width), 0.0f);
+  float* acc = zeroed_scratch(width);
   float sum = 0.0f;
   for (int k = 0; k < n; ++k) {
     const float l = lse_at(k);
@@ -46,9 +54,9 @@ void merge_row(int n, OAt o_at, LseAt lse_at, int width, bf16* o, float* lse) {
     const float w = std::exp(l - m);
     sum += w;
     const bf16* src = o_at(k);
-    for (int j = 0; j < width; ++j) acc[size_t(j)] += w * bf16_to_float(src[j]);
+    for (int j = 0; j < width; ++j) acc[j] += w * bf16_to_float(src[j]);
   }
-  for (int j = 0; j < width; ++j) o[j] = float_to_bf16(acc[size_t(j)] / sum);
+  for (int j = 0; j < width; ++j) o[j] = float_to_bf16(acc[j] / sum);
   *lse = m + std::log(sum);
 }
 
@@ -120,7 +128,7 @@ void detail::merge_split_k_unchecked(const float* part_o, const float* part_m, c
     *lse = kNegInf;
     return;
   }
-  std::vector<float> acc(size_t(width), 0.0f);
+  float* acc = zeroed_scratch(width);
   float l = 0.0f;
   for (int s = 0; s < segments; ++s) {
     const float ls = part_l[s * segment_stride_ml];
@@ -128,9 +136,9 @@ void detail::merge_split_k_unchecked(const float* part_o, const float* part_m, c
     const float w = ls * std::exp2(part_m[s * segment_stride_ml] - m);
     l += w;
     const float* src = part_o + s * segment_stride_o;
-    for (int j = 0; j < width; ++j) acc[size_t(j)] += w * src[j];
+    for (int j = 0; j < width; ++j) acc[j] += w * src[j];
   }
-  for (int j = 0; j < width; ++j) o[j] = float_to_bf16(acc[size_t(j)] / l);
+  for (int j = 0; j < width; ++j) o[j] = float_to_bf16(acc[j] / l);
   *lse = (m + std::log2(l)) * kLn2;
 }
 

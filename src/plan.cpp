@@ -281,7 +281,7 @@ int64_t Planner::validate(const BatchDesc& batch) const {
 void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& plan, PlanStats& stats) const {
   const auto& c = config_;
   const ScheduleCost& cost = c.cost;
-  bool may_cut = this->may_cut();
+  bool cut_allowed = may_cut();  // false also when whole requests fit the balanced share
   const double slack = c.route == Route::split_k ? 0.0 : cost.slack;
   const int64_t min_tiles = ceil_div(c.min_segment_tokens, kCutTokens);
   const int32_t* q_start = plan.at(plan.off_q_start_);
@@ -307,11 +307,11 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
   };
   // Whole requests, one per chunk, within the slack of the balanced share: no cut pays for
   // its partials (a uniform batch a little smaller than the GPU).
-  if (may_cut && slack > 0.0 && parts_left <= chunks) {
+  if (cut_allowed && slack > 0.0 && parts_left <= chunks) {
     int64_t most = 0;
     for (int b = 0; b < b_count; ++b)
       if (q_start[b + 1] > q_start[b]) most = std::max(most, ceil_div(longest[b], kCutTokens));
-    if (double(most) + cost.piece <= share(chunks) * (1.0 + slack)) may_cut = false;
+    if (double(most) + cost.piece <= share(chunks) * (1.0 + slack)) cut_allowed = false;
   }
   int count = 0, k = 0, splits = 0, slots = 0;
   double budget = share(chunks), used = 0.0;
@@ -356,7 +356,7 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
       int64_t take = int64_t(std::ceil(room - cost.piece - cost.cut - 1e-9));
       if (used == 0.0) take = std::max(take, min_tiles);
       if (rest - take < min_tiles && rest - min_tiles >= min_tiles) take = std::min(take, rest - min_tiles);
-      const bool cuttable = may_cut && take >= min_tiles && rest - take >= min_tiles;
+      const bool cuttable = cut_allowed && take >= min_tiles && rest - take >= min_tiles;
       if (fits || (!cuttable && used == 0.0)) {  // the rest here (uncuttable: it takes the chunk)
         emit(tiles, cut);
         used += whole;

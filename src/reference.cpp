@@ -14,9 +14,10 @@
 namespace dcpmla {
 namespace {
 
-// Whether size == count x per (both >= 0), compared by division so that no product overflows.
+// Whether size == count x per (a product past int64 holds no span).
 bool holds(size_t size, int64_t count, int64_t per) {
-  return per == 0 ? size == 0 : size % uint64_t(per) == 0 && size / uint64_t(per) == uint64_t(count);
+  const auto n = checked_product({count, per});
+  return n && uint64_t(*n) == size;
 }
 
 }  // namespace

@@ -34,13 +34,15 @@ class Communicator {
   virtual void abort() {}
 };
 
+// The most elements a collective may move per rank: count x 4 bytes (the largest element)
+// x world_size must fit size_t.
+inline size_t max_collective_count(int world_size) { return (SIZE_MAX / 4) / size_t(world_size > 0 ? world_size : 1); }
 // The checks every communicator makes at the entry of each collective, before it touches a
 // buffer or waits for a peer: `t` is a known DataType, `send` and `recv` are not null when
-// count > 0, and count x size_of(t) x world_size bytes fit size_t. Plain comparisons: the
-// message (field, value, expectation and the collective's name) is built only on failure.
+// count > 0, and count <= max_collective_count. Plain comparisons: the message (field,
+// value, expectation and the collective's name) is built only on failure.
 inline bool collective_args_ok(const void* send, const void* recv, size_t count, DataType t, int world_size) {
-  return is_known(t) && (count == 0 || (send != nullptr && recv != nullptr)) &&
-         count <= (SIZE_MAX / 4) / size_t(world_size > 0 ? world_size : 1);
+  return is_known(t) && (count == 0 || (send != nullptr && recv != nullptr)) && count <= max_collective_count(world_size);
 }
 // Raises dcpmla::Error for the first check that fails (op: the collective's name).
 [[noreturn]] void fail_collective_args(const char* op, const void* send, const void* recv, size_t count, DataType t,
@@ -49,6 +51,16 @@ inline void check_collective_args(const char* op, const void* send, const void* 
                                   int world_size) {
   if (!collective_args_ok(send, recv, count, t, world_size)) [[unlikely]]
     fail_collective_args(op, send, recv, count, t, world_size);
+}
+// The same for the groups whose ranks meet at a barrier (in-process, device): a rank that
+// refuses its arguments never joins the collective, so it aborts the group first and its
+// peers raise at once instead of waiting for the timeout.
+inline void check_collective_args_or_abort(Communicator& self, const char* op, const void* send, const void* recv,
+                                           size_t count, DataType t) {
+  if (!collective_args_ok(send, recv, count, t, self.world_size())) [[unlikely]] {
+    self.abort();
+    fail_collective_args(op, send, recv, count, t, self.world_size());
+  }
 }
 
 namespace detail {

@@ -80,7 +80,7 @@ class Attention {
   Plan plan_;
   float softmax_scale_;
   bool planned_ = false;
-  std::unique_ptr<float[]> workspace_;  // split-K partials (null when no plan cuts)
+  std::unique_ptr<float[]> workspace_;  // split-K partials (null when the route is one_stage: no plan cuts)
 };
 
 }  // namespace dcpmla

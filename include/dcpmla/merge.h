@@ -18,10 +18,11 @@ inline float nan_max(float a, float b) {
   return a < b ? b : a;
 }
 
-// Validation (dcpmla::Error naming the field): counts of partials and segments >= 1 (a merge of
-// nothing has no answer; an empty row is a partial with lse = -inf or l = 0), width >= 1,
-// rows >= 0: rows = 0 is an empty call (a batch with no query rows) that touches no pointer;
-// otherwise every pointer must be non-null. Sizes the pointers cover cannot be checked here.
+// Every merge below validates its arguments (dcpmla::Error naming the field): counts of
+// partials and segments >= 1 (a merge of nothing has no answer; an empty row is a partial with
+// lse = -inf or l = 0), width >= 1, rows >= 0 where there are rows (0 is an empty call that
+// touches no pointer), and every pointer it touches non-null. Sizes the pointers cover cannot
+// be checked here.
 
 // (o, lse) = merge of two partials over disjoint key sets, row by row:
 // lse = ln(e^a + e^b), o = e^(a-lse) o_a + e^(b-lse) o_b. -inf partials contribute nothing;

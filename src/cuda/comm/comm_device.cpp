@@ -115,12 +115,12 @@ class DeviceGroupComm final : public DeviceCommunicator {
   int device() const override { return s_->device; }
 
   void all_gather(const void* send, void* recv, size_t count, DataType t) override {
-    check_args("all_gather", send, recv, count, t);
+    check_collective_args_or_abort(*this, "all_gather", send, recv, count, t);
     gather_from_peers(Collective::all_gather, send, recv, count, t, false);
   }
 
   void reduce_scatter_sum(const void* send, void* recv, size_t count, DataType t) override {
-    check_args("reduce_scatter_sum", send, recv, count, t);
+    check_collective_args_or_abort(*this, "reduce_scatter_sum", send, recv, count, t);
     const auto peers = publish(Collective::reduce_scatter_sum, send, count, t);
     cuda_detail::ReduceParams p{};
     for (int k = 0; k < s_->world; ++k) p.src[k] = peers[size_t(k)].send;
@@ -135,7 +135,7 @@ class DeviceGroupComm final : public DeviceCommunicator {
   }
 
   void all_to_all(const void* send, void* recv, size_t count, DataType t) override {
-    check_args("all_to_all", send, recv, count, t);
+    check_collective_args_or_abort(*this, "all_to_all", send, recv, count, t);
     gather_from_peers(Collective::all_to_all, send, recv, count, t, true);
   }
 
@@ -163,14 +163,6 @@ class DeviceGroupComm final : public DeviceCommunicator {
  private:
   using Collective = detail::Collective;
 
-  // A rank that refuses its arguments never joins the collective: it aborts the group so
-  // that its peers raise at once instead of waiting for the timeout.
-  void check_args(const char* op, const void* send, const void* recv, size_t count, DataType t) {
-    if (!collective_args_ok(send, recv, count, t, s_->world)) [[unlikely]] {
-      s_->abort();
-      fail_collective_args(op, send, recv, count, t, s_->world);
-    }
-  }
 
   // Every rank's send address for this collective (host barrier twice: all published,
   // then all read, so the slots can be reused by the next collective). When the ranks'
