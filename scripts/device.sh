@@ -5,17 +5,19 @@
 #                                           AB_REV="<rev> [<rev>...]" also puts those commits'
 #                                           trees in it
 # One configure and build with the machine's own toolchain (nvcc, cmake, g++; mode ab also
-# builds the other tree's bench), then:
+# builds each other tree's bench), then:
 #   test    ctest -L "${LABELS:-gpu}": every GPU test is a CTest test with labels: gpu (all of
 #           them), dcp (the DCP step, device and NCCL communicators, mpirun), sanitize (the
 #           compute-sanitizer runs); the Python grid with device="cuda" is the test pytest_cuda
 #   bench   dcpmla_dcp_bench and dcpmla_bench (--json, with their metadata); tables printed last
 #   ab      dcpmla_bench of this tree and of each AB_REV's (carried) in one call, alternating
 #           this, the others, this, the others with AB_BENCH_ARGS: experiments against their
-#           base on the same warm card, without a second machine start
+#           base on the same warm card, without a second machine start (two rounds of every
+#           tree: pass --only <shapes> in AB_BENCH_ARGS to stay inside a device call's limit)
 # NCU=1 also profiles the attention kernels (NCU_KERNELS, a regex; NCU_COUNT launches) at
-# NCU_SHAPES (Nsight Compute); NCU_SOURCE=1 adds the stall samples per SASS instruction
-# (scripts/ncu_hot.py prints the hottest: which wait the warps sit in).
+# NCU_SHAPES (Nsight Compute); NCU_SOURCE=1 adds the stall samples per SASS instruction of the
+# first matching launch at each of NCU_SHAPES (default decode128; scripts/ncu_hot.py prints the
+# hottest: which wait the warps sit in).
 # Logs and JSON go to $OUT (default build-device/out). What the GPU image lacks (libfmt-dev,
 # googletest, CLI11, nlohmann-json, nccl.h) is taken from .devdeps/.
 set -uo pipefail
@@ -23,6 +25,10 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 MODE="${1:-all}"
+case "$MODE" in
+  all | test | bench | ab | deps) ;;
+  *) echo "usage: scripts/device.sh [all|test|bench|ab|deps] (got '$MODE')" >&2; exit 2 ;;
+esac
 BUILD="${BUILD_DIR:-$ROOT/build-device}"
 OUT="${OUT:-$BUILD/out}"
 JOBS="${JOBS:-$(nproc)}"
@@ -234,7 +240,8 @@ fi
 # ---- ab: this tree against each AB_REV's, alternating on the same card -----------------------
 if [[ "$MODE" == ab ]]; then
   others=()
-  for d in .devdeps/ab/*/; do [[ -f "$d.commit" ]] && others+=("${d%/}"); done
+  # In AB_REV's order (the directories are numbered from 1; a glob would put 10 before 2).
+  for ((i = 1; i <= 64; ++i)); do [[ -f ".devdeps/ab/$i/.commit" ]] && others+=(".devdeps/ab/$i"); done
   [[ ${#others[@]} -gt 0 ]] || { say "mode ab: no .devdeps/ab (run AB_REV=<rev> scripts/device.sh deps)"; exit 1; }
   for d in "${others[@]}"; do
     t0=$(date +%s)

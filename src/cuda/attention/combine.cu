@@ -27,7 +27,9 @@ constexpr int kCombineSlices = 4;
 constexpr int kSliceCols = kRank / kCombineSlices;
 static_assert(kSliceCols == 32 * 4, "a warp covers one slice with one float4 per lane");
 constexpr int kPiecesPerWarp = 4;  // a group grows only while each warp keeps this many pieces
-constexpr int kCombineCtasPerSm = 4;  // 64 registers a thread: four CTAs fill an SM's register file
+// Four 256-thread CTAs an SM: __launch_bounds__ holds ptxas to 64 registers a thread (no
+// spills at four loads in flight a warp), and the grid is sized to what is resident.
+constexpr int kCombineCtasPerSm = 4;
 
 __device__ __forceinline__ int combine_group_warps(int max_pieces) {
   int g = 1;
@@ -136,8 +138,9 @@ __global__ void __launch_bounds__(32 * kCombineWarps, kCombineCtasPerSm) split_m
 // of the launch starting after the grid has completed. Also under graph capture (a
 // programmatic edge). The attention kernels do not trigger earlier: griddepcontrol in their
 // unit loop cost ptxas 25 more registers in the wgmma kernel.
-// The grid follows the capacities (graph-safe): a CTA per (row, slice) of the most rows a plan
-// can cut, up to a full GPU of them; CTAs past a plan's items exit at once.
+// The grid follows the capacities (graph-safe): as many CTAs as (row, slice) items of the most
+// rows a plan can cut, up to the resident CTAs of the GPU; a CTA takes kCombineWarps / G items
+// a pass, and CTAs past a plan's items exit at once.
 void launch_split_merge(const AttentionParams& p, int64_t max_cut_rows, int num_sms, cudaStream_t stream) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(unsigned(std::min<int64_t>(max_cut_rows * kCombineSlices, int64_t(num_sms) * kCombineCtasPerSm)));
