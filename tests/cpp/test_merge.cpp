@@ -181,9 +181,10 @@ TEST(Merge, MergeAcrossRanksRejectsBadInput) {
   expect_error([&] {
     merge_across_ranks(*comm, MergeForm::all_heads, o.data(), lse.data(), 1, 1, width, out.data(), nullptr);
   }, "'out_lse' = null");
-  // Valid calls still merge: one rank's partial is the result.
+  // Valid calls still merge: one rank's partial (fresh random values) is the result; a row
+  // with lse -inf is all zeros.
   lse = {0.5f, kNegInf};
-  o[0] = float_to_bf16(2.0f);
+  o = to_bf16(testing::random_normal(o.size(), 11));
   for (MergeForm form : {MergeForm::all_heads, MergeForm::scatter_heads}) {
     // Poisoned before each form, so that neither passes on what the other wrote.
     std::fill(out.begin(), out.end(), float_to_bf16(NAN));
@@ -191,7 +192,10 @@ TEST(Merge, MergeAcrossRanksRejectsBadInput) {
     merge(form, 2, 1, width);
     EXPECT_FLOAT_EQ(out_lse[0], 0.5f);
     EXPECT_EQ(out_lse[1], kNegInf);
-    EXPECT_FLOAT_EQ(bf16_to_float(out[0]), 2.0f);
+    for (int j = 0; j < width; ++j) {
+      EXPECT_EQ(bf16_to_float(out[size_t(j)]), bf16_to_float(o[size_t(j)])) << "column " << j;
+      EXPECT_EQ(bf16_to_float(out[size_t(width + j)]), 0.0f) << "column " << j;
+    }
   }
 }
 
