@@ -382,7 +382,6 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
   h.work_count = count;
   h.chunks = chunks;
   h.split_requests = splits;
-  h.max_pieces = splits > 0 ? stats.max_segments : 0;
 }
 
 void Planner::plan(const BatchDesc& batch, Plan& plan) const {

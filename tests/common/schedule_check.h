@@ -23,7 +23,7 @@ inline std::string schedule_error(const PlannerConfig& c, const Plan& plan) {
   // In int64: min_segment_tokens may be any positive int (found by fuzz_planner).
   const int64_t min_tiles = (int64_t(c.min_segment_tokens) + kCutTokens - 1) / kCutTokens;
 
-  int w = 0, splits = 0, slots = 0, widest = 0, most_pieces = 0;
+  int w = 0, splits = 0, slots = 0, widest = 0;
   for (int b = 0; b < h.batch; ++b) {
     const int q0 = v.q_start[b], qlen = v.q_start[b + 1] - q0;
     if (qlen < 0 || qlen > h.qlen) return bad("a request's query rows outside [0, qlen]", b);
@@ -48,7 +48,6 @@ inline std::string schedule_error(const PlannerConfig& c, const Plan& plan) {
     if (w == first) return bad("a request with rows has no piece", b);
     if (next != longest) return bad("pieces do not end at the request's longest row", b);
     const int pieces = w - first;
-    most_pieces = std::max(most_pieces, pieces);
     if (pieces == 1) {
       if (v.work[first].slot != -1) return bad("a whole request writes a partial", b);
       continue;
@@ -66,7 +65,6 @@ inline std::string schedule_error(const PlannerConfig& c, const Plan& plan) {
   if (w != h.work_count) return bad("pieces out of request order", w);
   if (splits != h.split_requests || v.split_slot[splits] != slots) return bad("more cut requests listed than cut", splits);
   if (slots > v.work_capacity) return bad("more partial slots than capacity", slots);
-  if (h.max_pieces != (splits > 0 ? most_pieces : 0)) return bad("max_pieces is not the most pieces of a cut request", h.max_pieces);
   if (h.widest_qlen != widest) return bad("widest_qlen is not the largest request's rows", widest);
   const Route route = Route(h.route);
   if (c.route == Route::automatic && route != (splits > 0 ? Route::split_k : Route::one_stage))
