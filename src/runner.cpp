@@ -136,6 +136,20 @@ void check_ranks_agree(Communicator& comm, std::span<const int32_t> signature, s
                                         all.begin() + ptrdiff_t((r + 1) * signature.size()), ", ")));
 }
 
+void refuse_together(Communicator& comm, std::exception_ptr refused, std::string_view what) {
+  const int n = comm.world_size();
+  const int32_t mine = refused ? 1 : 0;
+  std::vector<int32_t> all(static_cast<size_t>(n));
+  comm.all_gather(&mine, all.data(), 1, DataType::i32);
+  if (refused) std::rethrow_exception(refused);
+  std::vector<int> refusing;
+  for (int r = 0; r < n; ++r)
+    if (all[size_t(r)] != 0) refusing.push_back(r);
+  if (!refusing.empty())
+    throw Error(fmt::format("dcpmla: {}: refused by rank {} (its own error names the field), so rank {} refuses too",
+                            what, fmt::join(refusing, ", "), comm.rank()));
+}
+
 namespace {
 
 // The validated, bf16-rounded inputs of the conformance path with their block tables;

@@ -122,6 +122,7 @@ class DcpStep {
 
  private:
   void enqueue_merge(bf16* out, float* lse);
+  void build(const DcpConfig& config);  // everything but the exchanges with the peers
   void carve(int64_t total, const int64_t* sizes);
   void warm_up();
   void agree_on_config();

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -109,6 +110,12 @@ AttentionResult mla_attention_on_rank(std::span<const float> q, std::span<const 
 // Ranks agree on a batch before their first collective: each contributes the values it
 // planned with; a mismatch raises dcpmla::Error on every rank (never a hang or a wrong merge).
 void check_ranks_agree(Communicator& comm, std::span<const int32_t> signature, std::string_view what);
+
+// Before the first collective that a refusal on one rank would leave its peers waiting in
+// (NCCL's until its timeout): each rank passes the error it raised while validating or
+// setting up (null when none), one flag per rank is exchanged, and if any rank refused every
+// rank throws: the refusing rank its own error, the others an Error naming the refusing ranks.
+void refuse_together(Communicator& comm, std::exception_ptr refused, std::string_view what);
 
 // Most host memory the in-process entry point may ask for in all: the inputs' copies, every
 // rank's merge buffers (which grow as world_size^2: each rank gathers every rank's partial)

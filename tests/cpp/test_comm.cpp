@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <numeric>
 #include <stdexcept>
@@ -276,6 +277,23 @@ TEST(Comm, RefusesNullBuffersAndCountsThatOverflow) {
 
 // Ranks that disagree on the collective, its count or its dtype used to read past a peer's
 // buffer; every rank now raises the same error naming the field, and the group stays usable.
+// A refusal on one rank before the first collective: every rank raises after one exchange
+// (the refusing rank its own error), and the group is not aborted.
+TEST(Comm, OneRankRefusingMakesEveryRankRefuse) {
+  InProcessGroup group(3, std::chrono::seconds(5));
+  const auto errors = errors_on_ranks(group, [](int r, Communicator& c) {
+    std::exception_ptr refused;
+    if (r == 1) refused = std::make_exception_ptr(Error("dcpmla: field 'heads' = 0: expected >= 1"));
+    refuse_together(c, refused, "the test's set-up");
+  });
+  EXPECT_EQ(errors[1], "dcpmla: field 'heads' = 0: expected >= 1");
+  for (int r : {0, 2})
+    EXPECT_TRUE(has(errors[size_t(r)], "the test's set-up: refused by rank 1")) << errors[size_t(r)];
+  // Nobody refused: nobody raises.
+  for (const std::string& e : errors_on_ranks(group, [](int, Communicator& c) { refuse_together(c, nullptr, "x"); }))
+    EXPECT_EQ(e, "");
+}
+
 TEST(Comm, RanksThatDisagreeOnACollectiveAllRaise) {
   InProcessGroup group(3, std::chrono::seconds(5));
   std::vector<float> send(64, 1.0f), recv(64, 0.0f);

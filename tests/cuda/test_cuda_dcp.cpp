@@ -319,6 +319,22 @@ TEST(DcpStepBadInput, WorldSizeNotMatchingTheCommunicator) {
   for (const auto& e : errors) EXPECT_NE(e.find("'world_size' = 3"), std::string::npos) << e;
 }
 
+// One rank refuses its configuration; the others must raise at once, naming it, rather than
+// wait for it in the agreement's collective (over NCCL they waited for the timeout).
+TEST(DcpStepBadInput, OneRankRefusingMakesEveryRankRefuse) {
+  DCPMLA_REQUIRE_GPU();
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = errors_per_rank(3, [](int rank, DeviceCommunicator& comm) {
+    DcpConfig cfg = small_config(3);
+    if (rank == 1) cfg.heads_local = 0;
+    DcpStep step(cfg, comm);
+  });
+  ASSERT_EQ(errors.size(), 3u);
+  EXPECT_NE(errors[1].find("'heads_local' = 0"), std::string::npos) << errors[1];
+  for (int r : {0, 2}) EXPECT_NE(errors[size_t(r)].find("refused by rank 1"), std::string::npos) << errors[size_t(r)];
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+}
+
 TEST(DcpStepBadInput, RanksDisagreeOnTheConfiguration) {
   DCPMLA_REQUIRE_GPU();
   const auto errors = errors_per_rank(4, [](int rank, DeviceCommunicator& comm) {

@@ -36,6 +36,9 @@ uint32_t fnv1a(std::span<const int32_t> values, uint32_t h = 2166136261u) {
   return h;
 }
 
+// The staged communicator's scratch: the agreement exchanges gather at most 64 int32 per rank.
+size_t host_scratch_bytes(int world) { return size_t(64) * 4 * size_t(world + 1); }
+
 }  // namespace
 
 DcpTraffic dcp_traffic(int world_size, int64_t rows, int heads_local, int rank_dim, DataType reduce_dtype) {
@@ -74,6 +77,25 @@ struct DcpStep::Buffers {
 
 DcpStep::DcpStep(const DcpConfig& config, DeviceCommunicator& comm)
     : config_(config), comm_(comm), world_(comm.world_size()), rank_(comm.rank()) {
+  // A rank that refuses its configuration (or fails to set up) still takes part in one status
+  // exchange, so that its peers raise at once instead of waiting in the agreement's collective
+  // (over NCCL, for its timeout). The exchange needs this rank's staged communicator and the
+  // communicator's kernels loaded (warm_up's reason), whatever point set-up reached.
+  std::exception_ptr refused;
+  try {
+    build(config);
+  } catch (...) {
+    refused = std::current_exception();
+    check(cudaSetDevice(comm_.device()), "cudaSetDevice(DcpStep)");
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(DcpStep refusal)");
+    cuda_detail::preload_dcp_kernels();
+    if (!host_) host_ = std::make_unique<HostStagedCommunicator>(comm_, host_scratch_bytes(world_));
+  }
+  refuse_together(*host_, refused, "DcpStep configuration");
+  agree_on_config();
+}
+
+void DcpStep::build(const DcpConfig& config) {
   require(config.world_size == 0 || config.world_size == world_, "world_size", config.world_size,
           fmt::format("the communicator's size ({}) (or 0 to take it)", world_));
   require(config.heads_local >= 1 && config.heads_local <= kMaxHeads, "heads_local", config.heads_local,
@@ -98,8 +120,8 @@ DcpStep::DcpStep(const DcpConfig& config, DeviceCommunicator& comm)
   ac.softmax_scale = config.softmax_scale;
   ac.route = config.route;
   ac.min_segment_tokens = config.min_segment_tokens;
-  check(cudaSetDevice(comm.device()), "cudaSetDevice(DcpStep)");
-  attention_ = std::make_unique<cuda::Attention>(ac, comm.device());
+  check(cudaSetDevice(comm_.device()), "cudaSetDevice(DcpStep)");
+  attention_ = std::make_unique<cuda::Attention>(ac, comm_.device());
   attention_->set_tuning(config.tuning);
   softmax_scale_ = attention_->softmax_scale();
   rows_ = int64_t(config.limits.max_batch) * config.limits.max_qlen;
@@ -128,9 +150,8 @@ DcpStep::DcpStep(const DcpConfig& config, DeviceCommunicator& comm)
   int64_t total = 0;
   for (int64_t s : sizes) total += align_up(s, 256);
   carve(total, sizes);
-  host_ = std::make_unique<HostStagedCommunicator>(comm_, size_t(64) * 4 * size_t(world_ + 1));
+  host_ = std::make_unique<HostStagedCommunicator>(comm_, host_scratch_bytes(world_));
   warm_up();
-  agree_on_config();
 }
 
 void DcpStep::carve(int64_t total, const int64_t* sizes) {
