@@ -30,7 +30,12 @@ def main():
     args = ap.parse_args()
     with open(args.page, newline="") as f:
         lines = [line for line in f if line.startswith('"')]  # ncu prints ==PROF== lines around the table
-    rows = list(csv.DictReader(lines))
+    # Each kernel's table follows a "Kernel Name" line; the first table is the first launch's.
+    header = next((i for i, line in enumerate(lines) if "Warp Stall Sampling" in line), None)
+    if header is None:
+        sys.exit(f"{args.page}: no source table (ncu's output is in the file)")
+    end = next((i for i in range(header + 1, len(lines)) if lines[i].startswith('"Kernel Name"')), len(lines))
+    rows = list(csv.DictReader(lines[header:end]))
     if not rows:
         sys.exit(f"{args.page}: no source table (ncu's output is in the file)")
     cols = list(rows[0])
