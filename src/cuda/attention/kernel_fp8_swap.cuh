@@ -301,13 +301,14 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
       // 1. S^T = K Q^T, one accumulator chain per column block (4 k32 steps); columns
       //    8 j + .. of acc are Q_hi's rows for j < 2, Q_lo's for j >= 2.
       float acc[C::BLOCKS][16];  // written by each chain's first step (ACC = false)
+      const SmemDesc dk(sK, 16, 1024), dq(sQ_a, 16, 1024);
       wgmma_fence();
 #pragma unroll
       for (int cb = 0; cb < C::BLOCKS; ++cb)
 #pragma unroll
         for (int ks = 0; ks < (cb < C::BLOCKS - 1 ? 4 : 2); ++ks) {
-          const uint64_t da = smem_desc_sw128(sK + cb * (NT * 128) + ks * 32, 16, 1024);
-          const uint64_t db = smem_desc_sw128(sQ_a + cb * (2 * M * 128) + ks * 32, 16, 1024);
+          const uint64_t da = dk.at(cb * (NT * 128) + ks * 32);
+          const uint64_t db = dq.at(cb * (2 * M * 128) + ks * 32);
           if (ks == 0) wgmma_m64n32k32_fp8_ss<E5M2, false>(acc[cb], da, db);
           else wgmma_m64n32k32_fp8_ss<E5M2, true>(acc[cb], da, db);
         }
@@ -390,12 +391,13 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
         }
         // The stage's last reads (S's wgmma has completed): hand it back to the producer.
         if (s == 1) mbar_arrive(empty_a + 8 * st);
+        const SmemDesc dph(sPh_a, 16, 1024), dpl(sPl_a, 16, 1024);
         wgmma_fence();
 #pragma unroll
         for (int bb = 0; bb < 8; ++bb) {
-          if (s == 0) wgmma_m64n16k32_fp8_rs<E5M2, false>(ot[bb], va[bb], smem_desc_sw128(sPh_a, 16, 1024));
-          else wgmma_m64n16k32_fp8_rs<E5M2, true>(ot[bb], va[bb], smem_desc_sw128(sPh_a + 32, 16, 1024));
-          wgmma_m64n16k32_fp8_rs<E5M2, true>(ot[bb], va[bb], smem_desc_sw128(sPl_a + 32 * s, 16, 1024));
+          if (s == 0) wgmma_m64n16k32_fp8_rs<E5M2, false>(ot[bb], va[bb], dph.at());
+          else wgmma_m64n16k32_fp8_rs<E5M2, true>(ot[bb], va[bb], dph.at(32));
+          wgmma_m64n16k32_fp8_rs<E5M2, true>(ot[bb], va[bb], dpl.at(32 * s));
         }
         wgmma_commit();
         wgmma_wait<0>();

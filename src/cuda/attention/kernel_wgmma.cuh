@@ -288,12 +288,12 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         float sc[32];
 #pragma unroll
         for (int k = 0; k < 32; ++k) sc[k] = 0.0f;  // (overwritten: the first step has scale_d = 0)
+        const SmemDesc dq(sQ_a, 16, 1024), dk(sK, 16, 1024);
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < C::KSTEPS; ++ks) {
           const uint32_t off = uint32_t((ks >> 2) * (M * 128) + (ks & 3) * 32);
-          wgmma_m64n64k16_ss<0>(sc, smem_desc_sw128(sQ_a + off, 16, 1024), smem_desc_sw128(sK + off, 16, 1024),
-                                ks > 0);
+          wgmma_m64n64k16_ss<0>(sc, dq.at(off), dk.at(off), ks > 0);
         }
         wgmma_commit();
         wgmma_wait<0>();
@@ -356,10 +356,10 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
 
         // O[:, 0:256] += P V: V = dims [0, 256) of the tile, MN-major (4 blocks of 64 dims,
         // LBO 8 KiB apart; 8-token groups SBO 1 KiB apart; k16 step = 2 KiB).
+        const SmemDesc dv(sK, NT * 128, 1024);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          wgmma_m64n256k16_rs<1>(o, pa[kk], smem_desc_sw128(sK + kk * 2048, NT * 128, 1024), 1);
+        for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_rs<1>(o, pa[kk], dv.at(kk * 2048), 1);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(o);
@@ -387,11 +387,10 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         phase ^= 1u << s;
         rescale_o(sAlpha[r0], sAlpha[r1]);
         const uint32_t sK = sKV_a + s * C::TILE_BYTES;
+        const SmemDesc dp(sP_a, 16, 1024), dv(sK + 4 * (NT * 128), NT * 128, 1024);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          wgmma_m64n256k16_ss<1>(o, smem_desc_sw128(sP_a + kk * 32, 16, 1024),
-                                 smem_desc_sw128(sK + 4 * (NT * 128) + kk * 2048, NT * 128, 1024), 1);
+        for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_ss<1>(o, dp.at(kk * 32), dv.at(kk * 2048), 1);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(o);

@@ -23,7 +23,7 @@ __device__ __forceinline__ uint32_t swz_p(int row, int chunk) {
   else return uint32_t(row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4));
 }
 
-// wgmma operands on swizzle atoms (the 128-byte swizzle of smem_desc_sw128): a stack of
+// wgmma operands on swizzle atoms (the 128-byte swizzle of SmemDesc): a stack of
 // column blocks of 128-byte rows, `block_bytes` apart (each on a 1024-byte boundary); chunk
 // c (< 8) of a row of block `block` sits at chunk c ^ (row % 8). Callers pass the block and
 // the chunk within it: split from a flat chunk index at run time they cost registers.

@@ -22,10 +22,18 @@ namespace dcpmla::cuda_detail {
 //   K-major (rows of 128 B along K): SBO = bytes between 8-row groups; LBO unused (1).
 //   MN-major: LBO = bytes between 64-element groups along MN; SBO = bytes between 8-row
 //   groups along K. The start address may point inside an atom (k steps of 32 B).
-__device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return uint64_t((addr & 0x3FFFFu) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(sbo >> 4) << 32) |
-         (uint64_t(1) << 62);
-}
+// Held as its two words because a wgmma chain walks one operand at constant byte offsets:
+// at(offset) adds offset >> 4 to the low word (the start field cannot carry: shared::cta
+// addresses are below 2^18) and keeps the constant high word, one add per operand instead of
+// building each descriptor afresh (the S chain's issue was bound by that arithmetic).
+struct SmemDesc {
+  uint32_t lo, hi;
+  __device__ __forceinline__ SmemDesc(uint32_t addr, uint32_t lbo, uint32_t sbo)
+      : lo(((addr & 0x3FFFFu) >> 4) | ((lbo >> 4) << 16)), hi((sbo >> 4) | (1u << 30)) {}
+  __device__ __forceinline__ uint64_t at(uint32_t byte_offset = 0) const {
+    return (uint64_t(hi) << 32) | (lo + (byte_offset >> 4));
+  }
+};
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
