@@ -8,7 +8,8 @@
 # builds each other tree's bench), then:
 #   test    ctest -L "${LABELS:-gpu}": every GPU test is a CTest test with labels: gpu (all of
 #           them), dcp (the DCP step, device and NCCL communicators, mpirun), sanitize (the
-#           compute-sanitizer runs); the Python grid with device="cuda" is the test pytest_cuda
+#           compute-sanitizer runs); the Python grid with device="cuda" is the test pytest_cuda;
+#           TESTS=<regex> keeps only the tests whose names match (ctest -R)
 #   bench   dcpmla_dcp_bench and dcpmla_bench (--json, with their metadata); tables printed last
 #   ab      dcpmla_bench of this tree and of each AB_REV's (carried) in one call, alternating
 #           this, the others, this, the others with AB_BENCH_ARGS: experiments against their
@@ -189,11 +190,11 @@ if [[ "$MODE" == all || "$MODE" == test ]]; then
   fi
   # Four test processes share the GPU; each CPU reference gets a quarter of the cores.
   DCPMLA_VECTORS="$ROOT/.devdeps/vectors" OMP_NUM_THREADS=$(( JOBS / 4 > 0 ? JOBS / 4 : 1 )) \
-    ctest --test-dir "$BUILD" -L "${LABELS:-gpu}" -j 4 --output-on-failure \
+    ctest --test-dir "$BUILD" -L "${LABELS:-gpu}" ${TESTS:+-R "$TESTS"} -j 4 --output-on-failure \
       --output-junit "$OUT/ctest_junit.xml" >"$OUT/ctest.log" 2>&1
   rc=$?
   [[ $rc -ne 0 ]] && status=1
-  say "ctest -L ${LABELS:-gpu}: rc $rc in $(( $(date +%s) - t0 )) s: $(grep -E 'tests passed|tests failed' "$OUT/ctest.log" | tail -n 1)"
+  say "ctest -L ${LABELS:-gpu}${TESTS:+ -R $TESTS}: rc $rc in $(( $(date +%s) - t0 )) s: $(grep -E 'tests passed|tests failed' "$OUT/ctest.log" | tail -n 1)"
   grep -E "^\s*[0-9]+ - .*(Failed|Timeout|Exception|SEGFAULT|Not Run)" "$OUT/ctest.log" | head -n 40
   grep -E "Failure|Expected|Which is|worst|rel_l2|ERROR SUMMARY: [1-9]" "$OUT/ctest.log" | head -n 40
 fi
