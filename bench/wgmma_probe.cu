@@ -1,0 +1,252 @@
+// dcpmla_wgmma_probe: what the tensor pipe gives each wgmma form the attention kernels chain,
+// measured alone, so that a kernel design starts from the rate a form can reach on this GPU
+// rather than from the datasheet. For each form, warpgroups issue the same chain again and
+// again on shared-memory operands (values do not matter); the table gives the SM cycles per
+// chain (clock64, median over CTAs) and the bf16 MACs per SM cycle of all issuing warpgroups
+// together, also as a fraction of the dense peak (2048 MACs per SM cycle):
+//   s_ss64    S of a 64-token tile: 36 x m64n64k16, Q and K from shared memory (the wgmma
+//             kernel's S)
+//   s_rs64    the same with Q from registers (only K read from shared memory; ptxas gives
+//             each in-flight step its own A registers, so the chain holds 144 of them)
+//   s_ss128   S of a 128-token tile: 36 x m64n128k16 from shared memory (one issuer: the
+//             tile is 144 KiB)
+//   pv_ss256  P V of one warpgroup's half of O: 4 x m64n256k16, P and V (MN-major) from
+//             shared memory (the wgmma kernel's WG1)
+//   pv_rs256  the same with P from registers (its WG0)
+// with 1 or 2 warpgroups issuing at once (each its own K / V tile, one Q), and with or
+// without a warp streaming cp.async from global memory into shared memory beside them (a
+// producer's traffic, as fast as one warp's copies go). One CTA on every SM. Needs an sm_90a GPU.
+// `dcpmla_wgmma_probe --help`; --json writes the rows with their metadata.
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "attention/wgmma.cuh"
+#include "common/utils.cuh"
+#include "results_json.h"
+
+namespace {
+
+namespace cd = dcpmla::cuda_detail;
+
+enum Form : int { kSss64, kSrs64, kSss128, kPVss256, kPVrs256 };
+constexpr const char* kFormNames[] = {"s_ss64", "s_rs64", "s_ss128", "pv_ss256", "pv_rs256"};
+
+constexpr int kDim = 576;
+constexpr int kQBytes = 64 * kDim * 2;  // Q (64, 576) bf16; P V forms read P from its first 8 KiB
+constexpr int kScratchBytes = 8192;     // the streaming warpgroup's landing area
+constexpr double kPeakMacPerClk = 2048.0;
+
+__host__ __device__ constexpr int tile_bytes(int form) { return (form == kSss128 ? 128 : 64) * kDim * 2; }
+constexpr double macs_per_chain(int form) {
+  return form == kSss128 ? 64.0 * 128 * kDim : (form <= kSss128 ? 64.0 * 64 * kDim : 64.0 * 256 * 64);
+}
+constexpr int smem_bytes(int form, int issuers) { return kQBytes + issuers * tile_bytes(form) + kScratchBytes + 1024; }
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// One chain of FORM on the warpgroup's tile (sK_a) and the shared Q / P (sQ_a); the same A
+// fragment registers for every step of the register forms.
+template <int FORM>
+__device__ __forceinline__ float chain(uint32_t sQ_a, uint32_t sK_a, const uint32_t (&a)[4]) {
+  if constexpr (FORM == kSss64 || FORM == kSrs64) {
+    float acc[32];
+    const cd::SmemDesc dq(sQ_a, 16, 1024), dk(sK_a, 16, 1024);
+    cd::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kDim / 16; ++ks) {
+      const uint32_t off = uint32_t((ks >> 2) * (64 * 128) + (ks & 3) * 32);
+      if constexpr (FORM == kSss64) cd::wgmma_m64n64k16_ss<0>(acc, dq.at(off), dk.at(off), ks > 0);
+      else cd::wgmma_m64n64k16_rs<0>(acc, a, dk.at(off), ks > 0);
+    }
+    cd::wgmma_commit();
+    cd::wgmma_wait<0>();
+    cd::fence_regs(acc);
+    return acc[0];
+  } else if constexpr (FORM == kSss128) {
+    float acc[64];
+    const cd::SmemDesc dq(sQ_a, 16, 1024), dk(sK_a, 16, 1024);
+    cd::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kDim / 16; ++ks)
+      cd::wgmma_m64n128k16_ss<0>(acc, dq.at(uint32_t((ks >> 2) * (64 * 128) + (ks & 3) * 32)),
+                                 dk.at(uint32_t((ks >> 2) * (128 * 128) + (ks & 3) * 32)), ks > 0);
+    cd::wgmma_commit();
+    cd::wgmma_wait<0>();
+    cd::fence_regs(acc);
+    return acc[0];
+  } else {
+    float acc[128];
+#pragma unroll
+    for (int k = 0; k < 128; ++k) acc[k] = 0.0f;
+    const cd::SmemDesc dp(sQ_a, 16, 1024), dv(sK_a, 64 * 128, 1024);
+    cd::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      if constexpr (FORM == kPVss256) cd::wgmma_m64n256k16_ss<1>(acc, dp.at(kk * 32), dv.at(kk * 2048), 1);
+      else cd::wgmma_m64n256k16_rs<1>(acc, a, dv.at(kk * 2048), 1);
+    }
+    cd::wgmma_commit();
+    cd::wgmma_wait<0>();
+    cd::fence_regs(acc);
+    return acc[0];
+  }
+}
+
+template <int FORM, int ISSUERS, bool STREAM>
+__global__ void __launch_bounds__(128 * ISSUERS + 32 * STREAM, 1)
+    probe_kernel(int iters, const uint4* __restrict__ src, size_t src_chunks, long long* cycles, float* sink) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  __shared__ int issuers_done;
+  uint8_t* base = smem_raw + ((1024u - (cd::smem_addr(smem_raw) & 1023u)) & 1023u);
+  const int tid = threadIdx.x, wg = tid >> 7, t = tid & 127;
+  const int used = kQBytes + ISSUERS * tile_bytes(FORM);
+  // Small bf16 values (2^-7) so that the accumulators stay finite.
+  for (int i = tid; i < used / 4; i += blockDim.x) reinterpret_cast<uint32_t*>(base)[i] = 0x3C003C00u;
+  if (tid == 0) issuers_done = 0;
+  cd::fence_proxy_async();
+  __syncthreads();
+
+  const uint32_t sQ_a = cd::smem_addr(base);
+  if (wg < ISSUERS) {
+    const uint32_t a[4] = {0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u};
+    const uint32_t sK_a = sQ_a + kQBytes + wg * tile_bytes(FORM);
+    float s = 0.0f;
+    const long long t0 = clock64();
+#pragma unroll 1
+    for (int it = 0; it < iters; ++it) s += chain<FORM>(sQ_a, sK_a, a);
+    const long long t1 = clock64();
+    if (t == 0) {
+      cycles[blockIdx.x * ISSUERS + wg] = t1 - t0;
+      atomicAdd(&issuers_done, 1);
+    }
+    if (s == 1234.5f) sink[0] = s;  // keeps the chains
+  } else if constexpr (STREAM) {
+    // One warp (the issuers keep the registers): 8 KiB a round, 16 bytes per copy, from
+    // anywhere in the source buffer.
+    const uint32_t dst = sQ_a + used;
+    size_t chunk = size_t(blockIdx.x) * 4096 + t;
+    while (*static_cast<volatile int*>(&issuers_done) < ISSUERS) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        cd::cp_async_16(dst + (j * 32 + t) * 16, src + chunk % src_chunks, 16);
+        chunk += 32 * size_t(gridDim.x) * 16 + 512;
+      }
+      asm volatile("cp.async.commit_group;\n" ::: "memory");
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    }
+  }
+}
+
+struct Row {
+  std::string form;
+  int issuers;
+  bool stream;
+  double cycles_per_chain, mac_per_clk, peak_ratio, tflops, clock_mhz;
+};
+
+template <int FORM, int ISSUERS, bool STREAM>
+Row run(int sms, const uint4* src, size_t src_chunks, long long* d_cycles, float* d_sink) {
+  auto kernel = probe_kernel<FORM, ISSUERS, STREAM>;
+  const int smem = smem_bytes(FORM, ISSUERS);
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "cudaFuncSetAttribute");
+  // About 10^10 MACs per warpgroup: several milliseconds per launch.
+  const int iters = int(1e10 / macs_per_chain(FORM));
+  const int threads = 128 * ISSUERS + 32 * STREAM;
+  kernel<<<sms, threads, smem>>>(iters / 10, src, src_chunks, d_cycles, d_sink);  // warm-up
+  check(cudaGetLastError(), "probe launch");
+  cudaEvent_t e0, e1;
+  check(cudaEventCreate(&e0), "cudaEventCreate");
+  check(cudaEventCreate(&e1), "cudaEventCreate");
+  check(cudaEventRecord(e0), "cudaEventRecord");
+  kernel<<<sms, threads, smem>>>(iters, src, src_chunks, d_cycles, d_sink);
+  check(cudaEventRecord(e1), "cudaEventRecord");
+  check(cudaEventSynchronize(e1), "probe run");
+  float ms = 0.0f;
+  check(cudaEventElapsedTime(&ms, e0, e1), "cudaEventElapsedTime");
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  std::vector<long long> cyc(size_t(sms) * ISSUERS);
+  check(cudaMemcpy(cyc.data(), d_cycles, cyc.size() * sizeof(long long), cudaMemcpyDeviceToHost), "cudaMemcpy");
+  std::nth_element(cyc.begin(), cyc.begin() + cyc.size() / 2, cyc.end());
+  const double per_chain = double(cyc[cyc.size() / 2]) / iters;
+  const double mac_clk = ISSUERS * macs_per_chain(FORM) / per_chain;
+  const double total_macs = double(sms) * ISSUERS * iters * macs_per_chain(FORM);
+  return Row{kFormNames[FORM], ISSUERS, STREAM, per_chain, mac_clk, mac_clk / kPeakMacPerClk,
+             2.0 * total_macs / (ms * 1e-3) / 1e12, double(cyc[cyc.size() / 2]) / (ms * 1e3)};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"dcpmla_wgmma_probe: SM cycles per chain and bf16 MACs per SM cycle of the wgmma forms the "
+               "attention kernels chain (S and P V, operands from shared memory or registers), with one or two "
+               "warpgroups issuing and with or without a cp.async stream beside them. Needs an sm_90a GPU."};
+  std::string json_path;
+  app.add_option("--json", json_path, "Also write the rows and their metadata as JSON to this file");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    cudaDeviceProp prop{};
+    check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+    if (prop.major != 9) throw std::runtime_error(std::string("needs an sm_90 GPU, found ") + prop.name);
+    const size_t src_bytes = size_t(1) << 30;
+    uint4* src = nullptr;
+    long long* d_cycles = nullptr;
+    float* d_sink = nullptr;
+    check(cudaMalloc(&src, src_bytes), "cudaMalloc");
+    check(cudaMemset(src, 0, src_bytes), "cudaMemset");
+    check(cudaMalloc(&d_cycles, sizeof(long long) * prop.multiProcessorCount * 2), "cudaMalloc");
+    check(cudaMalloc(&d_sink, sizeof(float)), "cudaMalloc");
+    const int sms = prop.multiProcessorCount;
+    const size_t chunks = src_bytes / sizeof(uint4);
+    std::vector<Row> rows;
+    auto both = [&]<int FORM, int ISSUERS>() {
+      rows.push_back(run<FORM, ISSUERS, false>(sms, src, chunks, d_cycles, d_sink));
+      rows.push_back(run<FORM, ISSUERS, true>(sms, src, chunks, d_cycles, d_sink));
+    };
+    both.template operator()<kSss64, 1>();
+    both.template operator()<kSss64, 2>();
+    both.template operator()<kSrs64, 1>();
+    // Two register-form issuers and the streaming warp: 9 warps put 3 on one SM sub-partition,
+    // 168 registers each, too few for the chain's in-flight A fragments (ptxas serialises it).
+    rows.push_back(run<kSrs64, 2, false>(sms, src, chunks, d_cycles, d_sink));
+    both.template operator()<kSss128, 1>();
+    both.template operator()<kPVss256, 1>();
+    both.template operator()<kPVss256, 2>();
+    both.template operator()<kPVrs256, 1>();
+    rows.push_back(run<kPVrs256, 2, false>(sms, src, chunks, d_cycles, d_sink));
+    cudaFree(src);
+    cudaFree(d_cycles);
+    cudaFree(d_sink);
+
+    std::printf("device: %s, %d SMs; peak %g bf16 MACs per SM cycle\n", prop.name, sms, kPeakMacPerClk);
+    std::printf("%-10s %7s %7s %14s %12s %8s %9s %9s\n", "form", "issuers", "stream", "cycles/chain", "MAC/clk/SM",
+                "xpeak", "TFLOP/s", "SM MHz");
+    nlohmann::json jrows = nlohmann::json::array();
+    for (const Row& r : rows) {
+      std::printf("%-10s %7d %7s %14.1f %12.1f %8.3f %9.1f %9.0f\n", r.form.c_str(), r.issuers, r.stream ? "yes" : "no",
+                  r.cycles_per_chain, r.mac_per_clk, r.peak_ratio, r.tflops, r.clock_mhz);
+      jrows.push_back({{"form", r.form},
+                       {"issuers", r.issuers},
+                       {"stream", r.stream},
+                       {"cycles_per_chain", r.cycles_per_chain},
+                       {"mac_per_clk_sm", r.mac_per_clk},
+                       {"peak_ratio", r.peak_ratio},
+                       {"TFLOPs", r.tflops},
+                       {"sm_clock_mhz", r.clock_mhz}});
+    }
+    if (!json_path.empty()) dcpmla::results::write(json_path, dcpmla::results::metadata(0, argc, argv), jrows);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dcpmla_wgmma_probe: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
