@@ -29,6 +29,8 @@ def load():
         data = json.loads(path.read_text(), parse_constant=lambda c: sys.exit(f"{path}: not strict JSON ({c})"))
         if "benchmarks" in data:  # Google Benchmark's own format (make bench-plan): its own section
             continue
+        if data["rows"] and "form" in data["rows"][0]:  # dcpmla_wgmma_probe's rates: bench/NOTES.md
+            continue
         runs.append((path, data["meta"], data["rows"]))
     runs.sort(key=lambda run: (run[1]["date"], run[0].name))
     dcp = [run for run in runs if run[2] and "attention_us" in run[2][0]]
