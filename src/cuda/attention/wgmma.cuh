@@ -110,44 +110,18 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 // TRANS_B = 1: B is MN-major (N contiguous in shared memory). scale_d = 0: D = A B (the
 // accumulators' old values are ignored).
 
-template <int TRANS_B>
-__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31},"
-      " %32, %33, p, 1, 1, 0, %35;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
-}
-
-template <int TRANS_B>
-__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31},"
-      " {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
-}
-
-// The 64 accumulator operands of an m64n128 wgmma: %0..%63 in the instruction text, and the
-// matching read-write register constraints (shared by the _ss and _rs forms).
+// The 32 accumulator operands of an m64n64k16 wgmma: %0..%31 in the instruction text,
+// and the matching read-write register constraints.
+#define DCPMLA_WGMMA_D32_TEXT \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define DCPMLA_WGMMA_D32_OPERANDS(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+// The 64 accumulator operands of an m64n128k16 wgmma: %0..%63 in the instruction text,
+// and the matching read-write register constraints.
 #define DCPMLA_WGMMA_D64_TEXT \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31," \
@@ -162,35 +136,8 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_
   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-
-template <int TRANS_B>
-__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" DCPMLA_WGMMA_D64_TEXT "},"
-      " %64, %65, p, 1, 1, 0, %67;\n"
-      "}\n"
-      : DCPMLA_WGMMA_D64_OPERANDS(d)
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
-}
-
-template <int TRANS_B>
-__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" DCPMLA_WGMMA_D64_TEXT "},"
-      " {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n"
-      "}\n"
-      : DCPMLA_WGMMA_D64_OPERANDS(d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
-}
-
-// The 128 accumulator operands of an m64n256 wgmma: %0..%127 in the instruction text, and
-// the matching read-write register constraints (shared by the _ss and _rs forms).
+// The 128 accumulator operands of an m64n256k16 wgmma: %0..%127 in the instruction text,
+// and the matching read-write register constraints.
 #define DCPMLA_WGMMA_D128_TEXT \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31," \
@@ -218,31 +165,33 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32
   "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
   "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 
-template <int TRANS_B>
-__device__ __forceinline__ void wgmma_m64n256k16_ss(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" DCPMLA_WGMMA_D128_TEXT "},"
-      " %128, %129, p, 1, 1, 0, %131;\n"
-      "}\n"
-      : DCPMLA_WGMMA_D128_OPERANDS(d)
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
-}
+// The _ss (A and B from shared memory) and _rs (A from registers) forms of m64nNk16 with
+// NACC = N / 2 accumulators per thread; the operand numbers after the accumulators are
+// spelled out, since the instruction text must be a literal.
+#define DCPMLA_WGMMA_BF16_FORMS(N, NACC, SS_OPS, SS_SCALE, RS_OPS, RS_SCALE)                                       \
+  template <int TRANS_B>                                                                                           \
+  __device__ __forceinline__ void wgmma_m64n##N##k16_ss(float(&d)[NACC], uint64_t desc_a, uint64_t desc_b,         \
+                                                        int scale_d) {                                             \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_SCALE ", 0;\n"                                              \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" DCPMLA_WGMMA_D##NACC##_TEXT "}, " SS_OPS \
+                 ";\n}\n"                                                                                          \
+                 : DCPMLA_WGMMA_D##NACC##_OPERANDS(d)                                                              \
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));                                          \
+  }                                                                                                                \
+  template <int TRANS_B>                                                                                           \
+  __device__ __forceinline__ void wgmma_m64n##N##k16_rs(float(&d)[NACC], const uint32_t(&a)[4], uint64_t desc_b,   \
+                                                        int scale_d) {                                             \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " RS_SCALE ", 0;\n"                                              \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" DCPMLA_WGMMA_D##NACC##_TEXT "}, " RS_OPS \
+                 ";\n}\n"                                                                                          \
+                 : DCPMLA_WGMMA_D##NACC##_OPERANDS(d)                                                              \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));           \
+  }
 
-template <int TRANS_B>
-__device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %133, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" DCPMLA_WGMMA_D128_TEXT "},"
-      " {%128, %129, %130, %131}, %132, p, 1, 1, %134;\n"
-      "}\n"
-      : DCPMLA_WGMMA_D128_OPERANDS(d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
-}
+DCPMLA_WGMMA_BF16_FORMS(64, 32, "%32, %33, p, 1, 1, 0, %35", "%34", "{%32, %33, %34, %35}, %36, p, 1, 1, %38", "%37")
+DCPMLA_WGMMA_BF16_FORMS(128, 64, "%64, %65, p, 1, 1, 0, %67", "%66", "{%64, %65, %66, %67}, %68, p, 1, 1, %70", "%69")
+DCPMLA_WGMMA_BF16_FORMS(256, 128, "%128, %129, p, 1, 1, 0, %131", "%130",
+                        "{%128, %129, %130, %131}, %132, p, 1, 1, %134", "%133")
 
 // ---- wgmma.mma_async m64n{16,32}k32, fp8 operands, f32 accumulators ---------------------------
 // fp8 operands are K-major only. A is the cache's format (e4m3 or e5m2), B is e4m3. A from
@@ -289,6 +238,9 @@ __device__ __forceinline__ void wgmma_m64n16k32_fp8_rs(float (&d)[8], const uint
 #undef DCPMLA_WGMMA_FP8_SS_N32
 #undef DCPMLA_WGMMA_FP8_RS_N16
 
+#undef DCPMLA_WGMMA_BF16_FORMS
+#undef DCPMLA_WGMMA_D32_TEXT
+#undef DCPMLA_WGMMA_D32_OPERANDS
 #undef DCPMLA_WGMMA_D64_TEXT
 #undef DCPMLA_WGMMA_D64_OPERANDS
 #undef DCPMLA_WGMMA_D128_TEXT
