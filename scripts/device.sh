@@ -10,7 +10,8 @@
 #           them), dcp (the DCP step, device and NCCL communicators, mpirun), sanitize (the
 #           compute-sanitizer runs); the Python grid with device="cuda" is the test pytest_cuda;
 #           TESTS=<regex> keeps only the tests whose names match (ctest -R)
-#   bench   dcpmla_dcp_bench and dcpmla_bench (--json, with their metadata); tables printed last
+#   bench   dcpmla_dcp_bench, dcpmla_bench and dcpmla_wgmma_probe (--json, with their metadata);
+#           tables printed last
 #   ab      dcpmla_bench of this tree and of each AB_REV's (carried) in one call, alternating
 #           this, the others, this, the others with AB_BENCH_ARGS: experiments against their
 #           base on the same warm card, without a second machine start (two rounds of every
@@ -279,7 +280,9 @@ if [[ "$MODE" == all || "$MODE" == bench ]]; then
   timeout 180 "$BUILD/bench/dcpmla_dcp_bench" --json "$OUT/dcp_bench.json" $DCP_BENCH_ARGS >"$OUT/dcp_bench.log" 2>&1 || status=1
   # shellcheck disable=SC2086
   timeout 420 "$BUILD/bench/dcpmla_bench" --json "$OUT/bench.json" $BENCH_ARGS >"$OUT/bench.log" 2>&1 || status=1
+  # The wgmma forms' own rates on this card (a second or two): what the kernels could reach.
+  timeout 60 "$BUILD/bench/dcpmla_wgmma_probe" --json "$OUT/wgmma_probe.json" >"$OUT/wgmma_probe.log" 2>&1 || status=1
   say "bench: $(( $(date +%s) - t0 )) s"
-  cat "$OUT/dcp_bench.log" "$OUT/bench.log"
+  cat "$OUT/dcp_bench.log" "$OUT/bench.log" "$OUT/wgmma_probe.log"
 fi
 exit $status
