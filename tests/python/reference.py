@@ -91,7 +91,8 @@ def reference_attention(q, kv, seq_lens, *, mode="verify", kv_dtype="bf16", kv_s
 
 def row_errors(out, lse, ref_out, ref_lse):
     """Per (request, row): relative L2 error of out over (H, R) (absolute where the reference
-    row is 0) and max |lse error| over heads (inf == inf counts as 0). Returns (rel, lse_err)."""
+    row is 0), max |lse error| over heads (inf == inf counts as 0) and the absolute L2 error of
+    out. Returns (rel, lse_err, abs_err)."""
     out = np.asarray(out, dtype=np.float64)
     lse = np.asarray(lse, dtype=np.float64)
     B, qlen = ref_out.shape[:2]
@@ -103,16 +104,19 @@ def row_errors(out, lse, ref_out, ref_lse):
     with np.errstate(invalid="ignore"):
         lerr = np.where(both_inf, 0.0, np.abs(lse - ref_lse))
     lerr = np.where(np.isnan(lerr), np.inf, lerr)
-    return rel, lerr.max(axis=2)
+    return rel, lerr.max(axis=2), num
 
 
-def assert_close(out, lse, ref_out, ref_lse, bound=1e-2, what=""):
-    """The contract's bound: rel L2 of out per (request, row) and |lse err| within `bound`, no NaN."""
+def assert_close(out, lse, ref_out, ref_lse, bound=1e-2, what="", slack=0.0):
+    """The contract's bound: rel L2 of out per (request, row) and |lse err| within `bound`, no NaN.
+    `slack`: an absolute L2 error of a row's out that passes whatever its relative size, for rows
+    whose result cancels (see test_hypothesis.py)."""
     assert not np.isnan(out).any(), f"{what}: NaN in out"
     assert not np.isnan(lse).any(), f"{what}: NaN in lse"
     assert out.shape == ref_out.shape, f"{what}: out shape {out.shape} != {ref_out.shape}"
     assert lse.shape == ref_lse.shape, f"{what}: lse shape {lse.shape} != {ref_lse.shape}"
-    rel, lerr = row_errors(out, lse, ref_out, ref_lse)
+    rel, lerr, err = row_errors(out, lse, ref_out, ref_lse)
+    rel = np.where(err <= slack, 0.0, rel)
     if rel.max() > bound or lerr.max() > bound:
         b, t = np.unravel_index(np.argmax(np.maximum(rel, lerr)), rel.shape)
         raise AssertionError(
