@@ -45,7 +45,12 @@ constexpr double kPeakMacPerClk = 2048.0;
 
 __host__ __device__ constexpr int tile_bytes(int form) { return (form == kSss128 ? 128 : 64) * kDim * 2; }
 constexpr double macs_per_chain(int form) {
-  return form == kSss128 ? 64.0 * 128 * kDim : (form <= kSss128 ? 64.0 * 64 * kDim : 64.0 * 256 * 64);
+  switch (form) {
+    case kSss64:
+    case kSrs64: return 64.0 * 64 * kDim;    // M x N x K of S, 64-token tile
+    case kSss128: return 64.0 * 128 * kDim;  // 128-token tile
+    default: return 64.0 * 256 * 64;         // P V: 256 columns of O over 64 tokens
+  }
 }
 constexpr int smem_bytes(int form, int issuers) { return kQBytes + issuers * tile_bytes(form) + kScratchBytes + 1024; }
 

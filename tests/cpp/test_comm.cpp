@@ -275,8 +275,6 @@ TEST(Comm, RefusesNullBuffersAndCountsThatOverflow) {
   });
 }
 
-// Ranks that disagree on the collective, its count or its dtype used to read past a peer's
-// buffer; every rank now raises the same error naming the field, and the group stays usable.
 // A refusal on one rank before the first collective: every rank raises after one exchange
 // (the refusing rank its own error), and the group is not aborted.
 TEST(Comm, OneRankRefusingMakesEveryRankRefuse) {
@@ -294,6 +292,8 @@ TEST(Comm, OneRankRefusingMakesEveryRankRefuse) {
     EXPECT_EQ(e, "");
 }
 
+// Ranks that disagree on the collective, its count or its dtype used to read past a peer's
+// buffer; every rank now raises the same error naming the field, and the group stays usable.
 TEST(Comm, RanksThatDisagreeOnACollectiveAllRaise) {
   InProcessGroup group(3, std::chrono::seconds(5));
   std::vector<float> send(64, 1.0f), recv(64, 0.0f);

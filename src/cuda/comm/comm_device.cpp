@@ -163,7 +163,6 @@ class DeviceGroupComm final : public DeviceCommunicator {
  private:
   using Collective = detail::Collective;
 
-
   // Every rank's send address for this collective (host barrier twice: all published,
   // then all read, so the slots can be reused by the next collective). When the ranks'
   // calls differ (collective, count or dtype), every rank raises the same error after the
