@@ -259,7 +259,11 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
     const int32_t* lens = u.lens;
     if (tid < M) sLen[tid] = tid < nr ? lens[(row0 + tid) / p.heads] : 0;
 
-    load_q_async<M, C::CONSUMERS>(p, u, sQ_a, tid,
+    // fp8: an opaque copy of tid, so that the loader's index math stays in the unit loop
+    // (ptxas hoists it into registers the tile loop needs; at fp8's 200 it spills them).
+    int tq = tid;
+    if constexpr (FP8) asm volatile("" : "+r"(tq));
+    load_q_async<M, C::CONSUMERS>(p, u, sQ_a, tq,
                                   [](int r, int ch) { return swz128(r, ch >> 3, ch & 7, M * 128); });
     cp_async_wait_all();
     fence_proxy_async();
@@ -299,12 +303,18 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         wgmma_wait<0>();
         fence_regs(sc);
 
-        // Online softmax, base 2; each row masked at its own local length (x: masked S).
+        // Online softmax, base 2; each row masked at its own local length, in place and only
+        // in a tile that reaches past one of this thread's two rows (a unit's last tile, or a
+        // verify row's shorter window): full tiles skip the 64 compares.
         const int tok0 = tok_lo + i * NT;
-        auto x = [&](int j, int e) {  // e 0, 1: row r0; 2, 3: row r1
-          const int jt = tok0 + 8 * j + 2 * c + (e & 1);
-          return jt < (e < 2 ? lim0 : lim1) ? sc[4 * j + e] : kNegInf;
-        };
+        if (tok0 + NT > min(lim0, lim1)) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (tok0 + 8 * j + 2 * c + (e & 1) >= (e < 2 ? lim0 : lim1)) sc[4 * j + e] = kNegInf;
+        }
+        auto x = [&](int j, int e) { return sc[4 * j + e]; };  // e 0, 1: row r0; 2, 3: row r1
         float mx0 = kNegInf, mx1 = kNegInf;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
