@@ -58,6 +58,13 @@ struct WgConfig {
   static constexpr int PRODUCER_REGS = FP8 ? 104 : 40, CONSUMER_REGS = FP8 ? 200 : 232;
   static_assert(fits_launch_registers(THREADS, PRODUCER_REGS, CONSUMER_REGS));
   static constexpr int STAGES = 2;
+  // fp8: a stage arrives in PARTS parts of BLOCKS_PER_PART 64-column blocks, each with its own
+  // full barrier, and S starts on the first part while the producer dequantises the rest (4-7 %
+  // at 128 heads). bf16's cp.async tiles arrive whole: per-part waits only lengthened its S
+  // chain (5-8 % slower; bench/NOTES.md, seventh session).
+  static constexpr int PARTS = FP8 ? 3 : 1;
+  static constexpr int BLOCKS_PER_PART = kDim / 64 / PARTS;
+  static_assert(BLOCKS_PER_PART * PARTS * 64 == kDim);
   static constexpr int KSTEPS = kDim / 16;                  // 36 k16 steps of S
   static constexpr int Q_BYTES = M * kDim * 2;              // (64, 576) bf16
   static constexpr int TILE_BYTES = NT * kDim * 2;          // (64, 576) bf16
@@ -72,12 +79,20 @@ enum WgBarrier : int {
   kBarPReady = 1,     // P(i) and alpha(i) are in shared memory
   kBarConsumers = 4,  // both consumers
 };
-// The mbarriers (WgShared::bar): full[0], full[1] ("stage s holds a tile"; one arrival per
-// producer thread), then "P free": WG1 has consumed P(i) and alpha(i), sP may be rewritten (one
-// arrival per WG1 thread; WG0 waits on it from its own branch, where a named barrier would
-// have to be the slower unaligned barrier.sync), then empty[0], empty[1] ("both consumers are
-// done with stage s"; one arrival per consumer thread).
-enum WgMbarrier : int { kMbarFull0 = 0, kMbarFull1 = 1, kMbarPFree = 2, kMbarEmpty0 = 3, kMbarEmpty1 = 4 };
+// The mbarriers (WgShared::bar): full[s][q] at full_bar(s, q) ("part q of stage s holds its
+// columns of the tile"; one arrival per producer thread, after its copies or stores of parts
+// 0..q, so a part's completion implies the earlier parts'), then "P free": WG1 has consumed
+// P(i) and alpha(i), sP may be rewritten (one arrival per WG1 thread; WG0 waits on it from its
+// own branch, where a named barrier would have to be the slower unaligned barrier.sync), then
+// empty[0], empty[1] ("both consumers are done with stage s"; one arrival per consumer thread).
+// The full barriers take room for the most parts (fp8's).
+enum WgMbarrier : int { kMbarFull = 0, kMbarPFree = 6, kMbarEmpty0 = 7, kMbarEmpty1 = 8, kMbarCount = 9 };
+static_assert(kMbarPFree - kMbarFull == WgConfig<true>::STAGES * WgConfig<true>::PARTS &&
+              WgConfig<true>::PARTS >= WgConfig<false>::PARTS);
+template <bool FP8>
+__device__ __forceinline__ constexpr int full_bar(uint32_t stage, int part) {
+  return kMbarFull + WgConfig<FP8>::PARTS * int(stage) + part;
+}
 
 // The kernel's shared memory (from a 1024-byte aligned base; the operands on swizzle atoms).
 struct WgShared {
@@ -87,7 +102,7 @@ struct WgShared {
   alignas(1024) uint8_t p[C::P_BYTES];                 // A of WG1's P V
   float alpha[C::M], l[C::M], m[C::M];
   int len[C::M];
-  uint64_t bar[5];
+  uint64_t bar[kMbarCount];
 };
 inline constexpr int kWgSmemBytes = int(sizeof(WgShared)) + 1024;  // + slack to align the base
 static_assert(kWgSmemBytes <= kSmemPerCta, "wgmma tiles do not fit in shared memory");
@@ -127,7 +142,7 @@ __device__ __forceinline__ void wgmma_bf16_producer(const AttentionParams& p, co
         for (int m = 0; m < kDim / 64; ++m)
           cp_async_16(dst + swz128(tok, m, lc, NT * 128), src + (lc + 8 * m) * 16, ok ? 16 : 0);
       }
-      cp_async_mbar_arrive(bar_a + 8 * (kMbarFull0 + s));
+      cp_async_mbar_arrive(bar_a + 8 * full_bar<false>(s, 0));
       if (i + 1 < u.ntiles) subpages(i + 1, sp);
     }
     gbase += uint32_t(u.ntiles);
@@ -167,7 +182,8 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
     for (int i = 0; i < u.ntiles; ++i) {
       const uint32_t gt = gbase + uint32_t(i), s = gt & 1u, n = gt >> 1;
       if (n > 0) mbar_wait(bar_a + 8 * (kMbarEmpty0 + s), (n - 1) & 1u);
-      // fp8 chunk 2 k + half of the token's row = bf16 chunks 4 k + 2 half + e (e < 2).
+      // fp8 chunk 2 k + half of the token's row = bf16 chunks 4 k + 2 half + e (e < 2), in
+      // column block k / 2; each part is fenced for the async proxy (wgmma reads it) and arrived.
 #pragma unroll
       for (int k = 0; k < kDim / 32; ++k) {
         uint32_t v[8];
@@ -176,9 +192,11 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
         for (int e = 0; e < 2; ++e)
           *reinterpret_cast<uint4*>(sh.kv[s] + swz128(tk, k >> 1, 4 * (k & 1) + 2 * half + e, NT * 128)) =
               make_uint4(v[4 * e], v[4 * e + 1], v[4 * e + 2], v[4 * e + 3]);
+        if ((k + 1) % (2 * C::BLOCKS_PER_PART) == 0) {
+          fence_proxy_async();
+          mbar_arrive(bar_a + 8 * full_bar<true>(s, k / (2 * C::BLOCKS_PER_PART)));
+        }
       }
-      fence_proxy_async();  // the stores are read by wgmma (async proxy)
-      mbar_arrive(bar_a + 8 * (kMbarFull0 + s));
       if (i + 1 < u.ntiles) {
         read(i + 1, sp_next);
         sp_next = subpage(i + 2);
@@ -212,8 +230,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
 
   if (tid == 0) {
     // One arrival per producer thread (bf16: when its copies land).
-    mbar_init(bar_a + 8 * kMbarFull0, 128);
-    mbar_init(bar_a + 8 * kMbarFull1, 128);
+    for (int b = kMbarFull; b < kMbarFull + C::STAGES * C::PARTS; ++b) mbar_init(bar_a + 8 * b, 128);
     mbar_init(bar_a + 8 * kMbarPFree, 128);
     mbar_init(bar_a + 8 * kMbarEmpty0, C::CONSUMERS);
     mbar_init(bar_a + 8 * kMbarEmpty1, C::CONSUMERS);
@@ -259,7 +276,11 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
     const int32_t* lens = u.lens;
     if (tid < M) sLen[tid] = tid < nr ? lens[(row0 + tid) / p.heads] : 0;
 
-    load_q_async<M, C::CONSUMERS>(p, u, sQ_a, tid,
+    // fp8: an opaque copy of tid, so that the loader's index math stays in the unit loop
+    // (ptxas hoists it into registers the tile loop needs; at fp8's 200 it spills them).
+    int tq = tid;
+    if constexpr (FP8) asm volatile("" : "+r"(tq));
+    load_q_async<M, C::CONSUMERS>(p, u, sQ_a, tq,
                                   [](int r, int ch) { return swz128(r, ch >> 3, ch & 7, M * 128); });
     cp_async_wait_all();
     fence_proxy_async();
@@ -280,31 +301,44 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         // FlashAttention-3's paged-KV path); the fp8 producer fences its own stores before
         // arriving. Here fence.proxy.async is a MEMBAR that also waits for this thread's loads
         // in flight: dropping it took verify16_q4 from 225 to 204 us (bench/NOTES.md).
-        mbar_wait(bar_a + 8 * (kMbarFull0 + s), (phase >> s) & 1u);
-        phase ^= 1u << s;
         const uint32_t sK = sKV_a + s * C::TILE_BYTES;
-        // S (64, 64) = Q (64, 576) K^T: k16 step ks reads 32 bytes of column block ks / 4.
+        // S (64, 64) = Q (64, 576) K^T: k16 step ks reads 32 bytes of column block ks / 4; each
+        // part's steps start when the part has landed, one commit group per part (a spin on
+        // an mbarrier inside one group makes ptxas serialise every wgmma of the kernel).
         // sc[4 j + e]: row r0, token 8 j + 2 c + e; sc[4 j + 2 + e]: row r1.
         float sc[32];
 #pragma unroll
         for (int k = 0; k < 32; ++k) sc[k] = 0.0f;  // (overwritten: the first step has scale_d = 0)
-        const SmemDesc dq(sQ_a, 16, 1024), dk(sK, 16, 1024);
-        wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < C::KSTEPS; ++ks) {
-          const uint32_t off = uint32_t((ks >> 2) * (M * 128) + (ks & 3) * 32);
-          wgmma_m64n64k16_ss<0>(sc, dq.at(off), dk.at(off), ks > 0);
+        for (int q = 0; q < C::PARTS; ++q) {
+          const int fb = full_bar<FP8>(s, q);
+          mbar_wait(bar_a + 8 * fb, (phase >> fb) & 1u);
+          phase ^= 1u << fb;
+          const SmemDesc dq(sQ_a, 16, 1024), dk(sK, 16, 1024);  // (per part: not held across the waits)
+          wgmma_fence();
+#pragma unroll
+          for (int kq = 0; kq < 4 * C::BLOCKS_PER_PART; ++kq) {
+            const int ks = q * 4 * C::BLOCKS_PER_PART + kq;
+            const uint32_t off = uint32_t((ks >> 2) * (M * 128) + (ks & 3) * 32);
+            wgmma_m64n64k16_ss<0>(sc, dq.at(off), dk.at(off), ks > 0);
+          }
+          wgmma_commit();
         }
-        wgmma_commit();
         wgmma_wait<0>();
         fence_regs(sc);
 
-        // Online softmax, base 2; each row masked at its own local length (x: masked S).
+        // Online softmax, base 2; each row masked at its own local length, in place and only
+        // in a tile that reaches past one of this thread's two rows (a unit's last tile, or a
+        // verify row's shorter window): full tiles skip the 64 compares.
         const int tok0 = tok_lo + i * NT;
-        auto x = [&](int j, int e) {  // e 0, 1: row r0; 2, 3: row r1
-          const int jt = tok0 + 8 * j + 2 * c + (e & 1);
-          return jt < (e < 2 ? lim0 : lim1) ? sc[4 * j + e] : kNegInf;
-        };
+        if (tok0 + NT > min(lim0, lim1)) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (tok0 + 8 * j + 2 * c + (e & 1) >= (e < 2 ? lim0 : lim1)) sc[4 * j + e] = kNegInf;
+        }
+        auto x = [&](int j, int e) { return sc[4 * j + e]; };  // e 0, 1: row r0; 2, 3: row r1
         float mx0 = kNegInf, mx1 = kNegInf;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -383,8 +417,10 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
       for (int i = 0; i < ntiles; ++i) {
         const int s = (gbase + i) & 1;
         named_sync(kBarPReady, 256);
-        mbar_wait(bar_a + 8 * (kMbarFull0 + s), (phase >> s) & 1u);  // long complete (no proxy fence: see WG0)
-        phase ^= 1u << s;
+        // The last part: every part has landed (no proxy fence: see WG0).
+        const int fb = full_bar<FP8>(s, C::PARTS - 1);
+        mbar_wait(bar_a + 8 * fb, (phase >> fb) & 1u);
+        phase ^= 1u << fb;
         rescale_o(sAlpha[r0], sAlpha[r1]);
         const uint32_t sK = sKV_a + s * C::TILE_BYTES;
         const SmemDesc dp(sP_a, 16, 1024), dv(sK + 4 * (NT * 128), NT * 128, 1024);
