@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Checks the register split of the warp-specialised kernels in their SASS.
+"""Checks the register split of the warp-specialised kernels in their SASS, and that their
+warpgroup MMAs are pipelined.
 
 A kernel that gives its producer warpgroup fewer registers (setmaxnreg.dec) and its
 consumers more (setmaxnreg.inc) only runs as designed when ptxas kept the split. When a
@@ -11,7 +12,12 @@ checks the arithmetic of the shares; this checks what ptxas made of them:
   - every cubin given has a USETMAXREG.DEALLOC and a USETMAXREG.TRY_ALLOC (the split is
     there), and
   - in each region (the code reachable from a USETMAXREG up to the next one or an exit),
-    no live register has an index at or past the region's share.
+    no live register has an index at or past the region's share, and
+  - ptxas did not serialise the kernel's wgmma: when it cannot prove a pipeline stage safe
+    (an accumulator touched between issue and wait, an mbarrier spin inside a commit group,
+    a wgmma on a data-dependent branch), it waits after every MMA, each behind its own
+    WARPGROUP.ARRIVE, sometimes without a warning. A pipelined kernel has a few arrives per
+    chain of MMAs; a serialised one about one per MMA.
 
 Liveness comes from nvdisasm's register life ranges (-lrm narrow: one column per
 register), so wide operands (a 128-register wgmma accumulator, 16-byte loads) count whole.
@@ -95,6 +101,13 @@ def region_live(instrs, start):
     return highest
 
 
+def serialised(instrs):
+    """True when the kernel issues about one WARPGROUP.ARRIVE per warpgroup MMA."""
+    mmas = sum(1 for _, ins, _, _ in instrs if re.search(r"\b[HQ]GMMA\.", ins))
+    arrives = sum(1 for _, ins, _, _ in instrs if "WARPGROUP.ARRIVE" in ins)
+    return mmas >= 8 and 2 * arrives > mmas
+
+
 def check(nvdisasm, cubin):
     ok = True
     for name, instrs in functions(nvdisasm, cubin).items():
@@ -106,6 +119,10 @@ def check(nvdisasm, cubin):
                   f"(found {sorted(kinds) or 'none'}): ptxas dropped setmaxnreg, a region needs more than its share")
             ok = False
             continue
+        if serialised(instrs):
+            print(f"FAIL {os.path.basename(cubin)} {short}: ptxas serialised its wgmma "
+                  "(a WARPGROUP.ARRIVE before about every MMA)")
+            ok = False
         for i, m in splits:
             limit, live = int(m.group(2), 16), region_live(instrs, i)
             verdict = "ok  " if live < limit else "FAIL"

@@ -1,0 +1,43 @@
+"""scripts/check_register_split.py flags a kernel whose wgmma ptxas serialised: the fp8 form
+of the wgmma kernel was, without a warning, when its S was issued behind the P V's commit
+group (2026-12-02, eighth session: 44 MMAs, 44 WARPGROUP.ARRIVE)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("check_register_split", ROOT / "scripts" / "check_register_split.py")
+check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(check)
+
+
+def sass(*texts):
+    return [(16 * i, text, 0, []) for i, text in enumerate(texts)]
+
+
+def chain(n, mma="HGMMA.64x64x16.F32.BF16 R152, gdesc[UR24], R152"):
+    return [mma] * (n - 1) + [mma + ", gsb0"]
+
+
+def test_pipelined_chains_pass():
+    code = ["WARPGROUP.ARRIVE", *chain(36), "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+            "WARPGROUP.ARRIVE", *chain(4, "HGMMA.64x256x16.F32.BF16 R24, R192, gdesc[UR20].tnspB, R24"),
+            "WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+    assert not check.serialised(sass(*code))
+
+
+def test_one_arrive_per_mma_fails():
+    code = []
+    for _ in range(44):
+        code += ["WARPGROUP.DEPBAR.LE gsb0, 0x0", "WARPGROUP.ARRIVE", "HGMMA.64x64x16.F32.BF16 R152, gdesc[UR24], R152, gsb0"]
+    assert check.serialised(sass(*code))
+
+
+def test_fp8_mmas_count_and_kernels_without_mma_pass():
+    code = []
+    for _ in range(16):
+        code += ["WARPGROUP.ARRIVE", "QGMMA.64x32x32.F32.E4M3.E4M3 R24, gdesc[UR8], R24, gsb0"]
+    assert check.serialised(sass(*code))
+    assert not check.serialised(sass("WARPGROUP.ARRIVE", "FFMA R1, R2, R3, R4", "EXIT"))
