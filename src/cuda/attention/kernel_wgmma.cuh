@@ -24,7 +24,8 @@
 //     the consumers take 232.
 //   fp8: the raw bytes of the next tile wait in registers, are dequantised (exact; kv_scale
 //     folded into the softmax and output scales) into the stage, fenced for the async proxy,
-//     then arrived. 104 registers; the consumers take 200.
+//     then arrived, a third of the columns at a time (S starts on the first third). 104
+//     registers; the consumers take 200.
 //
 // Shared memory (WgShared, from a 1024-byte aligned base; every buffer is a stack of (rows, 64)
 // column blocks of 128-byte rows, the 16-byte chunk c of row r at chunk c ^ (r & 7)):
