@@ -96,7 +96,6 @@ struct PlanHeader {
   int32_t rows;            // query rows of the step (sum of the requests' qlen)
   int32_t split_requests;  // requests cut into pieces (their rows are combined)
   int32_t widest_qlen;     // the largest request's query rows (sets the row groups)
-  int32_t reserved;
 };
 
 // Plain view of a plan's buffers (host or device copy): what crosses into kernels.
