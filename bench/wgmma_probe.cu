@@ -28,6 +28,7 @@
 #include <nlohmann/json.hpp>
 
 #include "attention/wgmma.cuh"
+#include "common/resources.h"
 #include "common/utils.cuh"
 #include "results_json.h"
 
@@ -54,9 +55,7 @@ constexpr double macs_per_chain(int form) {
 }
 constexpr int smem_bytes(int form, int issuers) { return kQBytes + issuers * tile_bytes(form) + kScratchBytes + 1024; }
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
+using cd::check;
 
 // One chain of FORM on the warpgroup's tile (sK_a) and the shared Q / P (sQ_a); the same A
 // fragment registers for every step of the register forms.
@@ -168,17 +167,13 @@ Row run(int sms, const uint4* src, size_t src_chunks, long long* d_cycles, float
   const int threads = 128 * ISSUERS + 32 * STREAM;
   kernel<<<sms, threads, smem>>>(iters / 10, src, src_chunks, d_cycles, d_sink);  // warm-up
   check(cudaGetLastError(), "probe launch");
-  cudaEvent_t e0, e1;
-  check(cudaEventCreate(&e0), "cudaEventCreate");
-  check(cudaEventCreate(&e1), "cudaEventCreate");
-  check(cudaEventRecord(e0), "cudaEventRecord");
+  const cd::Event e0("cudaEventCreate(probe)", cudaEventDefault), e1("cudaEventCreate(probe)", cudaEventDefault);
+  check(cudaEventRecord(e0.get()), "cudaEventRecord");
   kernel<<<sms, threads, smem>>>(iters, src, src_chunks, d_cycles, d_sink);
-  check(cudaEventRecord(e1), "cudaEventRecord");
-  check(cudaEventSynchronize(e1), "probe run");
+  check(cudaEventRecord(e1.get()), "cudaEventRecord");
+  check(cudaEventSynchronize(e1.get()), "probe run");
   float ms = 0.0f;
-  check(cudaEventElapsedTime(&ms, e0, e1), "cudaEventElapsedTime");
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
+  check(cudaEventElapsedTime(&ms, e0.get(), e1.get()), "cudaEventElapsedTime");
   std::vector<long long> cyc(size_t(sms) * ISSUERS);
   check(cudaMemcpy(cyc.data(), d_cycles, cyc.size() * sizeof(long long), cudaMemcpyDeviceToHost), "cudaMemcpy");
   std::nth_element(cyc.begin(), cyc.begin() + cyc.size() / 2, cyc.end());
@@ -203,13 +198,13 @@ int main(int argc, char** argv) {
     check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
     if (prop.major != 9) throw std::runtime_error(std::string("needs an sm_90 GPU, found ") + prop.name);
     const size_t src_bytes = size_t(1) << 30;
-    uint4* src = nullptr;
-    long long* d_cycles = nullptr;
-    float* d_sink = nullptr;
-    check(cudaMalloc(&src, src_bytes), "cudaMalloc");
-    check(cudaMemset(src, 0, src_bytes), "cudaMemset");
-    check(cudaMalloc(&d_cycles, sizeof(long long) * prop.multiProcessorCount * 2), "cudaMalloc");
-    check(cudaMalloc(&d_sink, sizeof(float)), "cudaMalloc");
+    const cd::DeviceBuffer src_buf(src_bytes, "cudaMalloc(probe source)");
+    const cd::DeviceBuffer cycles_buf(sizeof(long long) * prop.multiProcessorCount * 2, "cudaMalloc(probe cycles)");
+    const cd::DeviceBuffer sink_buf(sizeof(float), "cudaMalloc(probe sink)");
+    check(cudaMemset(src_buf.get(), 0, src_bytes), "cudaMemset");
+    const uint4* src = src_buf.as<const uint4>();
+    long long* d_cycles = cycles_buf.as<long long>();
+    float* d_sink = sink_buf.as<float>();
     const int sms = prop.multiProcessorCount;
     const size_t chunks = src_bytes / sizeof(uint4);
     std::vector<Row> rows;
@@ -228,9 +223,6 @@ int main(int argc, char** argv) {
     both.template operator()<kPVss256, 2>();
     both.template operator()<kPVrs256, 1>();
     rows.push_back(run<kPVrs256, 2, false>(sms, src, chunks, d_cycles, d_sink));
-    cudaFree(src);
-    cudaFree(d_cycles);
-    cudaFree(d_sink);
 
     std::printf("device: %s, %d SMs; peak %g bf16 MACs per SM cycle\n", prop.name, sms, kPeakMacPerClk);
     std::printf("%-10s %7s %7s %14s %12s %8s %9s %9s\n", "form", "issuers", "stream", "cycles/chain", "MAC/clk/SM",

@@ -41,3 +41,15 @@ def test_fp8_mmas_count_and_kernels_without_mma_pass():
         code += ["WARPGROUP.ARRIVE", "QGMMA.64x32x32.F32.E4M3.E4M3 R24, gdesc[UR8], R24, gsb0"]
     assert check.serialised(sass(*code))
     assert not check.serialised(sass("WARPGROUP.ARRIVE", "FFMA R1, R2, R3, R4", "EXIT"))
+
+
+def test_check_fails_a_serialised_kernel_with_a_kept_split(monkeypatch, capsys):
+    split = ["USETMAXREG.DEALLOC.CTAPOOL 0x28", "EXIT", "USETMAXREG.TRY_ALLOC.CTAPOOL P0, 0xe8"]
+    pipelined = split + ["WARPGROUP.ARRIVE", *chain(36), "WARPGROUP.DEPBAR.LE gsb0, 0x0", "EXIT"]
+    serial = split + ["WARPGROUP.ARRIVE", "HGMMA.64x64x16.F32.BF16 R152, gdesc[UR24], R152, gsb0",
+                      "WARPGROUP.DEPBAR.LE gsb0, 0x0"] * 36 + ["EXIT"]
+    monkeypatch.setattr(check, "functions", lambda nvdisasm, cubin: {"kernel": sass(*pipelined)})
+    assert check.check("nvdisasm", "k.cubin")
+    monkeypatch.setattr(check, "functions", lambda nvdisasm, cubin: {"kernel": sass(*serial)})
+    assert not check.check("nvdisasm", "k.cubin")
+    assert "serialised its wgmma" in capsys.readouterr().out
