@@ -386,16 +386,19 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
           sAlpha[r0] = al0;
           sAlpha[r1] = al1;
         }
-        fence_proxy_async();
-        named_arrive(kBarPReady, 256);
 
         // O[:, 0:256] += P V: V = dims [0, 256) of the tile, MN-major (4 blocks of 64 dims,
-        // LBO 8 KiB apart; 8-token groups SBO 1 KiB apart; k16 step = 2 KiB).
+        // LBO 8 KiB apart; 8-token groups SBO 1 KiB apart; k16 step = 2 KiB). Issued before
+        // the handoff's fence and arrival (as FlashMLA orders its P store, P V and fence): the
+        // tensor cores start on this half while the fence (a MEMBAR) drains the stores; P's
+        // registers were read by the stores above, before the wgmma takes them.
         const SmemDesc dv(sK, NT * 128, 1024);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_rs<1>(o, pa[kk], dv.at(kk * 2048), 1);
         wgmma_commit();
+        fence_proxy_async();
+        named_arrive(kBarPReady, 256);
         wgmma_wait<0>();
         fence_regs(o);
         mbar_arrive(bar_a + 8 * (kMbarEmpty0 + s));
