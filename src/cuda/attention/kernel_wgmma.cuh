@@ -219,7 +219,6 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
   WgShared& sh = *reinterpret_cast<WgShared*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
   const uint32_t sQ_a = smem_addr(sh.q), sKV_a = smem_addr(sh.kv[0]), sP_a = smem_addr(sh.p);
   const uint32_t bar_a = smem_addr(sh.bar);  // mbarrier k (WgMbarrier) at bar_a + 8 k
-  uint8_t* sP = sh.p;
   float* sAlpha = sh.alpha;
   float* sL = sh.l;
   float* sM = sh.m;
@@ -375,12 +374,13 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
           mbar_wait(bar_a + 8 * kMbarPFree, (phase >> kMbarPFree) & 1u);
           phase ^= 1u << kMbarPFree;
         }
+        // One stmatrix per k16 step: pa[kk][i] is matrix i's fragment (rows r0 / r1 = the
+        // warp's rows 0-7 / 8-15, columns 16 kk + 8 (i >> 1) ..); lane l addresses row l % 8 of
+        // matrix l / 8.
+        {
+          const int mi = lane >> 3, rr = lane & 7, row = (t >> 5) * 16 + (mi & 1) * 8 + rr;
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          *reinterpret_cast<uint32_t*>(sP + r0 * 128 + (((2 * kk) ^ g) << 4) + 4 * c) = pa[kk][0];
-          *reinterpret_cast<uint32_t*>(sP + r1 * 128 + (((2 * kk) ^ g) << 4) + 4 * c) = pa[kk][1];
-          *reinterpret_cast<uint32_t*>(sP + r0 * 128 + (((2 * kk + 1) ^ g) << 4) + 4 * c) = pa[kk][2];
-          *reinterpret_cast<uint32_t*>(sP + r1 * 128 + (((2 * kk + 1) ^ g) << 4) + 4 * c) = pa[kk][3];
+          for (int kk = 0; kk < 4; ++kk) stmatrix_x4(sP_a + row * 128 + (((2 * kk + (mi >> 1)) ^ rr) << 4), pa[kk]);
         }
         if (c == 0) {
           sAlpha[r0] = al0;
