@@ -269,6 +269,7 @@ void measure_ceilings(int runs) {
 std::string variant_name(const cuda::AttentionVariant& v) {
   if (v.kernel == 2) return "wg" + std::to_string(v.rows_per_cta) + "_n" + std::to_string(v.tile_tokens);
   if (v.kernel == 3) return "f8swap" + std::to_string(v.rows_per_cta);
+  if (v.kernel == 4) return "b16swap" + std::to_string(v.rows_per_cta);
   return "m" + std::to_string(v.rows_per_cta) + "_n" + std::to_string(v.tile_tokens) + "_c" + std::to_string(v.ctas_per_sm);
 }
 double bf16_bits_to_double(uint16_t h) {

@@ -102,14 +102,21 @@ if(DCPMLA_SPILL_CHECK)
 endif()
 # The warp-specialised kernels' register split, in their SASS (scripts/check_register_split.py):
 # ptxas drops a setmaxnreg split without a word when a region needs more than its share, and
-# the kernel then runs on the launch allocation. Their cubins are kept from the normal compile
-# (-keep), so the check costs no extra compilation; it runs without a GPU.
+# the kernel then runs on the launch allocation; and it may serialise their wgmma. The bf16
+# swap kernel has no split (its one consumer warpgroup fits the launch allocation): only its
+# pipelining is checked. The cubins are kept from the normal compile (-keep), so the check
+# costs no extra compilation; it runs without a GPU.
 if(DCPMLA_TESTS)
   set(_dcpmla_split_kernels wg64_bf16 wg64_fp8 fp8_swap_e4m3 fp8_swap_e5m2)
+  set(_dcpmla_unsplit_kernels bf16_swap_m16 bf16_swap_m32)
   set(_dcpmla_cubins "${CMAKE_BINARY_DIR}/cubins")
   file(MAKE_DIRECTORY "${_dcpmla_cubins}")
   set(_dcpmla_split_cubins "")
-  foreach(_kernel ${_dcpmla_split_kernels})
+  foreach(_kernel ${_dcpmla_split_kernels} --unsplit ${_dcpmla_unsplit_kernels})
+    if(_kernel STREQUAL "--unsplit")
+      list(APPEND _dcpmla_split_cubins --unsplit)
+      continue()
+    endif()
     set_property(SOURCE "${CMAKE_CURRENT_SOURCE_DIR}/src/cuda/attention/instantiations/${_kernel}.cu" APPEND
                  PROPERTY COMPILE_OPTIONS -keep "-keep-dir=${_dcpmla_cubins}")
     list(APPEND _dcpmla_split_cubins "${_dcpmla_cubins}/${_kernel}.cubin")

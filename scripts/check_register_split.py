@@ -23,7 +23,11 @@ Liveness comes from nvdisasm's register life ranges (-lrm narrow: one column per
 register), so wide operands (a 128-register wgmma accumulator, 16-byte loads) count whole.
 nvdisasm is the CUDA toolkit's, or the pip package nvidia-cuda-nvdisasm (requirements.txt).
 
-    check_register_split.py CUBIN...      exit 0: all kept and within; 1: not; 77: no nvdisasm
+A kernel with one consumer warpgroup needs no split (the launch allocation holds it): the
+cubins after --unsplit are checked for the serialisation only.
+
+    check_register_split.py CUBIN... [--unsplit CUBIN...]
+                                          exit 0: all kept and within; 1: not; 77: no nvdisasm
 """
 import glob
 import os
@@ -108,12 +112,20 @@ def serialised(instrs):
     return mmas >= 8 and 2 * arrives > mmas
 
 
-def check(nvdisasm, cubin):
+def check(nvdisasm, cubin, split=True):
     ok = True
     for name, instrs in functions(nvdisasm, cubin).items():
         splits = [(i, SETMAXREG.search(ins)) for i, (_, ins, _, _) in enumerate(instrs) if "USETMAXREG" in ins]
         kinds = {m.group(1) for _, m in splits if m}
         short = name if len(name) < 70 else name[:67] + "..."
+        if not split:
+            if serialised(instrs):
+                print(f"FAIL {os.path.basename(cubin)} {short}: ptxas serialised its wgmma "
+                      "(a WARPGROUP.ARRIVE before about every MMA)")
+                ok = False
+            else:
+                print(f"ok   {os.path.basename(cubin)} {short}: wgmma pipelined (no register split to check)")
+            continue
         if kinds != {"TRY_ALLOC", "DEALLOC"}:
             print(f"FAIL {os.path.basename(cubin)} {short}: no register split in the SASS "
                   f"(found {sorted(kinds) or 'none'}): ptxas dropped setmaxnreg, a region needs more than its share")
@@ -140,7 +152,10 @@ def main(argv):
     if nvdisasm is None:
         print("skipped: no nvdisasm (CUDA toolkit, or pip install nvidia-cuda-nvdisasm)")
         return SKIP
-    results = [check(nvdisasm, cubin) for cubin in argv[1:]]
+    args = argv[1:]
+    cut = args.index("--unsplit") if "--unsplit" in args else len(args)
+    results = [check(nvdisasm, cubin) for cubin in args[:cut]]
+    results += [check(nvdisasm, cubin, split=False) for cubin in args[cut + 1:]]
     return 0 if all(results) else 1
 
 

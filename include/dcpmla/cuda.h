@@ -40,10 +40,12 @@ struct AttentionTuning {
   int ctas_per_sm = 0;  // 1, or 2 (applies to 16-row CTAs, i.e. qlen x heads <= 16; else 1)
   // 1: the mma.sync kernel (16/32/64-row CTAs, the reference variant); 2: the wgmma kernel
   // (64-row CTAs on warpgroup MMA); 3: the fp8 swap kernel (16-row CTAs on native fp8
-  // warpgroup MMA, fp8 caches only: with a bf16 cache 3 acts as 0). tile_tokens and
-  // ctas_per_sm apply to the mma.sync kernel only. 0 picks the measured default per shape
-  // (wgmma at 64 rows for every cache; below, fp8 swap for fp8, mma.sync for bf16), unless the
-  // knobs above ask for a variant only the mma.sync kernel has (32-token tiles, 2 CTAs per SM).
+  // warpgroup MMA, fp8 caches only: with a bf16 cache 3 acts as 0); 4: the bf16 swap kernel
+  // (16- or 32-row CTAs on warpgroup MMA, bf16 caches only: with an fp8 cache 4 acts as 0).
+  // tile_tokens and ctas_per_sm apply to the mma.sync kernel only. 0 picks the measured
+  // default per shape (wgmma at 64 rows for every cache; below, fp8 swap for fp8, mma.sync for
+  // bf16), unless the knobs above ask for a variant only the mma.sync kernel has (32-token
+  // tiles, 2 CTAs per SM).
   int kernel = 0;
 };
 
@@ -66,7 +68,7 @@ int attention_rows_per_cta(int max_qlen, int heads);
 // max_qlen in [1, kMaxQlen], heads 1..128 and a known dtype, else dcpmla::Error.
 struct AttentionVariant {
   int rows_per_cta, tile_tokens, ctas_per_sm, smem_bytes;
-  int kernel;  // 1 mma.sync, 2 wgmma, 3 fp8 swap (AttentionTuning::kernel)
+  int kernel;  // 1 mma.sync, 2 wgmma, 3 fp8 swap, 4 bf16 swap (AttentionTuning::kernel)
 };
 AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const AttentionTuning& tuning = {});
 

@@ -374,7 +374,8 @@ TEST(CudaValidation, AttentionRefusesBadBatchesCachesAndRunWithoutPlan) {
 // Which kernel runs where (host-side dispatch, no device needed): the wgmma kernel serves
 // 64-row CTAs of every cache, the fp8 swap kernel fp8 caches below 64 rows (in groups of 16
 // rows), the mma.sync kernel bf16's 16/32-row CTAs and every knob only it has; each can be
-// forced at any shape (the fp8 swap kernel for fp8 caches only); an unknown kernel is refused.
+// forced at any shape (the fp8 swap kernel for fp8 caches only, the bf16 swap kernel for bf16
+// ones, in groups of 16 or 32 rows); an unknown kernel is refused.
 TEST(CudaValidation, KernelVariantDispatch) {
   using cuda::AttentionTuning;
   for (KvDtype d : {KvDtype::bf16, KvDtype::fp8_e4m3, KvDtype::fp8_e5m2}) {
@@ -400,8 +401,15 @@ TEST(CudaValidation, KernelVariantDispatch) {
     EXPECT_EQ(cuda::attention_variant(1, 128, d, AttentionTuning{0, 0, 1}).kernel, 1);
     EXPECT_EQ(cuda::attention_variant(1, 128, d, AttentionTuning{32, 0, 0}).kernel, 1);  // 32-token tiles
     EXPECT_EQ(cuda::attention_variant(1, 128, d, AttentionTuning{64, 1, 0}).kernel, 2);
+    const cuda::AttentionVariant bswap = cuda::attention_variant(1, 128, d, AttentionTuning{0, 0, 4});
+    EXPECT_EQ(bswap.kernel, fp8 ? 2 : 4);  // fp8: the default (wgmma at 128 heads)
+    EXPECT_EQ(bswap.rows_per_cta, fp8 ? 64 : 32);
+    const cuda::AttentionVariant bswap16 = cuda::attention_variant(1, 16, d, AttentionTuning{0, 0, 4});
+    EXPECT_EQ(bswap16.kernel, fp8 ? 3 : 4);
+    EXPECT_EQ(bswap16.rows_per_cta, 16);
+    EXPECT_EQ(cuda::attention_variant(3, 8, d, AttentionTuning{0, 0, 4}).rows_per_cta, fp8 ? 16 : 32);
   }
-  EXPECT_THROW(cuda::attention_variant(1, 16, KvDtype::bf16, AttentionTuning{0, 0, 4}), Error);
+  EXPECT_THROW(cuda::attention_variant(1, 16, KvDtype::bf16, AttentionTuning{0, 0, 5}), Error);
   EXPECT_THROW(cuda::attention_variant(1, 16, KvDtype::bf16, AttentionTuning{0, 0, -1}), Error);
 }
 

@@ -53,3 +53,22 @@ def test_check_fails_a_serialised_kernel_with_a_kept_split(monkeypatch, capsys):
     monkeypatch.setattr(check, "functions", lambda nvdisasm, cubin: {"kernel": sass(*serial)})
     assert not check.check("nvdisasm", "k.cubin")
     assert "serialised its wgmma" in capsys.readouterr().out
+
+
+def test_unsplit_kernels_are_checked_for_serialisation_only(monkeypatch, capsys):
+    """--unsplit (the bf16 swap kernel: one consumer warpgroup, no setmaxnreg): a kernel
+    without a split passes when its wgmma are pipelined and fails when they are serialised;
+    the same kernel given as a split kernel fails for its missing split."""
+    pipelined = ["WARPGROUP.ARRIVE", *chain(36), "WARPGROUP.DEPBAR.LE gsb0, 0x0", "EXIT"]
+    serial = ["WARPGROUP.ARRIVE", "HGMMA.64x32x16.F32.BF16 R24, gdesc[UR24], R24, gsb0",
+              "WARPGROUP.DEPBAR.LE gsb0, 0x0"] * 36 + ["EXIT"]
+    monkeypatch.setattr(check, "functions", lambda nvdisasm, cubin: {"kernel": sass(*pipelined)})
+    assert check.check("nvdisasm", "k.cubin", split=False)
+    assert not check.check("nvdisasm", "k.cubin")
+    monkeypatch.setattr(check, "functions", lambda nvdisasm, cubin: {"kernel": sass(*serial)})
+    assert not check.check("nvdisasm", "k.cubin", split=False)
+    assert "serialised its wgmma" in capsys.readouterr().out
+    monkeypatch.setattr(check, "find_nvdisasm", lambda: "nvdisasm")
+    monkeypatch.setattr(check, "functions", lambda nvdisasm, cubin: {"kernel": sass(*pipelined)})
+    assert check.main(["x", "--unsplit", "a.cubin"]) == 0
+    assert check.main(["x", "a.cubin", "--unsplit", "b.cubin"]) == 1  # a.cubin has no split

@@ -48,8 +48,8 @@ void cuda_detail::validate_tuning(const cuda::AttentionTuning& t) {
   require(t.tile_tokens == 0 || t.tile_tokens == 32 || t.tile_tokens == 64, "tuning.tile_tokens", t.tile_tokens,
           "0 (auto), 32 or 64");
   require(t.ctas_per_sm >= 0 && t.ctas_per_sm <= 2, "tuning.ctas_per_sm", t.ctas_per_sm, "0 (auto), 1 or 2");
-  require(t.kernel >= 0 && t.kernel <= 3, "tuning.kernel", t.kernel,
-          "0 (auto), 1 (mma.sync), 2 (wgmma) or 3 (fp8 swap)");
+  require(t.kernel >= 0 && t.kernel <= 4, "tuning.kernel", t.kernel,
+          "0 (auto), 1 (mma.sync), 2 (wgmma), 3 (fp8 swap) or 4 (bf16 swap)");
 }
 
 namespace {
@@ -122,8 +122,10 @@ AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const
   AttentionVariant v{};
   v.rows_per_cta = attention_rows_per_cta(max_qlen, heads);
   const bool mma_only_knobs = tuning.tile_tokens == 32 || tuning.ctas_per_sm == 2;
-  // The fp8 swap kernel reads fp8 caches only; asked for with a bf16 cache, the default serves.
-  Kernel kernel = Kernel(tuning.kernel == int(Kernel::fp8_swap) && !fp8 ? 0 : tuning.kernel);
+  // The swap kernels read one kind of cache each (fp8 swap: fp8, bf16 swap: bf16); asked for
+  // with the other kind, the default serves.
+  const bool other_cache = (tuning.kernel == int(Kernel::fp8_swap) && !fp8) || (tuning.kernel == int(Kernel::bf16_swap) && fp8);
+  Kernel kernel = Kernel(other_cache ? 0 : tuning.kernel);
   if (int(kernel) == 0) kernel = mma_only_knobs ? Kernel::mma : default_kernel(v.rows_per_cta, fp8);
   v.kernel = int(kernel);
   if (kernel == Kernel::mma) {
@@ -134,8 +136,11 @@ AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const
     if (v.rows_per_cta != 16 || v.tile_tokens != 32) v.ctas_per_sm = 1;
   } else {
     // Fixed row counts whatever qlen x heads is: the wgmma kernel pads fewer rows to 64
-    // inside the CTA, the fp8 swap kernel takes more rows in more groups of 16.
-    v.rows_per_cta = kernel == Kernel::fp8_swap ? 16 : 64;
+    // inside the CTA, the fp8 swap kernel takes more rows in more groups of 16, the bf16 swap
+    // kernel in more groups of 32.
+    v.rows_per_cta = kernel == Kernel::fp8_swap    ? 16
+                     : kernel == Kernel::bf16_swap ? std::min(v.rows_per_cta, 32)
+                                                   : 64;
     v.tile_tokens = 64;
     v.ctas_per_sm = 1;
   }

@@ -20,8 +20,8 @@
 // ahead across the CTA's units (tiles are numbered across them: tile gt sits in stage gt % 2),
 // so the next unit's first tiles load during this unit's last tiles and epilogue.
 //   bf16: cp.async straight into the swizzled stage; each producer thread's copies arrive on
-//     the stage's full barrier when they land (cp.async.mbarrier.arrive.noinc). 40 registers;
-//     the consumers take 232.
+//     the stage's full barrier when they land (stream_bf16_tiles, bf16_tiles.cuh, shared with
+//     the bf16 swap kernel). 40 registers; the consumers take 232.
 //   fp8: the raw bytes of the next tile wait in registers, are dequantised (exact; kv_scale
 //     folded into the softmax and output scales) into the stage, fenced for the async proxy,
 //     then arrived, a third of the columns at a time (S starts on the first third). 104
@@ -39,6 +39,7 @@
 
 #include "common/params.h"
 #include "common/utils.cuh"
+#include "bf16_tiles.cuh"
 #include "config.h"
 #include "softmax.cuh"
 #include "swizzle.cuh"
@@ -68,7 +69,7 @@ struct WgConfig {
   static_assert(BLOCKS_PER_PART * PARTS * 64 == kDim);
   static constexpr int KSTEPS = kDim / 16;                  // 36 k16 steps of S
   static constexpr int Q_BYTES = M * kDim * 2;              // (64, 576) bf16
-  static constexpr int TILE_BYTES = NT * kDim * 2;          // (64, 576) bf16
+  static constexpr int TILE_BYTES = kBf16TileBytes;         // (64, 576) bf16
   static constexpr int P_BYTES = M * NT * 2;                // (64, 64) bf16
   static_assert(M == NT, "Q and KV column blocks share the k-step offsets of S");
   static_assert(Q_BYTES % 1024 == 0 && TILE_BYTES % 1024 == 0 && P_BYTES % 1024 == 0);
@@ -94,6 +95,9 @@ template <bool FP8>
 __device__ __forceinline__ constexpr int full_bar(uint32_t stage, int part) {
   return kMbarFull + WgConfig<FP8>::PARTS * int(stage) + part;
 }
+// bf16's stages have one part: its full barriers, like its empty ones, are consecutive (the
+// producer, stream_bf16_tiles, takes stage 0's and steps 8 bytes).
+static_assert(full_bar<false>(1, 0) == full_bar<false>(0, 0) + 1 && kMbarEmpty1 == kMbarEmpty0 + 1);
 
 // The kernel's shared memory (from a 1024-byte aligned base; the operands on swizzle atoms).
 struct WgShared {
@@ -108,47 +112,6 @@ struct WgShared {
 inline constexpr int kWgSmemBytes = int(sizeof(WgShared)) + 1024;  // + slack to align the base
 static_assert(kWgSmemBytes <= kSmemPerCta, "wgmma tiles do not fit in shared memory");
 
-
-// bf16 producer warpgroup (thread t of 128): each tile by cp.async straight into its swizzled
-// stage as soon as both consumers have released it. Eight threads per token (chunks lc + 8 m,
-// m < 9: one 128-byte row of each column block), tokens lt + 16 j (j < 4): a warp's copy reads
-// 4 tokens x 128 contiguous bytes. The next tile's sub-pages are looked up while this tile's
-// copies are in flight.
-__device__ __forceinline__ void wgmma_bf16_producer(const AttentionParams& p, const PlanScalars& ps, WgShared& sh,
-                                                    int t) {
-  using C = WgConfig<false>;
-  constexpr int M = C::M, NT = C::NT;
-  const uint32_t bar_a = smem_addr(sh.bar), sKV_a = smem_addr(sh.kv[0]);
-  const int lt = t >> 3, lc = t & 7;
-  uint32_t gbase = 0;
-  for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
-    const UnitSpan u = unit_span<M, NT>(p, cur, ps);
-    // The sub-pages of this thread's four tokens of tile i (0 past the end: never dereferenced).
-    auto subpages = [&](int i, int (&sp)[4]) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) sp[j] = token_subpage(u, ps, i, u.tok_lo + i * NT + lt + 16 * j);
-    };
-    int sp[4];
-    if (u.ntiles > 0) subpages(0, sp);
-    for (int i = 0; i < u.ntiles; ++i) {
-      const uint32_t gt = gbase + uint32_t(i), s = gt & 1u, n = gt >> 1;
-      if (n > 0) mbar_wait(bar_a + 8 * (kMbarEmpty0 + s), (n - 1) & 1u);
-      const uint32_t dst = sKV_a + s * C::TILE_BYTES;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int tok = lt + 16 * j, jt = u.tok_lo + i * NT + tok;
-        const bool ok = jt < u.tok_hi;  // past it: zero-filled, never read
-        const uint8_t* src = ok ? token_row<kDim * 2>(p, ps, sp[j], jt) : p.kv;
-#pragma unroll
-        for (int m = 0; m < kDim / 64; ++m)
-          cp_async_16(dst + swz128(tok, m, lc, NT * 128), src + (lc + 8 * m) * 16, ok ? 16 : 0);
-      }
-      cp_async_mbar_arrive(bar_a + 8 * full_bar<false>(s, 0));
-      if (i + 1 < u.ntiles) subpages(i + 1, sp);
-    }
-    gbase += uint32_t(u.ntiles);
-  }
-}
 
 // fp8 producer warpgroup (thread t of 128): streams the raw bytes of each tile into
 // registers one tile ahead (two threads per token, alternating 16-byte chunks of its row),
@@ -240,7 +203,8 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
   const PlanScalars ps = plan_scalars<M>(p);
   if (wg == 2) {
     setmaxnreg_dec<C::PRODUCER_REGS>();
-    if constexpr (!FP8) wgmma_bf16_producer(p, ps, sh, t);
+    if constexpr (!FP8)
+      stream_bf16_tiles<M>(p, ps, sKV_a, bar_a + 8 * full_bar<false>(0, 0), bar_a + 8 * kMbarEmpty0, t);
     else if (p.kv_dtype == KvDtype::fp8_e5m2) wgmma_fp8_producer<true>(p, ps, sh, t);
     else wgmma_fp8_producer<false>(p, ps, sh, t);
     return;

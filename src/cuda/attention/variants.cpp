@@ -30,12 +30,17 @@ constexpr KernelVariant fp8_swap() {
           &attention_fp8_swap_smem_bytes<E5M2>};
 }
 
+template <int M>
+constexpr KernelVariant bf16_swap() {
+  return {Kernel::bf16_swap, M, 64, 1, kBf16, &launch_attention_bf16_swap<M>, &attention_bf16_swap_smem_bytes<M>};
+}
+
 constexpr KernelVariant kVariants[] = {
     mma<1, 32, 1, false>(), mma<1, 32, 1, true>(), mma<1, 64, 1, false>(), mma<1, 64, 1, true>(),
     mma<1, 32, 2, false>(), mma<1, 32, 2, true>(), mma<2, 32, 1, false>(), mma<2, 32, 1, true>(),
     mma<2, 64, 1, false>(), mma<2, 64, 1, true>(), mma<4, 32, 1, false>(), mma<4, 32, 1, true>(),
     mma<4, 64, 1, false>(), mma<4, 64, 1, true>(), wgmma<false>(),         wgmma<true>(),
-    fp8_swap<false>(),      fp8_swap<true>(),
+    fp8_swap<false>(),      fp8_swap<true>(),           bf16_swap<16>(),         bf16_swap<32>(),
 };
 
 }  // namespace

@@ -1,9 +1,10 @@
 // Which attention kernel serves which configuration: the one table of compiled kernel
-// variants (variants.cpp) and the library's choice among them. Three kernels compute the same
+// variants (variants.cpp) and the library's choice among them. Four kernels compute the same
 // function: the mma.sync kernel (kernel.cuh: 16, 32 or 64 rows per CTA, 32- or 64-token
 // tiles, the simple reference variant), the wgmma kernel (kernel_wgmma.cuh: 64 rows per CTA
-// on warpgroup MMA) and the fp8 swap kernel (kernel_fp8_swap.cuh: 16 rows per CTA, fp8 caches
-// on native fp8 wgmma). The tests run every scenario on each.
+// on warpgroup MMA), the fp8 swap kernel (kernel_fp8_swap.cuh: 16 rows per CTA, fp8 caches
+// on native fp8 wgmma) and the bf16 swap kernel (kernel_bf16_swap.cuh: 16 or 32 rows per CTA,
+// bf16 caches on warpgroup MMA with the tokens as M). The tests run every scenario on each.
 #pragma once
 
 #include <cstdint>
@@ -24,7 +25,7 @@ namespace dcpmla::cuda_detail {
 void validate_tuning(const cuda::AttentionTuning& t);
 
 // The kernels; the values are AttentionTuning::kernel's and AttentionVariant::kernel's.
-enum class Kernel : int { mma = 1, wgmma = 2, fp8_swap = 3 };
+enum class Kernel : int { mma = 1, wgmma = 2, fp8_swap = 3, bf16_swap = 4 };
 
 // One compiled variant: its kernel and shape, the cache dtypes it reads (bit per KvDtype),
 // its launcher (grid = 0 only opts it into its shared memory) and its shared memory.
@@ -53,5 +54,9 @@ template <bool E5M2>
 void launch_attention_fp8_swap(const AttentionParams& p, int grid, cudaStream_t stream);
 template <bool E5M2>
 int attention_fp8_swap_smem_bytes();
+template <int M>
+void launch_attention_bf16_swap(const AttentionParams& p, int grid, cudaStream_t stream);
+template <int M>
+int attention_bf16_swap_smem_bytes();
 
 }  // namespace dcpmla::cuda_detail

@@ -108,14 +108,16 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 
 // ---- wgmma.mma_async, bf16 operands, f32 accumulators ---------------------------------------
 // _ss: A and B from shared memory (descriptors); _rs: A from registers (see the layout above).
-// TRANS_B = 1: B is MN-major (N contiguous in shared memory). scale_d = 0: D = A B (the
-// accumulators' old values are ignored).
+// TRANS_B = 1: B is MN-major (N contiguous in shared memory); TRANS_A = 1 (_ss only): A is
+// MN-major (M contiguous). scale_d = 0: D = A B (the accumulators' old values are ignored).
 
-// The accumulator operands of m64n64 / n128 / n256 wgmma (32, 64, 128 per thread): %0..%N-1
+// The accumulator operands of m64n16 / n32 / n64 / n128 / n256 wgmma (8, 16, 32, 64, 128 per
+// thread): %0..%N-1
 // in the instruction text and the matching read-write register constraints, each list the
 // previous one extended.
-#define DCPMLA_WGMMA_D32_TEXT \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
+#define DCPMLA_WGMMA_D8_TEXT "%0, %1, %2, %3, %4, %5, %6, %7"
+#define DCPMLA_WGMMA_D16_TEXT DCPMLA_WGMMA_D8_TEXT ", %8, %9, %10, %11, %12, %13, %14, %15"
+#define DCPMLA_WGMMA_D32_TEXT DCPMLA_WGMMA_D16_TEXT "," \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define DCPMLA_WGMMA_D64_TEXT DCPMLA_WGMMA_D32_TEXT "," \
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47," \
@@ -125,9 +127,11 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95," \
   "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111," \
   "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-#define DCPMLA_WGMMA_D32_OPERANDS(d) \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+#define DCPMLA_WGMMA_D8_OPERANDS(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+#define DCPMLA_WGMMA_D16_OPERANDS(d) DCPMLA_WGMMA_D8_OPERANDS(d), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+#define DCPMLA_WGMMA_D32_OPERANDS(d) DCPMLA_WGMMA_D16_OPERANDS(d), \
   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 #define DCPMLA_WGMMA_D64_OPERANDS(d) DCPMLA_WGMMA_D32_OPERANDS(d), \
@@ -149,14 +153,14 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 // NACC = N / 2 accumulators per thread; the operand numbers after the accumulators are
 // spelled out, since the instruction text must be a literal.
 #define DCPMLA_WGMMA_BF16_FORMS(N, NACC, SS_OPS, SS_SCALE, RS_OPS, RS_SCALE)                                       \
-  template <int TRANS_B>                                                                                           \
+  template <int TRANS_B, int TRANS_A = 0>                                                                          \
   __device__ __forceinline__ void wgmma_m64n##N##k16_ss(float(&d)[NACC], uint64_t desc_a, uint64_t desc_b,         \
                                                         int scale_d) {                                             \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_SCALE ", 0;\n"                                              \
                  "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" DCPMLA_WGMMA_D##NACC##_TEXT "}, " SS_OPS \
                  ";\n}\n"                                                                                          \
                  : DCPMLA_WGMMA_D##NACC##_OPERANDS(d)                                                              \
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));                                          \
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));                            \
   }                                                                                                                \
   template <int TRANS_B>                                                                                           \
   __device__ __forceinline__ void wgmma_m64n##N##k16_rs(float(&d)[NACC], const uint32_t(&a)[4], uint64_t desc_b,   \
@@ -168,9 +172,11 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));           \
   }
 
-DCPMLA_WGMMA_BF16_FORMS(64, 32, "%32, %33, p, 1, 1, 0, %35", "%34", "{%32, %33, %34, %35}, %36, p, 1, 1, %38", "%37")
-DCPMLA_WGMMA_BF16_FORMS(128, 64, "%64, %65, p, 1, 1, 0, %67", "%66", "{%64, %65, %66, %67}, %68, p, 1, 1, %70", "%69")
-DCPMLA_WGMMA_BF16_FORMS(256, 128, "%128, %129, p, 1, 1, 0, %131", "%130",
+DCPMLA_WGMMA_BF16_FORMS(16, 8, "%8, %9, p, 1, 1, %12, %11", "%10", "{%8, %9, %10, %11}, %12, p, 1, 1, %14", "%13")
+DCPMLA_WGMMA_BF16_FORMS(32, 16, "%16, %17, p, 1, 1, %20, %19", "%18", "{%16, %17, %18, %19}, %20, p, 1, 1, %22", "%21")
+DCPMLA_WGMMA_BF16_FORMS(64, 32, "%32, %33, p, 1, 1, %36, %35", "%34", "{%32, %33, %34, %35}, %36, p, 1, 1, %38", "%37")
+DCPMLA_WGMMA_BF16_FORMS(128, 64, "%64, %65, p, 1, 1, %68, %67", "%66", "{%64, %65, %66, %67}, %68, p, 1, 1, %70", "%69")
+DCPMLA_WGMMA_BF16_FORMS(256, 128, "%128, %129, p, 1, 1, %132, %131", "%130",
                         "{%128, %129, %130, %131}, %132, p, 1, 1, %134", "%133")
 
 // ---- wgmma.mma_async m64n{16,32}k32, fp8 operands, f32 accumulators ---------------------------
@@ -219,6 +225,10 @@ __device__ __forceinline__ void wgmma_m64n16k32_fp8_rs(float (&d)[8], const uint
 #undef DCPMLA_WGMMA_FP8_RS_N16
 
 #undef DCPMLA_WGMMA_BF16_FORMS
+#undef DCPMLA_WGMMA_D8_TEXT
+#undef DCPMLA_WGMMA_D8_OPERANDS
+#undef DCPMLA_WGMMA_D16_TEXT
+#undef DCPMLA_WGMMA_D16_OPERANDS
 #undef DCPMLA_WGMMA_D32_TEXT
 #undef DCPMLA_WGMMA_D32_OPERANDS
 #undef DCPMLA_WGMMA_D64_TEXT

@@ -1,0 +1,65 @@
+// The bf16 producer warpgroup of the warp-specialised kernels (kernel_wgmma.cuh's 64-row
+// kernel and kernel_bf16_swap.cuh's 16- and 32-row one): it streams the KV tiles of the
+// CTA's units, 64 tokens of 576 bf16 each, by cp.async straight into a ring of two stages in
+// the wgmma layout (9 column blocks of (64, 128 B), 128-byte swizzle: K-major for S, MN-major
+// for P V), running ahead across units: the CTA's tiles are numbered across its units and
+// tile gt sits in stage gt % 2. A stage is refilled once its consumers have released it
+// (empty[s]: phase n - 1 for its n-th fill), and each producer thread's copies arrive on
+// full[s] as they land (cp.async.mbarrier.arrive.noinc: full[s] expects 128 arrivals).
+#pragma once
+
+#include <cstdint>
+
+#include "common/params.h"
+#include "common/utils.cuh"
+#include "config.h"
+#include "swizzle.cuh"
+#include "unit.cuh"
+#include "wgmma.cuh"
+
+namespace dcpmla::cuda_detail {
+
+inline constexpr int kBf16TileTokens = 64;
+inline constexpr int kBf16TileBytes = kBf16TileTokens * kDim * 2;  // (64, 576) bf16: 72 KiB
+
+// Thread t (< 128) of the producer warpgroup of CTAs of M rows; ring: stage 0's shared
+// address (stage 1 follows kBf16TileBytes later); full, empty: the mbarriers of stage 0 (stage
+// 1's 8 bytes later). Eight threads per token (chunks lc + 8 m, m < 9: one 128-byte row of each
+// column block), tokens lt + 16 j (j < 4): a warp's copy reads 4 tokens x 128 contiguous
+// bytes. The next tile's sub-pages are looked up while this tile's copies are in flight.
+template <int M>
+__device__ __forceinline__ void stream_bf16_tiles(const AttentionParams& p, const PlanScalars& ps, uint32_t ring,
+                                                  uint32_t full, uint32_t empty, int t) {
+  constexpr int NT = kBf16TileTokens;
+  const int lt = t >> 3, lc = t & 7;
+  uint32_t gbase = 0;
+  for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
+    const UnitSpan u = unit_span<M, NT>(p, cur, ps);
+    // The sub-pages of this thread's four tokens of tile i (0 past the end: never dereferenced).
+    auto subpages = [&](int i, int (&sp)[4]) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sp[j] = token_subpage(u, ps, i, u.tok_lo + i * NT + lt + 16 * j);
+    };
+    int sp[4];
+    if (u.ntiles > 0) subpages(0, sp);
+    for (int i = 0; i < u.ntiles; ++i) {
+      const uint32_t gt = gbase + uint32_t(i), s = gt & 1u, n = gt >> 1;
+      if (n > 0) mbar_wait(empty + 8 * s, (n - 1) & 1u);
+      const uint32_t dst = ring + s * kBf16TileBytes;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int tok = lt + 16 * j, jt = u.tok_lo + i * NT + tok;
+        const bool ok = jt < u.tok_hi;  // past it: zero-filled, never read
+        const uint8_t* src = ok ? token_row<kDim * 2>(p, ps, sp[j], jt) : p.kv;
+#pragma unroll
+        for (int m = 0; m < kDim / 64; ++m)
+          cp_async_16(dst + swz128(tok, m, lc, NT * 128), src + (lc + 8 * m) * 16, ok ? 16 : 0);
+      }
+      cp_async_mbar_arrive(full + 8 * s);
+      if (i + 1 < u.ntiles) subpages(i + 1, sp);
+    }
+    gbase += uint32_t(u.ntiles);
+  }
+}
+
+}  // namespace dcpmla::cuda_detail
