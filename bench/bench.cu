@@ -380,8 +380,9 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, const Schedul
   row.variant = variant_name(chosen);
   if (sweep) {
     // Every kernel variant at this shape (same plan, same caches): the mma.sync kernel's
-    // tile / occupancy knobs, the wgmma kernel (16- and 32-row shapes padded to 64) and, for
-    // fp8 caches, the fp8 swap kernel (16-row groups).
+    // tile / occupancy knobs, the wgmma kernel (16- and 32-row shapes padded to 64), for fp8
+    // caches the fp8 swap kernel (16-row groups), for bf16 ones the bf16 swap kernel (groups of
+    // 16 or 32 rows).
     // Each is also compared with the default variant on cache 0 (rel L2 of out, full size).
     // The plan is the default variant's: a variant with other rows per CTA runs on a plan
     // balanced for those rows, not its own (marked "@plan<rows>": its time is not what it
@@ -395,7 +396,7 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, const Schedul
     std::vector<cuda::AttentionVariant> seen;
     for (const cuda::AttentionTuning t : {cuda::AttentionTuning{32, 1, 1}, cuda::AttentionTuning{64, 1, 1},
                                           cuda::AttentionTuning{32, 2, 1}, cuda::AttentionTuning{0, 0, 2},
-                                          cuda::AttentionTuning{0, 0, 3}}) {
+                                          cuda::AttentionTuning{0, 0, 3}, cuda::AttentionTuning{0, 0, 4}}) {
       const cuda::AttentionVariant v = cuda::attention_variant(s.qlen, s.heads, s.dtype, t);
       if (t.kernel == 1 && (v.tile_tokens != t.tile_tokens || v.ctas_per_sm != t.ctas_per_sm)) continue;  // not built
       if (std::any_of(seen.begin(), seen.end(), [&](const auto& u) { return same_variant(u, v); })) continue;
