@@ -43,9 +43,9 @@ struct AttentionTuning {
   // warpgroup MMA, fp8 caches only: with a bf16 cache 3 acts as 0); 4: the bf16 swap kernel
   // (16- or 32-row CTAs on warpgroup MMA, bf16 caches only: with an fp8 cache 4 acts as 0).
   // tile_tokens and ctas_per_sm apply to the mma.sync kernel only. 0 picks the measured
-  // default per shape (wgmma at 64 rows for every cache; below, fp8 swap for fp8, mma.sync for
-  // bf16), unless the knobs above ask for a variant only the mma.sync kernel has (32-token
-  // tiles, 2 CTAs per SM).
+  // default per shape (wgmma at 64 rows for every cache; below, fp8 swap for fp8; for bf16,
+  // bf16 swap at 16 rows and wgmma padded to 64 at 32), unless the knobs above ask for a
+  // variant only the mma.sync kernel has (32-token tiles, 2 CTAs per SM).
   int kernel = 0;
 };
 

@@ -372,8 +372,9 @@ TEST(CudaValidation, AttentionRefusesBadBatchesCachesAndRunWithoutPlan) {
 }
 
 // Which kernel runs where (host-side dispatch, no device needed): the wgmma kernel serves
-// 64-row CTAs of every cache, the fp8 swap kernel fp8 caches below 64 rows (in groups of 16
-// rows), the mma.sync kernel bf16's 16/32-row CTAs and every knob only it has; each can be
+// 64-row CTAs of every cache and bf16's 32-row ones (padded to 64), the fp8 swap kernel fp8
+// caches below 64 rows (in groups of 16 rows), the bf16 swap kernel bf16's 16-row CTAs, the
+// mma.sync kernel every knob only it has; each can be
 // forced at any shape (the fp8 swap kernel for fp8 caches only, the bf16 swap kernel for bf16
 // ones, in groups of 16 or 32 rows); an unknown kernel is refused.
 TEST(CudaValidation, KernelVariantDispatch) {
@@ -381,14 +382,17 @@ TEST(CudaValidation, KernelVariantDispatch) {
   for (KvDtype d : {KvDtype::bf16, KvDtype::fp8_e4m3, KvDtype::fp8_e5m2}) {
     const bool fp8 = d != KvDtype::bf16;
     // 64-row CTAs take the wgmma kernel for every cache (fp8 through its dequantising
-    // producer); fewer rows take the fp8 swap kernel (fp8) or mma.sync (bf16).
+    // producer); fewer rows take the fp8 swap kernel (fp8), or for bf16 the bf16 swap kernel
+    // (16 rows) or the wgmma kernel padded to 64 rows (32 rows).
     const cuda::AttentionVariant v128 = cuda::attention_variant(1, 128, d);
     EXPECT_EQ(v128.kernel, 2);
     EXPECT_EQ(v128.rows_per_cta, 64);
     EXPECT_EQ(cuda::attention_variant(4, 16, d).kernel, 2);  // verify: 64 rows share each tile
-    EXPECT_EQ(cuda::attention_variant(1, 32, d).kernel, fp8 ? 3 : 1);
-    EXPECT_EQ(cuda::attention_variant(1, 16, d).kernel, fp8 ? 3 : 1);
-    EXPECT_EQ(cuda::attention_variant(2, 16, d).kernel, fp8 ? 3 : 1);
+    EXPECT_EQ(cuda::attention_variant(1, 32, d).kernel, fp8 ? 3 : 2);
+    EXPECT_EQ(cuda::attention_variant(1, 32, d).rows_per_cta, fp8 ? 16 : 64);
+    EXPECT_EQ(cuda::attention_variant(1, 16, d).kernel, fp8 ? 3 : 4);
+    EXPECT_EQ(cuda::attention_variant(1, 16, d).rows_per_cta, 16);
+    EXPECT_EQ(cuda::attention_variant(2, 16, d).kernel, fp8 ? 3 : 2);
     const cuda::AttentionVariant forced = cuda::attention_variant(1, 16, d, AttentionTuning{0, 0, 2});
     EXPECT_EQ(forced.kernel, 2);
     EXPECT_EQ(forced.rows_per_cta, 64);  // 16 rows padded inside the CTA

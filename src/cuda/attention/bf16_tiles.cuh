@@ -6,6 +6,8 @@
 // tile gt sits in stage gt % 2. A stage is refilled once its consumers have released it
 // (empty[s]: phase n - 1 for its n-th fill), and each producer thread's copies arrive on
 // full[s] as they land (cp.async.mbarrier.arrive.noinc: full[s] expects 128 arrivals).
+// on_unit(u, k) runs at the start of the CTA's k-th unit u, before its tiles are issued (the
+// bf16 swap kernel loads the unit's Q there, one unit ahead of its consumer).
 #pragma once
 
 #include <cstdint>
@@ -27,14 +29,15 @@ inline constexpr int kBf16TileBytes = kBf16TileTokens * kDim * 2;  // (64, 576) 
 // 1's 8 bytes later). Eight threads per token (chunks lc + 8 m, m < 9: one 128-byte row of each
 // column block), tokens lt + 16 j (j < 4): a warp's copy reads 4 tokens x 128 contiguous
 // bytes. The next tile's sub-pages are looked up while this tile's copies are in flight.
-template <int M>
+template <int M, typename OnUnit>
 __device__ __forceinline__ void stream_bf16_tiles(const AttentionParams& p, const PlanScalars& ps, uint32_t ring,
-                                                  uint32_t full, uint32_t empty, int t) {
+                                                  uint32_t full, uint32_t empty, int t, OnUnit on_unit) {
   constexpr int NT = kBf16TileTokens;
   const int lt = t >> 3, lc = t & 7;
-  uint32_t gbase = 0;
+  uint32_t gbase = 0, unit = 0;
   for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
     const UnitSpan u = unit_span<M, NT>(p, cur, ps);
+    on_unit(u, unit++);
     // The sub-pages of this thread's four tokens of tile i (0 past the end: never dereferenced).
     auto subpages = [&](int i, int (&sp)[4]) {
 #pragma unroll

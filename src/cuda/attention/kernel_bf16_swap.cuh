@@ -9,7 +9,10 @@
 //
 // Two warpgroups, one CTA per SM. The producer (warpgroup 0) streams the tiles by cp.async
 // into two 72 KiB stages, running ahead across the CTA's units (stream_bf16_tiles,
-// bf16_tiles.cuh, the 64-row kernel's producer). The consumer (warpgroup 1), per tile:
+// bf16_tiles.cuh, the 64-row kernel's producer), and each unit's Q rows and row lengths into
+// one of two Q buffers before the unit's tiles, so that a unit's start waits for nothing the
+// producer could not load during the previous unit (serving batches give a CTA several
+// units). The consumer (warpgroup 1), per tile:
 //   1. S^T (64 tokens, M rows) = K Q^T: 36 wgmma m64nMk16, A = K (K-major) and B = Q (K-major)
 //      from shared memory, one f32 chain;
 //   2. masks each row at its own local length (only in a tile that reaches past one of the
@@ -33,8 +36,9 @@
 // Shared memory (Bf16SwapShared, from a 1024-byte aligned base; every operand is a stack of
 // column blocks of 128-byte rows, chunk c of row r at chunk c ^ (r & 7)):
 //   sKV 2 x (64, 576) bf16 in 9 blocks of (64, 128 B): K for S^T (A, K-major), V for O^T (A, MN-major)
-//   sQ  (M, 576) bf16 in 9 blocks of (M, 128 B); sP (M, 64) bf16 in rows of 128 B
-//   red, l (4 warps x M) f32, len (M) i32, mbarriers full[2], empty[2]
+//   sQ  2 x (M, 576) bf16 in 9 blocks of (M, 128 B), len 2 x (M) i32: unit k's in buffer k % 2
+//   sP  (M, 64) bf16 in rows of 128 B; red, l (4 warps x M) f32
+//   mbarriers full[2], empty[2] (the stages), qfull[2], qempty[2] (the Q buffers)
 #pragma once
 
 #include <cstdint>
@@ -68,12 +72,12 @@ template <int M>
 struct Bf16SwapShared {
   using C = Bf16SwapConfig<M>;
   alignas(1024) uint8_t kv[2][kBf16TileBytes];  // the ring (stream_bf16_tiles)
-  alignas(1024) uint8_t q[C::Q_BYTES];
-  alignas(1024) uint8_t p[C::P_BYTES];  // P^T: B of O^T
-  float red[4][M];                      // [warp][row]: tile maxima
-  float l[4][M];                        // [warp][row]: the unit's sums
-  int len[M];
-  uint64_t full[2], empty[2];
+  alignas(1024) uint8_t q[2][C::Q_BYTES];       // unit k's Q in q[k % 2]
+  alignas(1024) uint8_t p[C::P_BYTES];          // P^T: B of O^T
+  float red[4][M];                              // [warp][row]: tile maxima
+  float l[4][M];                                // [warp][row]: the unit's sums
+  int len[2][M];                                // unit k's row lengths in len[k % 2]
+  uint64_t full[2], empty[2], qfull[2], qempty[2];
 };
 template <int M>
 inline constexpr int kBf16SwapSmemBytes = int(sizeof(Bf16SwapShared<M>)) + 1024;  // + slack to align the base
@@ -99,22 +103,37 @@ __global__ void __launch_bounds__(Bf16SwapConfig<M>::THREADS, 1)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   Bf16SwapShared<M>& sh =
       *reinterpret_cast<Bf16SwapShared<M>*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
-  const uint32_t sKV_a = smem_addr(sh.kv[0]), sQ_a = smem_addr(sh.q), sP_a = smem_addr(sh.p);
+  const uint32_t sKV_a = smem_addr(sh.kv[0]), sP_a = smem_addr(sh.p);
   const uint32_t full_a = smem_addr(sh.full), empty_a = smem_addr(sh.empty);  // + 8 s
+  const uint32_t qfull_a = smem_addr(sh.qfull), qempty_a = smem_addr(sh.qempty);  // + 8 (k % 2)
 
   const int tid = threadIdx.x, t = tid & 127;
   const int w = t >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
   if (tid == 0) {
     for (int s = 0; s < 2; ++s) {
-      mbar_init(full_a + 8 * s, 128);   // one cp.async arrival per producer thread
-      mbar_init(empty_a + 8 * s, 128);  // one arrival per consumer thread
+      mbar_init(full_a + 8 * s, 128);    // one cp.async arrival per producer thread
+      mbar_init(empty_a + 8 * s, 128);   // one arrival per consumer thread
+      mbar_init(qfull_a + 8 * s, 128);   // as full
+      mbar_init(qempty_a + 8 * s, 128);  // as empty
     }
   }
   __syncthreads();
 
   const PlanScalars ps = plan_scalars<M>(p);
   if (tid < 128) {
-    stream_bf16_tiles<M>(p, ps, sKV_a, full_a, empty_a, t);
+    // Unit k's Q rows (zero past the unit's rows) and row lengths into buffer k % 2, once the
+    // consumer has released it (unit k - 2's), arriving on qfull as they land.
+    auto load_unit = [&](const UnitSpan& u, uint32_t k) {
+      const uint32_t b = k & 1u, n = k >> 1;
+      if (n > 0) mbar_wait(qempty_a + 8 * b, (n - 1) & 1u);
+      load_q_async<M, 128>(p, u, smem_addr(sh.q[b]), t, [](int r, int ch) { return swz128(r, ch >> 3, ch & 7, C::Q_BLOCK); });
+      if (t < M) {
+        const bool ok = t < u.nr;
+        cp_async_4(smem_addr(&sh.len[b][t]), ok ? u.lens + (u.row0 + t) / p.heads : u.lens, ok ? 4 : 0);
+      }
+      cp_async_mbar_arrive(qfull_a + 8 * b);
+    };
+    stream_bf16_tiles<M>(p, ps, sKV_a, full_a, empty_a, t, load_unit);
     return;
   }
 
@@ -125,22 +144,20 @@ __global__ void __launch_bounds__(Bf16SwapConfig<M>::THREADS, 1)
   uint8_t* sP = sh.p;
 
   uint32_t gbase = 0;  // the unit's first tile, numbered across the CTA's units
-  for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
+  uint32_t unit = 0;   // the unit's index among the CTA's units
+  for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur); ++unit) {
     const UnitSpan us = unit_span<M, NT>(p, cur, ps);
     const int nr = us.nr, tok_lo = us.tok_lo, tok_hi = us.tok_hi, ntiles = us.ntiles;
-
-    load_q_async<M, 128>(p, us, sQ_a, t, [](int r, int ch) { return swz128(r, ch >> 3, ch & 7, C::Q_BLOCK); });
-    if (t < M) sh.len[t] = t < nr ? us.lens[(us.row0 + t) / p.heads] : 0;
-    cp_async_wait_all();
-    fence_proxy_async();  // Q is read by wgmma (async proxy)
-    wg_sync();
+    // The unit's Q and lengths (no proxy fence: cp.async bytes arrived through the mbarrier).
+    const uint32_t qb = unit & 1u, sQ_a = smem_addr(sh.q[qb]);
+    mbar_wait(qfull_a + 8 * qb, (unit >> 1) & 1u);
 
     int lim[J][2], lim_min = tok_hi;
 #pragma unroll
     for (int j = 0; j < J; ++j)
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
-        lim[j][u] = min(sh.len[row_of(j, u)], tok_hi);
+        lim[j][u] = min(sh.len[qb][row_of(j, u)], tok_hi);
         if (row_of(j, u) < nr) lim_min = min(lim_min, lim[j][u]);  // padding rows are never stored
       }
     float o[8][M / 2];  // O^T block b (dims 64 b ..): o[b][4 j + 2 h + u], dim 64 b + 16 w + g + 8 h
@@ -253,6 +270,7 @@ __global__ void __launch_bounds__(Bf16SwapConfig<M>::THREADS, 1)
       // warpgroup-wide wgmma every warp issues only after its wait for this P V.
     }
     gbase += uint32_t(ntiles);
+    mbar_arrive(qempty_a + 8 * qb);  // every S of the unit has completed, its lengths are read
 
     // ---- epilogue: l over the row's lanes and warps, then out (or the partial) and stats ----
 #pragma unroll
@@ -288,7 +306,7 @@ __global__ void __launch_bounds__(Bf16SwapConfig<M>::THREADS, 1)
         if (w == 0 && g < 2) store_row_stats(p, us, r, uu ? m_run[j][1] : m_run[j][0], l);
       }
     }
-    wg_sync();  // sQ, len and l are reused by the next unit
+    wg_sync();  // l is reused by the next unit
   }
 }
 

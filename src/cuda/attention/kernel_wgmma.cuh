@@ -204,7 +204,8 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
   if (wg == 2) {
     setmaxnreg_dec<C::PRODUCER_REGS>();
     if constexpr (!FP8)
-      stream_bf16_tiles<M>(p, ps, sKV_a, bar_a + 8 * full_bar<false>(0, 0), bar_a + 8 * kMbarEmpty0, t);
+      stream_bf16_tiles<M>(p, ps, sKV_a, bar_a + 8 * full_bar<false>(0, 0), bar_a + 8 * kMbarEmpty0, t,
+                           [](const UnitSpan&, uint32_t) {});
     else if (p.kv_dtype == KvDtype::fp8_e5m2) wgmma_fp8_producer<true>(p, ps, sh, t);
     else wgmma_fp8_producer<false>(p, ps, sh, t);
     return;
