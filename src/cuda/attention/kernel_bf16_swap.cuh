@@ -101,8 +101,7 @@ __global__ void __launch_bounds__(Bf16SwapConfig<M>::THREADS, 1)
   const float kNegInf = neg_inf();
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  Bf16SwapShared<M>& sh =
-      *reinterpret_cast<Bf16SwapShared<M>*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
+  Bf16SwapShared<M>& sh = aligned_shared<Bf16SwapShared<M>>(smem_raw);
   const uint32_t sKV_a = smem_addr(sh.kv[0]), sP_a = smem_addr(sh.p);
   const uint32_t full_a = smem_addr(sh.full), empty_a = smem_addr(sh.empty);  // + 8 s
   const uint32_t qfull_a = smem_addr(sh.qfull), qempty_a = smem_addr(sh.qempty);  // + 8 (k % 2)

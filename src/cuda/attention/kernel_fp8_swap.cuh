@@ -108,8 +108,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
   const float kNegInf = neg_inf();
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  Fp8SwapShared& sh =
-      *reinterpret_cast<Fp8SwapShared*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
+  Fp8SwapShared& sh = aligned_shared<Fp8SwapShared>(smem_raw);
   const uint32_t sKV_a = smem_addr(sh.kv[0]), sQ_a = smem_addr(sh.q);
   const uint32_t full_a = smem_addr(sh.full), empty_a = smem_addr(sh.empty);  // + 8 s
 

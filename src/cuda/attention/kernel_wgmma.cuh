@@ -178,8 +178,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
   const float kNegInf = neg_inf();
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  // Swizzle atoms must start on 1024-byte boundaries (descriptor base offset 0).
-  WgShared& sh = *reinterpret_cast<WgShared*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
+  WgShared& sh = aligned_shared<WgShared>(smem_raw);
   const uint32_t sQ_a = smem_addr(sh.q), sKV_a = smem_addr(sh.kv[0]), sP_a = smem_addr(sh.p);
   const uint32_t bar_a = smem_addr(sh.bar);  // mbarrier k (WgMbarrier) at bar_a + 8 k
   float* sAlpha = sh.alpha;

@@ -36,6 +36,14 @@ struct SmemDesc {
   }
 };
 
+// A kernel's shared-memory struct on the first 1024-byte boundary of its dynamic shared
+// memory (launched with 1024 bytes of slack): the descriptors' base offset is 0, so every
+// swizzle atom must start on such a boundary.
+template <typename Shared>
+__device__ __forceinline__ Shared& aligned_shared(uint8_t* raw) {
+  return *reinterpret_cast<Shared*>(raw + ((1024u - (uint32_t(__cvta_generic_to_shared(raw)) & 1023u)) & 1023u));
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
