@@ -52,8 +52,9 @@ struct AttentionTuning {
 // Attention over a plan whose view and buffers all live on the device (AttentionParams
 // as for attention_cpu, with device pointers; p.plan from Plan::view_at(device arena)).
 // Launches a fixed grid sized by the plan's capacities (graph-safe), then the split-K
-// merge, which exits at once unless the device plan's route is split_k (merge = false
-// skips it: only for plans that can never be split_k). D = 576, R = 512, heads 1..128,
+// merge, which exits at once unless the device plan cut a request (merge = false skips it:
+// for a plan that cut none, header().split_requests = 0, as Attention::run does outside a
+// graph capture, or plans that can never cut). D = 576, R = 512, heads 1..128,
 // any kv dtype. num_sms = 0 asks the device. Alignment (refused otherwise, since a misaligned
 // vector access faults and kills the CUDA context): q, kv and out 16 bytes, lse and
 // kv_scale_dev 4.
@@ -138,7 +139,8 @@ class Attention {
   // q and out 16-byte aligned, lse and scale.device 4-byte aligned (dcpmla::Error otherwise).
   // Inside a capture (cudaStreamIsCapturing on `stream`) it records the cache's num_blocks for
   // plan()'s check above. A step of no query rows (every qlen 0) may pass null q/out/lse
-  // outside a capture: nothing runs.
+  // outside a capture: nothing runs. Launches the attention kernel, then the combine of cut
+  // requests: captured, wherever the planner may cut; eagerly, only when the plan cut one.
   void run(const bf16* q, const KvCache& cache, const KvScale& scale, bf16* out, float* lse, cudaStream_t stream);
 
   // The parameters run() launches with (tests and the bench).

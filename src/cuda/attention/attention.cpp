@@ -322,10 +322,12 @@ void Attention::run(const bf16* q, const KvCache& cache, const KvScale& scale, b
   require_io_aligned(q, out, lse, scale.device);
   // Inside a capture, remember the cache: later plans must fit it (plan()).
   if (capturing) m.captured_blocks = std::min(m.captured_blocks, cache.num_blocks);
-  // The combine reads the cut requests from the device plan; it is skipped only where no plan
-  // of this planner cuts a request.
-  const bool may_cut = m.planner.may_cut();
-  launch(params(q, cache, scale, out, lse), stream, m.sms, may_cut, *m.kernel);
+  // The combine reads the cut requests from the device plan. Captured, it is launched wherever
+  // this planner may cut (the graph replays later plans); run eagerly, only when this plan cut
+  // a request: with none its grid would only wait for the attention grid and exit, a second
+  // kernel boundary in every call (the header is the host copy of the plan on the device).
+  const bool merge = capturing ? m.planner.may_cut() : current_plan().header().split_requests > 0;
+  launch(params(q, cache, scale, out, lse), stream, m.sms, merge, *m.kernel);
 }
 
 void Attention::set_tuning(const AttentionTuning& tuning) {
