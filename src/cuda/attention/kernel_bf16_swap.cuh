@@ -1,8 +1,9 @@
 // Attention over a plan on sm_90a for bf16 caches and CTAs of M = 16 or 32 query rows, on
 // warpgroup MMA with the operands swapped: S^T = K Q^T and O^T = V^T P^T, so that the 64
 // tokens of a tile are the wgmma's M and the query rows its N (wgmma's M is 64: the 64-row
-// kernel would compute 2-4x the rows these CTAs need, and the mma.sync kernel at 32 rows is
-// bound by its own instruction stream and drains its pipeline at every unit). Same contract
+// kernel computes 2-4x the rows these CTAs need; the mma.sync kernel drains its pipeline at
+// every unit, and serving batches give a CTA several). The default at 16 rows; at 32 rows it
+// ties with the 64-row kernel padded, the default there (bench/NOTES.md, ninth session). Same contract
 // as kernel.cuh: each CTA of a fixed grid runs its chunk of the schedule for one row group,
 // from the device plan; rows with no local key give out = 0, lse = -inf; pieces of cut
 // requests write (o / l, m, l) partials.
@@ -23,9 +24,10 @@
 //   4. O^T (512 dims, M rows) += V^T P^T: 32 wgmma m64nMk16, A = V^T read MN-major from the
 //      same tile (no transposition: bf16 wgmma takes an MN-major A from shared memory), B = P^T;
 //      then it releases the stage.
-// The tensor work of a tile (2.2 M MACs at 32 rows) takes about half of the time the tile's
-// 72 KiB take to arrive at the SM's share of the copy bandwidth, so the kernel is bound by
-// its loads, as a memory-bound decode kernel should be. Numerics as the other kernels: P
+// At 16 rows a tile's serial chain (S, softmax, P V) is short beside the ~4500 cycles its
+// 72 KiB take to arrive at the SM's share of the copy bandwidth: the kernel is bound by its
+// loads. At 32 rows the chain (68 wgmma reading ~200 KiB of shared memory, then the softmax)
+// takes more than half of that, and one consumer nearly co-limits. Numerics as the other kernels: P
 // rounded to bf16 for P V, l summed from the unrounded P, natural-log lse.
 //
 // Accumulator layout (wgmma.cuh, N = M): thread (warp w, lane 4 g + c) holds, for n8 chunk j
