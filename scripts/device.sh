@@ -17,7 +17,7 @@
 #           base on the same warm card, without a second machine start (two rounds of every
 #           tree: pass --only <shapes> in AB_BENCH_ARGS to stay inside a device call's limit)
 # NCU=1 also profiles the attention kernels (NCU_KERNELS, a regex; NCU_COUNT launches) at
-# NCU_SHAPES (Nsight Compute); NCU_SOURCE=1 adds the stall samples per SASS instruction of the
+# NCU_SHAPES (Nsight Compute; any bench shape, the serving batches included); NCU_SOURCE=1 adds the stall samples per SASS instruction of the
 # first matching launch at each of NCU_SHAPES (default decode128; scripts/ncu_hot.py prints the
 # hottest: which wait the warps sit in).
 # Logs and JSON go to $OUT (default build-device/out). What the GPU image lacks (libfmt-dev,
@@ -209,7 +209,7 @@ if [[ "$NCU" == 1 ]] && command -v ncu >/dev/null 2>&1; then
     timeout 60 ncu --clock-control none -k regex:"$NCU_KERNELS" -c "$NCU_COUNT" \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
       --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section LaunchStats --section Occupancy \
-      "$BUILD/bench/dcpmla_bench" --only "$shape" --runs 3 --no-baseline --no-ceilings >>"$OUT/ncu.txt" 2>&1
+      "$BUILD/bench/dcpmla_bench" --serving --only "$shape" --runs 3 --no-baseline --no-ceilings >>"$OUT/ncu.txt" 2>&1
   done
   say "ncu: $(( $(date +%s) - t0 )) s; summary:"
   grep -E "^=== |Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Registers Per|Achieved Occupancy|Shared Memory|Tensor|Pipe" \
@@ -221,7 +221,7 @@ if [[ "$NCU" == 1 ]] && command -v ncu >/dev/null 2>&1; then
       rep="$OUT/ncu_src_$shape"
       timeout 90 ncu --clock-control none -k regex:"$NCU_KERNELS" -c 1 --section SourceCounters \
         --section WarpStateStats -f -o "$rep" \
-        "$BUILD/bench/dcpmla_bench" --only "$shape" --runs 3 --no-baseline --no-ceilings >"$rep.log" 2>&1
+        "$BUILD/bench/dcpmla_bench" --serving --only "$shape" --runs 3 --no-baseline --no-ceilings >"$rep.log" 2>&1
       ncu --import "$rep.ncu-rep" --page source --csv --print-source sass >"$rep.csv" 2>>"$rep.log"
       say "hottest instructions at $shape:"
       python3 scripts/ncu_hot.py "$rep.csv" --top 30 || tail -n 5 "$rep.log"
@@ -232,7 +232,7 @@ if [[ "$NCU" == 1 ]] && command -v ncu >/dev/null 2>&1; then
     for shape in ${NCU_SHAPES:-decode16_e4m3}; do
       timeout 60 ncu --clock-control none -k regex:"$NCU_KERNELS" -c "$NCU_COUNT" \
         --metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
-        "$BUILD/bench/dcpmla_bench" --only "$shape" --runs 3 --no-baseline --no-ceilings >"$OUT/ncu_stalls_$shape.txt" 2>&1
+        "$BUILD/bench/dcpmla_bench" --serving --only "$shape" --runs 3 --no-baseline --no-ceilings >"$OUT/ncu_stalls_$shape.txt" 2>&1
       say "stalls $shape: $(grep -E 'stalled_' "$OUT/ncu_stalls_$shape.txt" | awk '{print $1, $NF}' | sort -k2 -g -r | head -n 8 |
         sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | tr '\n' ' ')"
     done
