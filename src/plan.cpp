@@ -313,69 +313,91 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
       if (q_start[b + 1] > q_start[b]) most = std::max(most, ceil_div(longest[b], kCutTokens));
     if (double(most) + cost.piece <= share(chunks) * (1.0 + slack)) cut_allowed = false;
   }
+  // Two deals. The shares count one piece per request, but the cuts add pieces and cut costs,
+  // and what a share misses piles up in the last chunk (the one that takes every rest: 58
+  // tiles against 53 on the others in the uniform serving batch). The first deal (dry: it does
+  // not write the cut list, which overwrites `longest`) measures that total; the second
+  // raises every share by the missing cost over the chunks.
+  const int64_t tiles0 = tiles_left, parts0 = parts_left;
+  const double estimate = share(chunks) * chunks;
   int count = 0, k = 0, splits = 0, slots = 0;
-  double budget = share(chunks), used = 0.0;
-  chunk_work[0] = 0;
+  double extra = 0.0, budget = 0.0, used = 0.0, total = 0.0;
   auto close_chunk = [&] {
     chunk_work[++k] = count;
+    total += used;
     used = 0.0;
-    budget = share(chunks - k);
+    budget = share(chunks - k) + extra;
   };
-  for (int b = 0; b < b_count; ++b) {
-    if (q_start[b + 1] == q_start[b]) continue;  // no query rows: nothing to compute or write
-    const int32_t len = longest[b];
-    const int64_t tiles = ceil_div(len, kCutTokens);
-    int64_t pos = 0;
-    bool cut = false;
-    const int first = count;
-    auto emit = [&](int64_t end, bool partial) {
-      if (count >= work_capacity_) throw std::logic_error("dcpmla: the schedule exceeds its work capacity");
-      if (partial && !cut) {
-        split_request[splits] = b;
-        split_slot[splits++] = slots;
+  auto deal = [&](bool final) {
+    tiles_left = tiles0;
+    parts_left = parts0;
+    count = k = splits = slots = 0;
+    total = used = 0.0;
+    budget = share(chunks) + extra;
+    chunk_work[0] = 0;
+    for (int b = 0; b < b_count; ++b) {
+      if (q_start[b + 1] == q_start[b]) continue;  // no query rows: nothing to compute or write
+      const int32_t len = longest[b];
+      const int64_t tiles = ceil_div(len, kCutTokens);
+      int64_t pos = 0;
+      bool cut = false;
+      const int first = count;
+      auto emit = [&](int64_t end, bool partial) {
+        if (count >= work_capacity_) throw std::logic_error("dcpmla: the schedule exceeds its work capacity");
+        if (partial && !cut) {
+          if (final) {
+            split_request[splits] = b;
+            split_slot[splits] = slots;
+          }
+          ++splits;
+        }
+        const int32_t tok_end = end == tiles ? len : int32_t(end * kCutTokens);
+        work[count++] = WorkItem{b, int32_t(pos * kCutTokens), tok_end, partial ? slots++ : -1};
+      };
+      if (tiles == 0) {
+        // Padding, or no local token here: its rows get zeros, a cost the schedule ignores so
+        // that padding never moves a cut (seed 002).
+        emit(0, false);
+        continue;
       }
-      const int32_t tok_end = end == tiles ? len : int32_t(end * kCutTokens);
-      work[count++] = WorkItem{b, int32_t(pos * kCutTokens), tok_end, partial ? slots++ : -1};
-    };
-    if (tiles == 0) {
-      // Padding, or no local token here: its rows get zeros, a cost the schedule ignores so
-      // that padding never moves a cut (seed 002).
-      emit(0, false);
-      continue;
+      for (;;) {
+        const int64_t rest = tiles - pos;
+        const double whole = double(rest) + cost.piece + (cut ? cost.cut : 0.0);
+        const double room = budget - used;
+        // The rest fits (the slack spares a whole request its cut; a cut one's rest has nothing
+        // to spare), or it is cut here, or it goes to the next chunk. A cut is rounded up: the
+        // shares after it shrink by what it took over, so the last chunks get less, never the
+        // pile of every earlier chunk's rounding. An empty chunk always takes a piece, and a
+        // rest too short to be a piece stays only if no shorter cut leaves a whole one.
+        const bool fits = k == chunks - 1 || whole <= room + (cut ? 0.0 : slack * budget);
+        int64_t take = int64_t(std::ceil(room - cost.piece - cost.cut - 1e-9));
+        if (used == 0.0) take = std::max(take, min_tiles);
+        if (rest - take < min_tiles && rest - min_tiles >= min_tiles) take = std::min(take, rest - min_tiles);
+        const bool cuttable = cut_allowed && take >= min_tiles && rest - take >= min_tiles;
+        if (fits || (!cuttable && used == 0.0)) {  // the rest here (uncuttable: it takes the chunk)
+          emit(tiles, cut);
+          used += whole;
+          tiles_left -= rest;
+          --parts_left;
+          break;
+        }
+        if (cuttable) {
+          emit(pos + take, true);
+          cut = true;
+          used += double(take) + cost.piece + cost.cut;
+          tiles_left -= take;
+          pos += take;
+        }
+        close_chunk();
+      }
+      if (final) stats.max_segments = std::max(stats.max_segments, count - first);
+      if (k < chunks - 1 && used >= budget) close_chunk();
     }
-    for (;;) {
-      const int64_t rest = tiles - pos;
-      const double whole = double(rest) + cost.piece + (cut ? cost.cut : 0.0);
-      const double room = budget - used;
-      // The rest fits (the slack spares a whole request its cut; a cut one's rest has nothing
-      // to spare), or it is cut here, or it goes to the next chunk. A cut is rounded up: the
-      // shares after it shrink by what it took over, so the last chunks get less, never the
-      // pile of every earlier chunk's rounding. An empty chunk always takes a piece, and a
-      // rest too short to be a piece stays only if no shorter cut leaves a whole one.
-      const bool fits = k == chunks - 1 || whole <= room + (cut ? 0.0 : slack * budget);
-      int64_t take = int64_t(std::ceil(room - cost.piece - cost.cut - 1e-9));
-      if (used == 0.0) take = std::max(take, min_tiles);
-      if (rest - take < min_tiles && rest - min_tiles >= min_tiles) take = std::min(take, rest - min_tiles);
-      const bool cuttable = cut_allowed && take >= min_tiles && rest - take >= min_tiles;
-      if (fits || (!cuttable && used == 0.0)) {  // the rest here (uncuttable: it takes the chunk)
-        emit(tiles, cut);
-        used += whole;
-        tiles_left -= rest;
-        --parts_left;
-        break;
-      }
-      if (cuttable) {
-        emit(pos + take, true);
-        cut = true;
-        used += double(take) + cost.piece + cost.cut;
-        tiles_left -= take;
-        pos += take;
-      }
-      close_chunk();
-    }
-    stats.max_segments = std::max(stats.max_segments, count - first);
-    if (k < chunks - 1 && used >= budget) close_chunk();
-  }
+    total += used;
+  };
+  deal(false);
+  extra = std::max(0.0, total - estimate) / chunks;
+  deal(true);
   for (int j = k + 1; j <= chunks; ++j) chunk_work[j] = count;
   split_slot[splits] = slots;
   PlanHeader& h = plan.mutable_header();
