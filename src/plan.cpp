@@ -317,7 +317,8 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
   // and what a share misses piles up in the last chunk (the one that takes every rest: 58
   // tiles against 53 on the others in the uniform serving batch). The first deal (dry: it does
   // not write the cut list, which overwrites `longest`) measures that total; the second
-  // raises every share by the missing cost over the chunks.
+  // raises every share by the missing cost over the chunks. A first deal without a cut is
+  // the plan.
   const int64_t tiles0 = tiles_left, parts0 = parts_left;
   const double estimate = share(chunks) * chunks;
   int count = 0, k = 0, splits = 0, slots = 0;
@@ -390,14 +391,17 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
         }
         close_chunk();
       }
-      if (final) stats.max_segments = std::max(stats.max_segments, count - first);
+      stats.max_segments = std::max(stats.max_segments, count - first);
       if (k < chunks - 1 && used >= budget) close_chunk();
     }
     total += used;
   };
   deal(false);
-  extra = std::max(0.0, total - estimate) / chunks;
-  deal(true);
+  if (splits > 0) {  // else the first deal wrote the whole plan (it has no cut list)
+    extra = std::max(0.0, total - estimate) / chunks;
+    stats.max_segments = 0;
+    deal(true);
+  }
   for (int j = k + 1; j <= chunks; ++j) chunk_work[j] = count;
   split_slot[splits] = slots;
   PlanHeader& h = plan.mutable_header();
