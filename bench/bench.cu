@@ -1,7 +1,8 @@
 // dcpmla_bench: the ceilings (device-to-device copy, cuBLAS bf16 8192^3 GEMM), a plain
 // baseline (gather pages -> cuBLAS batched GEMMs -> softmax kernel -> GEMM), and dcpmla's
 // attention at uniform shapes and at the varlen serving batches engines send (issue 13).
-// Per shape, three times of the whole call an engine makes (kernel + combine), each the
+// Per shape, three times of the whole call an engine makes (Attention::run: the kernel, and
+// the combine when the plan cut a request; a captured graph always holds it), each the
 // median over calls after warm-up, with several KV caches rotated so that L2 does not
 // flatter: the device time of calls queued behind a spin kernel (no host gap; the headline
 // `us`), the device time of CUDA-graph replays queued alike, and the synchronous per-call

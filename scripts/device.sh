@@ -17,8 +17,8 @@
 #           base on the same warm card, without a second machine start (two rounds of every
 #           tree: pass --only <shapes> in AB_BENCH_ARGS to stay inside a device call's limit)
 # NCU=1 also profiles the attention kernels (NCU_KERNELS, a regex; NCU_COUNT launches) at
-# NCU_SHAPES (Nsight Compute; any bench shape, the serving batches included); NCU_SOURCE=1 adds the stall samples per SASS instruction of the
-# first matching launch at each of NCU_SHAPES (default decode128; scripts/ncu_hot.py prints the
+# NCU_SHAPES (Nsight Compute; any bench shape, the serving batches included); NCU_SOURCE=1
+# adds the stall samples per SASS instruction of the first matching launch at each of NCU_SHAPES (default decode128; scripts/ncu_hot.py prints the
 # hottest: which wait the warps sit in).
 # Logs and JSON go to $OUT (default build-device/out). What the GPU image lacks (libfmt-dev,
 # googletest, CLI11, nlohmann-json, nccl.h) is taken from .devdeps/.

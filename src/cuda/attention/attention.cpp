@@ -124,7 +124,8 @@ AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const
   const bool mma_only_knobs = tuning.tile_tokens == 32 || tuning.ctas_per_sm == 2;
   // The swap kernels read one kind of cache each (fp8 swap: fp8, bf16 swap: bf16); asked for
   // with the other kind, the default serves.
-  const bool other_cache = (tuning.kernel == int(Kernel::fp8_swap) && !fp8) || (tuning.kernel == int(Kernel::bf16_swap) && fp8);
+  const bool other_cache =
+      (tuning.kernel == int(Kernel::fp8_swap) && !fp8) || (tuning.kernel == int(Kernel::bf16_swap) && fp8);
   Kernel kernel = Kernel(other_cache ? 0 : tuning.kernel);
   if (int(kernel) == 0) kernel = mma_only_knobs ? Kernel::mma : default_kernel(v.rows_per_cta, fp8);
   v.kernel = int(kernel);

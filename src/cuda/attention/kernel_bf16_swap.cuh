@@ -127,7 +127,8 @@ __global__ void __launch_bounds__(Bf16SwapConfig<M>::THREADS, 1)
     auto load_unit = [&](const UnitSpan& u, uint32_t k) {
       const uint32_t b = k & 1u, n = k >> 1;
       if (n > 0) mbar_wait(qempty_a + 8 * b, (n - 1) & 1u);
-      load_q_async<M, 128>(p, u, smem_addr(sh.q[b]), t, [](int r, int ch) { return swz128(r, ch >> 3, ch & 7, C::Q_BLOCK); });
+      load_q_async<M, 128>(p, u, smem_addr(sh.q[b]), t,
+                           [](int r, int ch) { return swz128(r, ch >> 3, ch & 7, C::Q_BLOCK); });
       if (t < M) {
         const bool ok = t < u.nr;
         cp_async_4(smem_addr(&sh.len[b][t]), ok ? u.lens + (u.row0 + t) / p.heads : u.lens, ok ? 4 : 0);
@@ -259,7 +260,8 @@ __global__ void __launch_bounds__(Bf16SwapConfig<M>::THREADS, 1)
 #pragma unroll
         for (int b = 0; b < 8; ++b)
 #pragma unroll
-          for (int kk = 0; kk < NT / 16; ++kk) swap_mma<M, 1>(o[b], dv.at(b * (NT * 128) + kk * 2048), dp.at(kk * 32), 1);
+          for (int kk = 0; kk < NT / 16; ++kk)
+            swap_mma<M, 1>(o[b], dv.at(b * (NT * 128) + kk * 2048), dp.at(kk * 32), 1);
         wgmma_commit();
         wgmma_wait<0>();
 #pragma unroll
