@@ -107,7 +107,7 @@ endif()
 # pipelining is checked. The cubins are kept from the normal compile (-keep), so the check
 # costs no extra compilation; it runs without a GPU.
 if(DCPMLA_TESTS)
-  set(_dcpmla_split_kernels wg64_bf16 wg64_fp8 fp8_swap_e4m3 fp8_swap_e5m2)
+  set(_dcpmla_split_kernels wg64_bf16 wg64_fp8 fp8_swap_e4m3 fp8_swap_e5m2 fp8_swap32_e4m3 fp8_swap32_e5m2)
   set(_dcpmla_unsplit_kernels bf16_swap_m16 bf16_swap_m32)
   set(_dcpmla_cubins "${CMAKE_BINARY_DIR}/cubins")
   file(MAKE_DIRECTORY "${_dcpmla_cubins}")

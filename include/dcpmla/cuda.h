@@ -39,7 +39,7 @@ struct AttentionTuning {
   int tile_tokens = 0;  // 32 or 64 KV tokens per pipeline stage
   int ctas_per_sm = 0;  // 1, or 2 (applies to 16-row CTAs, i.e. qlen x heads <= 16; else 1)
   // 1: the mma.sync kernel (16/32/64-row CTAs, the reference variant); 2: the wgmma kernel
-  // (64-row CTAs on warpgroup MMA); 3: the fp8 swap kernel (16-row CTAs on native fp8
+  // (64-row CTAs on warpgroup MMA); 3: the fp8 swap kernel (16- or 32-row CTAs on native fp8
   // warpgroup MMA, fp8 caches only: with a bf16 cache 3 acts as 0); 4: the bf16 swap kernel
   // (16- or 32-row CTAs on warpgroup MMA, bf16 caches only: with an fp8 cache 4 acts as 0).
   // tile_tokens and ctas_per_sm apply to the mma.sync kernel only. 0 picks the measured

@@ -155,7 +155,7 @@ inline float default_softmax_scale() { return 1.0f / std::sqrt(576.0f); }
 // Kernel variant under test: DCPMLA_TEST_TUNING = "<tile tokens>x<CTAs per SM>" (e.g. 64x1,
 // 32x2), "mma" (the mma.sync kernel at every shape), "wgmma" (the wgmma kernel at every
 // shape, 16- and 32-row ones padded to 64), "fp8swap" (the fp8 swap kernel for every fp8
-// cache, in 16-row groups) or "bf16swap" (the bf16 swap kernel for every bf16 cache, in
+// cache, in groups of 16 or 32 rows) or "bf16swap" (the bf16 swap kernel for every bf16 cache, in
 // groups of 16 or 32 rows); unset means the library's choice. ctest runs the scenarios once
 // per variant.
 inline cuda::AttentionTuning test_tuning() {

@@ -373,7 +373,7 @@ TEST(CudaValidation, AttentionRefusesBadBatchesCachesAndRunWithoutPlan) {
 
 // Which kernel runs where (host-side dispatch, no device needed): the wgmma kernel serves
 // 64-row CTAs of every cache and bf16's 32-row ones (padded to 64), the fp8 swap kernel fp8
-// caches below 64 rows (in groups of 16 rows), the bf16 swap kernel bf16's 16-row CTAs, the
+// caches below 64 rows (16- or 32-row CTAs), the bf16 swap kernel bf16's 16-row CTAs, the
 // mma.sync kernel every knob only it has; each can be
 // forced at any shape (the fp8 swap kernel for fp8 caches only, the bf16 swap kernel for bf16
 // ones, in groups of 16 or 32 rows); an unknown kernel is refused.
@@ -389,7 +389,7 @@ TEST(CudaValidation, KernelVariantDispatch) {
     EXPECT_EQ(v128.rows_per_cta, 64);
     EXPECT_EQ(cuda::attention_variant(4, 16, d).kernel, 2);  // verify: 64 rows share each tile
     EXPECT_EQ(cuda::attention_variant(1, 32, d).kernel, fp8 ? 3 : 2);
-    EXPECT_EQ(cuda::attention_variant(1, 32, d).rows_per_cta, fp8 ? 16 : 64);
+    EXPECT_EQ(cuda::attention_variant(1, 32, d).rows_per_cta, fp8 ? 32 : 64);
     EXPECT_EQ(cuda::attention_variant(1, 16, d).kernel, fp8 ? 3 : 4);
     EXPECT_EQ(cuda::attention_variant(1, 16, d).rows_per_cta, 16);
     EXPECT_EQ(cuda::attention_variant(2, 16, d).kernel, fp8 ? 3 : 2);
@@ -399,7 +399,7 @@ TEST(CudaValidation, KernelVariantDispatch) {
     EXPECT_GT(forced.smem_bytes, 200 * 1024);
     const cuda::AttentionVariant swap = cuda::attention_variant(1, 128, d, AttentionTuning{0, 0, 3});
     EXPECT_EQ(swap.kernel, fp8 ? 3 : 2);  // bf16: the default (wgmma at 128 heads)
-    EXPECT_EQ(swap.rows_per_cta, fp8 ? 16 : 64);
+    EXPECT_EQ(swap.rows_per_cta, fp8 ? 32 : 64);  // fp8: 128 rows in groups of 32
     EXPECT_EQ(cuda::attention_variant(1, 16, d, AttentionTuning{0, 0, 1}).kernel, 1);
     EXPECT_EQ(cuda::attention_variant(1, 16, d, AttentionTuning{32, 2, 0}).kernel, 1);  // 2 CTAs per SM
     EXPECT_EQ(cuda::attention_variant(1, 128, d, AttentionTuning{0, 0, 1}).kernel, 1);
@@ -411,7 +411,7 @@ TEST(CudaValidation, KernelVariantDispatch) {
     const cuda::AttentionVariant bswap16 = cuda::attention_variant(1, 16, d, AttentionTuning{0, 0, 4});
     EXPECT_EQ(bswap16.kernel, fp8 ? 3 : 4);
     EXPECT_EQ(bswap16.rows_per_cta, 16);
-    EXPECT_EQ(cuda::attention_variant(3, 8, d, AttentionTuning{0, 0, 4}).rows_per_cta, fp8 ? 16 : 32);
+    EXPECT_EQ(cuda::attention_variant(3, 8, d, AttentionTuning{0, 0, 4}).rows_per_cta, 32);
   }
   EXPECT_THROW(cuda::attention_variant(1, 16, KvDtype::bf16, AttentionTuning{0, 0, 5}), Error);
   EXPECT_THROW(cuda::attention_variant(1, 16, KvDtype::bf16, AttentionTuning{0, 0, -1}), Error);

@@ -137,11 +137,8 @@ AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const
     if (v.rows_per_cta != 16 || v.tile_tokens != 32) v.ctas_per_sm = 1;
   } else {
     // Fixed row counts whatever qlen x heads is: the wgmma kernel pads fewer rows to 64
-    // inside the CTA, the fp8 swap kernel takes more rows in more groups of 16, the bf16 swap
-    // kernel in more groups of 32.
-    v.rows_per_cta = kernel == Kernel::fp8_swap    ? 16
-                     : kernel == Kernel::bf16_swap ? std::min(v.rows_per_cta, 32)
-                                                   : 64;
+    // inside the CTA, the swap kernels take more rows in more groups of 32.
+    v.rows_per_cta = kernel == Kernel::wgmma ? 64 : std::min(v.rows_per_cta, 32);
     v.tile_tokens = 64;
     v.ctas_per_sm = 1;
   }

@@ -24,10 +24,10 @@ constexpr KernelVariant wgmma() {
   return {Kernel::wgmma, 64, 64, 1, FP8 ? kE4m3 | kE5m2 : kBf16, &launch_attention_wgmma<FP8>,
           &attention_wgmma_smem_bytes<FP8>};
 }
-template <bool E5M2>
+template <bool E5M2, int M>
 constexpr KernelVariant fp8_swap() {
-  return {Kernel::fp8_swap, 16, 64, 1, E5M2 ? kE5m2 : kE4m3, &launch_attention_fp8_swap<E5M2>,
-          &attention_fp8_swap_smem_bytes<E5M2>};
+  return {Kernel::fp8_swap, M, 64, 1, E5M2 ? kE5m2 : kE4m3, &launch_attention_fp8_swap<E5M2, M>,
+          &attention_fp8_swap_smem_bytes<E5M2, M>};
 }
 
 template <int M>
@@ -40,7 +40,8 @@ constexpr KernelVariant kVariants[] = {
     mma<1, 32, 2, false>(), mma<1, 32, 2, true>(), mma<2, 32, 1, false>(), mma<2, 32, 1, true>(),
     mma<2, 64, 1, false>(), mma<2, 64, 1, true>(), mma<4, 32, 1, false>(), mma<4, 32, 1, true>(),
     mma<4, 64, 1, false>(), mma<4, 64, 1, true>(), wgmma<false>(),         wgmma<true>(),
-    fp8_swap<false>(),      fp8_swap<true>(),           bf16_swap<16>(),         bf16_swap<32>(),
+    fp8_swap<false, 16>(),  fp8_swap<true, 16>(),       fp8_swap<false, 32>(),   fp8_swap<true, 32>(),
+    bf16_swap<16>(),        bf16_swap<32>(),
 };
 
 }  // namespace
@@ -61,7 +62,7 @@ const KernelVariant& find_variant(Kernel kernel, int rows_per_cta, int tile_toke
 // cores' path, 1.4-1.6x faster than the fp8 swap kernel's eight 16-row groups at 64+ rows
 // (bench/NOTES.md, 2026-12-01). Below 64 rows fp8 caches take the fp8 swap kernel (it reads
 // the cache without dequantising it; 2.7-3x faster than the dequantising kernels at 32
-// rows). bf16 caches: 16-row CTAs the bf16 swap kernel, 32-row ones the wgmma kernel padded
+// rows), at 32 rows in its split form (one CTA reads each tile once for all 32 rows). bf16 caches: 16-row CTAs the bf16 swap kernel, 32-row ones the wgmma kernel padded
 // to 64 rows: both stream through a producer warpgroup that runs ahead across units, which
 // the serving batches' many units per CTA reward (H200, ninth session: at 16 rows the swap
 // kernel 1-3.5 % faster than mma.sync on the serving rows; at 32 rows the padded wgmma kernel

@@ -2,8 +2,8 @@
 // variants (variants.cpp) and the library's choice among them. Four kernels compute the same
 // function: the mma.sync kernel (kernel.cuh: 16, 32 or 64 rows per CTA, 32- or 64-token
 // tiles, the simple reference variant), the wgmma kernel (kernel_wgmma.cuh: 64 rows per CTA
-// on warpgroup MMA), the fp8 swap kernel (kernel_fp8_swap.cuh: 16 rows per CTA, fp8 caches
-// on native fp8 wgmma) and the bf16 swap kernel (kernel_bf16_swap.cuh: 16 or 32 rows per CTA,
+// on warpgroup MMA), the fp8 swap kernel (kernel_fp8_swap.cuh: 16 or 32 rows per CTA, fp8
+// caches on native fp8 wgmma) and the bf16 swap kernel (kernel_bf16_swap.cuh: 16 or 32 rows per CTA,
 // bf16 caches on warpgroup MMA with the tokens as M). The tests run every scenario on each.
 #pragma once
 
@@ -50,9 +50,9 @@ template <bool FP8>
 void launch_attention_wgmma(const AttentionParams& p, int grid, cudaStream_t stream);
 template <bool FP8>
 int attention_wgmma_smem_bytes();
-template <bool E5M2>
+template <bool E5M2, int M>
 void launch_attention_fp8_swap(const AttentionParams& p, int grid, cudaStream_t stream);
-template <bool E5M2>
+template <bool E5M2, int M>
 int attention_fp8_swap_smem_bytes();
 template <int M>
 void launch_attention_bf16_swap(const AttentionParams& p, int grid, cudaStream_t stream);

@@ -211,6 +211,14 @@ DCPMLA_WGMMA_BF16_FORMS(256, 128, "%128, %129, p, 1, 1, %132, %131", "%130",
                : DCPMLA_WGMMA_D8(C, d)                                                                     \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(ACC)))
 
+#define DCPMLA_WGMMA_FP8_RS_N32(ATYPE, C)                                                                 \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                                \
+               "wgmma.mma_async.sync.aligned.m64n32k32.f32." ATYPE ".e4m3 "                                 \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "                   \
+               "{%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"                                                    \
+               : DCPMLA_WGMMA_D16(C, d)                                                                    \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(ACC)))
+
 template <bool A_E5M2, bool ACC>
 __device__ __forceinline__ void wgmma_m64n32k32_fp8_ss(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {
   if constexpr (A_E5M2 && ACC) DCPMLA_WGMMA_FP8_SS_N32("e5m2", "+f");
@@ -227,10 +235,19 @@ __device__ __forceinline__ void wgmma_m64n16k32_fp8_rs(float (&d)[8], const uint
   else DCPMLA_WGMMA_FP8_RS_N16("e4m3", "=f");
 }
 
+template <bool A_E5M2, bool ACC>
+__device__ __forceinline__ void wgmma_m64n32k32_fp8_rs(float (&d)[16], const uint32_t (&a)[4], uint64_t desc_b) {
+  if constexpr (A_E5M2 && ACC) DCPMLA_WGMMA_FP8_RS_N32("e5m2", "+f");
+  else if constexpr (A_E5M2) DCPMLA_WGMMA_FP8_RS_N32("e5m2", "=f");
+  else if constexpr (ACC) DCPMLA_WGMMA_FP8_RS_N32("e4m3", "+f");
+  else DCPMLA_WGMMA_FP8_RS_N32("e4m3", "=f");
+}
+
 #undef DCPMLA_WGMMA_D8
 #undef DCPMLA_WGMMA_D16
 #undef DCPMLA_WGMMA_FP8_SS_N32
 #undef DCPMLA_WGMMA_FP8_RS_N16
+#undef DCPMLA_WGMMA_FP8_RS_N32
 
 #undef DCPMLA_WGMMA_BF16_FORMS
 #undef DCPMLA_WGMMA_D8_TEXT

@@ -1,4 +1,4 @@
 // fp8 swap kernel: 16 query rows per CTA on native fp8 wgmma, e4m3 cache.
 #include "../kernel_fp8_swap.cuh"
 
-DCPMLA_INSTANTIATE_ATTENTION_FP8_SWAP(false)
+DCPMLA_INSTANTIATE_ATTENTION_FP8_SWAP(false, 16)

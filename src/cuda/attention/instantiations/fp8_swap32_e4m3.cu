@@ -1,0 +1,4 @@
+// fp8 swap kernel: 32 query rows per CTA on native fp8 wgmma (the split schedule), e4m3 cache.
+#include "../kernel_fp8_swap.cuh"
+
+DCPMLA_INSTANTIATE_ATTENTION_FP8_SWAP(false, 32)
