@@ -52,10 +52,15 @@ struct CombineRequests {
 
 __global__ void __launch_bounds__(kCombineThreads, kCombineCtasPerSm)
     split_merge_kernel(const __grid_constant__ AttentionParams p) {
+  // The plan was copied before the attention kernel ran (stream order), so its header may be
+  // read before the wait: a plan that cut no request exits here, beside the attention grid's
+  // last CTAs, instead of waiting for that grid to complete (a captured graph launches the
+  // combine for every plan).
+  const PlanHeader hdr = *p.plan.header;
+  if (hdr.split_requests == 0) return;
   // Launched early (launch_split_merge): the attention grid's partials are complete and
   // visible only after this.
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  const PlanHeader hdr = *p.plan.header;
   const float kNegInf = neg_inf();
   using Scan = cub::BlockScan<int, kCombineThreads>;
   __shared__ typename Scan::TempStorage scan;
