@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -284,7 +285,8 @@ bool same_variant(const cuda::AttentionVariant& a, const cuda::AttentionVariant&
          a.ctas_per_sm == b.ctas_per_sm;
 }
 
-Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, const ScheduleCost& cost, cublasHandle_t blas) {
+Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, const std::optional<ScheduleCost>& cost,
+              cublasHandle_t blas) {
   Row row;
   row.s = s;
   const Mode mode = s.qlen == 1 ? Mode::decode : Mode::verify;
@@ -591,7 +593,7 @@ int main(int argc, char** argv) {
   app.add_flag("--sweep", sweep, "Also time every other kernel variant at each shape (on the default variant's plan; @plan<rows> marks a variant with other rows per CTA)");
   app.add_flag("--no-ceilings", no_ceilings, "Skip the ceilings (the ratios to them are null in the JSON)");
   app.add_option("--only", only, "Run only these shapes (comma-separated names)")->delimiter(',');
-  app.add_option("--schedule", schedule, "The schedule's cost model: piece,cut,slack (ScheduleCost; tuning)")
+  app.add_option("--schedule", schedule, "The schedule's cost model: piece,cut,slack (ScheduleCost; default: each kernel's calibration, calibrated_schedule_cost)")
       ->delimiter(',')
       ->expected(3);
   CLI11_PARSE(app, argc, argv);
@@ -644,9 +646,9 @@ int main(int argc, char** argv) {
                    quick ? " --quick" : "", names.c_str());
       return 2;
     }
-  ScheduleCost cost;
+  std::optional<ScheduleCost> cost;  // none: each shape's kernel's calibration
   if (!schedule.empty()) cost = ScheduleCost{schedule[0], schedule[1], schedule[2]};
-  std::printf("schedule cost: piece %.2f, cut %.2f, slack %.3f\n", cost.piece, cost.cut, cost.slack);
+  if (cost) std::printf("schedule cost: piece %.2f, cut %.2f, slack %.3f\n", cost->piece, cost->cut, cost->slack);
   cublasHandle_t blas;
   ckb(cublasCreate(&blas), "cublasCreate");
   std::vector<Row> rows;

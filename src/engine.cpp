@@ -21,7 +21,7 @@ PlannerConfig planner_config(const AttentionConfig& c, Backend backend, int work
   p.num_workers = c.num_workers > 0 ? c.num_workers : workers;
   p.rows_per_unit = rows_per_unit;
   p.min_segment_tokens = c.min_segment_tokens;
-  p.cost = c.schedule_cost;
+  p.cost = c.schedule_cost.value_or(calibrated_schedule_cost(rows_per_unit));
   return p;
 }
 

@@ -272,6 +272,12 @@ int64_t Planner::validate(const BatchDesc& batch) const {
   return max_block;
 }
 
+ScheduleCost calibrated_schedule_cost(int rows_per_unit) {
+  ScheduleCost cost;
+  if (rows_per_unit > 16) cost.piece = 2.0;
+  return cost;
+}
+
 // The balanced schedule: the requests' tiles (plus a fixed cost per piece) are dealt in
 // request order into `chunks` chunks of about equal cost; each chunk's share is recomputed
 // from what is left, so overruns and short chunks even out. A request that does not fit the

@@ -38,7 +38,9 @@ struct AttentionConfig {
   Route route = Route::automatic;      // forced for testing; automatic = the planner's policy
   int num_workers = 0;                 // parallel units a plan spreads over; 0: the backend's
   int min_segment_tokens = 256;        // shortest piece of a cut request (PlannerConfig)
-  ScheduleCost schedule_cost;          // the schedule's cost model (tuning: results do not depend on it)
+  // The schedule's cost model (tuning: results do not depend on it); none: the calibration
+  // for the backend kernel's rows per CTA (calibrated_schedule_cost).
+  std::optional<ScheduleCost> schedule_cost;
 };
 
 // The one place an AttentionConfig becomes a planner configuration; workers = the backend's

@@ -29,12 +29,18 @@ inline constexpr int kCutTokens = 64;
 // `piece` (loading Q, filling the pipeline, the epilogue); a piece of a cut request also
 // `cut` (its partial write and share of the combine). Under the automatic route a chunk may
 // run over its even share by `slack` of it rather than cut a request, so that a uniform
-// batch is not cut to win a few percent. (Calibrated on the H200: bench/NOTES.md.)
+// batch is not cut to win a few percent. The defaults are the 16-row kernels' calibration;
+// calibrated_schedule_cost gives each unit size its own (H200: bench/NOTES.md).
 struct ScheduleCost {
   double piece = 1.0;
   double cut = 0.5;
   double slack = 0.05;
 };
+
+// The H200 calibration for units of rows_per_unit query rows: a piece costs 1 tile at 16
+// rows and 2 at 32 or more (Q and the epilogue grow with the rows, the tile time less; the
+// tenth session's grid of the serving batches).
+ScheduleCost calibrated_schedule_cost(int rows_per_unit);
 
 // Fixed for the planner's life (one per model and rank); checked at construction. The
 // caches are the engine's: their size is checked against each plan when a run takes one.

@@ -510,6 +510,26 @@ TEST_P(WriteKv, StoresEncodedLatentsAndSkipsPad) {
 INSTANTIATE_TEST_SUITE_P(Dtypes, WriteKv, ::testing::Values(KvDtype::bf16, KvDtype::fp8_e4m3, KvDtype::fp8_e5m2),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
+// An AttentionConfig without its own schedule cost gets the calibration of the backend
+// kernel's rows per CTA; one that sets it keeps it, whatever the rows.
+TEST(ScheduleCostOfAConfig, CalibratedUnlessSet) {
+  AttentionConfig c;
+  for (int rows : {16, 32, 64}) {
+    const ScheduleCost want = calibrated_schedule_cost(rows), got = planner_config(c, Backend::cpu, 132, rows).cost;
+    EXPECT_EQ(got.piece, rows == 16 ? 1.0 : 2.0) << rows << " rows";
+    EXPECT_EQ(got.piece, want.piece);
+    EXPECT_EQ(got.cut, want.cut);
+    EXPECT_EQ(got.slack, want.slack);
+  }
+  c.schedule_cost = ScheduleCost{0.25, 3.0, 0.5};
+  for (int rows : {16, 64}) {
+    const ScheduleCost got = planner_config(c, Backend::cpu, 132, rows).cost;
+    EXPECT_EQ(got.piece, 0.25);
+    EXPECT_EQ(got.cut, 3.0);
+    EXPECT_EQ(got.slack, 0.5);
+  }
+}
+
 TEST(WriteKvRefusals, BadSlotOrScaleWritesNothing) {
   std::vector<uint8_t> memory(size_t(3 * 4 * 64));
   std::iota(memory.begin(), memory.end(), uint8_t(1));
