@@ -18,8 +18,11 @@
 #           tree: pass --only <shapes> in AB_BENCH_ARGS to stay inside a device call's limit)
 # NCU=1 also profiles the attention kernels (NCU_KERNELS, a regex; NCU_COUNT launches) at
 # NCU_SHAPES (Nsight Compute; any bench shape, the serving batches included); NCU_SOURCE=1
-# adds the stall samples per SASS instruction of the first matching launch at each of NCU_SHAPES (default decode128; scripts/ncu_hot.py prints the
-# hottest: which wait the warps sit in).
+# adds the stall samples per SASS instruction of the first matching launch at each of
+# NCU_SHAPES (default decode128; scripts/ncu_hot.py prints the hottest: which wait the warps
+# sit in). NCU_CACHE=none keeps the caches between the profiled kernels (Nsight flushes them
+# by default: a kernel that reads what the one before wrote, such as the combine, is then
+# timed from DRAM).
 # Logs and JSON go to $OUT (default build-device/out). What the GPU image lacks (libfmt-dev,
 # googletest, CLI11, nlohmann-json, nccl.h) is taken from .devdeps/.
 set -uo pipefail
@@ -206,7 +209,7 @@ if [[ "$NCU" == 1 ]] && command -v ncu >/dev/null 2>&1; then
   : >"$OUT/ncu.txt"
   for shape in ${NCU_SHAPES:-decode16 decode16_e4m3 decode128 verify16_q4}; do
     echo "=== $shape" >>"$OUT/ncu.txt"
-    timeout 60 ncu --clock-control none -k regex:"$NCU_KERNELS" -c "$NCU_COUNT" \
+    timeout 60 ncu --clock-control none --cache-control "${NCU_CACHE:-all}" -k regex:"$NCU_KERNELS" -c "$NCU_COUNT" \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
       --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section LaunchStats --section Occupancy \
       "$BUILD/bench/dcpmla_bench" --serving --only "$shape" --runs 3 --no-baseline --no-ceilings >>"$OUT/ncu.txt" 2>&1
@@ -219,7 +222,7 @@ if [[ "$NCU" == 1 ]] && command -v ncu >/dev/null 2>&1; then
   if [[ "${NCU_SOURCE:-0}" == 1 ]]; then
     for shape in ${NCU_SHAPES:-decode128}; do
       rep="$OUT/ncu_src_$shape"
-      timeout 90 ncu --clock-control none -k regex:"$NCU_KERNELS" -c 1 --section SourceCounters \
+      timeout 90 ncu --clock-control none --cache-control "${NCU_CACHE:-all}" -k regex:"$NCU_KERNELS" -c 1 --section SourceCounters \
         --section WarpStateStats -f -o "$rep" \
         "$BUILD/bench/dcpmla_bench" --serving --only "$shape" --runs 3 --no-baseline --no-ceilings >"$rep.log" 2>&1
       ncu --import "$rep.ncu-rep" --page source --csv --print-source sass >"$rep.csv" 2>>"$rep.log"
@@ -230,7 +233,7 @@ if [[ "$NCU" == 1 ]] && command -v ncu >/dev/null 2>&1; then
   # Stall reasons per issued instruction, all warps of the kernel (NCU_STALLS=1).
   if [[ "${NCU_STALLS:-0}" == 1 ]]; then
     for shape in ${NCU_SHAPES:-decode16_e4m3}; do
-      timeout 60 ncu --clock-control none -k regex:"$NCU_KERNELS" -c "$NCU_COUNT" \
+      timeout 60 ncu --clock-control none --cache-control "${NCU_CACHE:-all}" -k regex:"$NCU_KERNELS" -c "$NCU_COUNT" \
         --metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
         "$BUILD/bench/dcpmla_bench" --serving --only "$shape" --runs 3 --no-baseline --no-ceilings >"$OUT/ncu_stalls_$shape.txt" 2>&1
       say "stalls $shape: $(grep -E 'stalled_' "$OUT/ncu_stalls_$shape.txt" | awk '{print $1, $NF}' | sort -k2 -g -r | head -n 8 |
