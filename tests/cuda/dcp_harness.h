@@ -44,7 +44,7 @@ void poison_on(const DeviceBuffer<T>& b, cudaStream_t s) {
 
 // Eager module loading and a hardware queue per stream for the tests (set before the first
 // CUDA call; the environment wins). The library preloads its kernels itself (DcpStep), and
-// the `lazy` group of scripts/device.sh dcp runs with CUDA_MODULE_LOADING=LAZY to check that.
+// the CTest test dcp_lazy_module_loading runs with CUDA_MODULE_LOADING=LAZY to check that.
 inline const bool kCudaTestEnv = [] {
   setenv("CUDA_MODULE_LOADING", "EAGER", 0);
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
