@@ -9,7 +9,9 @@
 // time on the host (launch + sync included). A table on stdout and, with --json, the rows
 // and their metadata (bench/results_json.h). `dcpmla_bench --help` lists the options.
 // --sweep also times every other kernel variant (AttentionTuning) at each shape and gives
-// its rel L2 against the default variant's output, "variant:us(relL2)".
+// its rel L2 against the default variant's output, "variant:us(relL2)". --trace records, for
+// one more call of each shape, every CTA's start and end on the GPU's global timer
+// (AttentionParams::trace) and summarises where the call's time goes.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -222,13 +224,67 @@ struct Shape {
   int world = 1, rank = 0;
 };
 
+// One traced call (--trace), µs from the first attention CTA's start: when the last attention
+// CTA started (the launch's spread), when the attention CTAs ended (10th, 50th percentile,
+// last), a CTA's median time, and the combine's first start (after its wait) and last end
+// (none when the plan cut nothing). timer_step_us: the smallest step between two distinct
+// stamps (the global timer's resolution bounds every figure).
+struct Trace {
+  int attention_ctas = 0, combine_ctas = 0;
+  double last_start = 0, end_p10 = 0, end_p50 = 0, end_last = 0, cta_p50 = 0;
+  double combine_first_start = 0, combine_last_end = 0, timer_step_us = 0;
+};
+
 struct Row {
   Shape s;
   std::string route, variant, sweep;
   int work_items = 0, cut_requests = 0;
   double us = 0, graph_us = 0, sync_us = 0, kv_GBps = 0, tflops = 0, base_us = 0, check = -1;
   double kv_bytes = 0, flops = 0;
+  std::optional<Trace> trace;
 };
+
+// The summary of one traced call's stamps (kTraceEntries, 0 = not written).
+Trace summarise_trace(const std::vector<uint64_t>& t) {
+  std::vector<uint64_t> starts, ends, busy, cstarts, cends, all;
+  for (int b = 0; b < kTraceCtas; ++b) {
+    if (t[size_t(2 * b)] != 0 && t[size_t(2 * b + 1)] != 0) {
+      starts.push_back(t[size_t(2 * b)]);
+      ends.push_back(t[size_t(2 * b + 1)]);
+      busy.push_back(t[size_t(2 * b + 1)] - t[size_t(2 * b)]);
+    }
+    if (t[size_t(kTraceCombine + 2 * b)] != 0 && t[size_t(kTraceCombine + 2 * b + 1)] != 0) {
+      cstarts.push_back(t[size_t(kTraceCombine + 2 * b)]);
+      cends.push_back(t[size_t(kTraceCombine + 2 * b + 1)]);
+    }
+  }
+  Trace r;
+  r.attention_ctas = int(starts.size());
+  r.combine_ctas = int(cstarts.size());
+  if (starts.empty()) return r;
+  std::sort(ends.begin(), ends.end());
+  std::sort(busy.begin(), busy.end());
+  const uint64_t t0 = *std::min_element(starts.begin(), starts.end());
+  const auto us = [&](uint64_t v) { return double(v - t0) * 1e-3; };
+  const auto at = [](const std::vector<uint64_t>& v, double q) { return v[size_t(q * double(v.size() - 1))]; };
+  r.last_start = us(*std::max_element(starts.begin(), starts.end()));
+  r.end_p10 = us(at(ends, 0.1));
+  r.end_p50 = us(at(ends, 0.5));
+  r.end_last = us(ends.back());
+  r.cta_p50 = double(at(busy, 0.5)) * 1e-3;
+  if (!cstarts.empty()) {
+    r.combine_first_start = us(*std::min_element(cstarts.begin(), cstarts.end()));
+    r.combine_last_end = us(*std::max_element(cends.begin(), cends.end()));
+  }
+  all = starts;
+  all.insert(all.end(), ends.begin(), ends.end());
+  std::sort(all.begin(), all.end());
+  uint64_t step = 0;
+  for (size_t i = 1; i < all.size(); ++i)
+    if (all[i] != all[i - 1] && (step == 0 || all[i] - all[i - 1] < step)) step = all[i] - all[i - 1];
+  r.timer_step_us = double(step) * 1e-3;
+  return r;
+}
 
 double copy_GBps = 0, gemm_TFLOPs = 0;
 
@@ -285,8 +341,8 @@ bool same_variant(const cuda::AttentionVariant& a, const cuda::AttentionVariant&
          a.ctas_per_sm == b.ctas_per_sm;
 }
 
-Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, const std::optional<ScheduleCost>& cost,
-              cublasHandle_t blas) {
+Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, bool trace,
+              const std::optional<ScheduleCost>& cost, cublasHandle_t blas) {
   Row row;
   row.s = s;
   const Mode mode = s.qlen == 1 ? Mode::decode : Mode::verify;
@@ -428,6 +484,24 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, const std::op
                     plan_note.c_str(), vms * 1e3, den > 0 ? std::sqrt(num / den) : std::sqrt(num));
       row.sweep += buf;
     }
+  }
+
+  if (trace) {
+    // The default variant on the same plan (the free function: its combine launches for every
+    // plan and, when nothing was cut, exits before its stamps), after a call on the same cache.
+    uint64_t* stamps;
+    ck(cudaMalloc(&stamps, kTraceEntries * sizeof(uint64_t)), "malloc trace");
+    ck(cudaMemsetAsync(stamps, 0, kTraceEntries * sizeof(uint64_t), st), "memset trace");
+    AttentionParams tp = p;
+    tp.kv = caches[0];
+    call(0);
+    tp.trace = stamps;
+    cuda::attention(tp, st, sms);
+    ck(cudaStreamSynchronize(st), "traced call");
+    std::vector<uint64_t> host(kTraceEntries);
+    ck(cudaMemcpy(host.data(), stamps, kTraceEntries * sizeof(uint64_t), cudaMemcpyDeviceToHost), "d2h trace");
+    cudaFree(stamps);
+    row.trace = summarise_trace(host);
   }
 
   // Bytes: every local token once; flops: 2 rows x (D + R) per (row, local key).
@@ -575,7 +649,7 @@ std::vector<Shape> serving_shapes() {
 int main(int argc, char** argv) {
   std::string json_path;
   int runs = 30;
-  bool quick = false, no_baseline = false, sweep = false, no_ceilings = false, serving = false;
+  bool quick = false, no_baseline = false, sweep = false, no_ceilings = false, serving = false, trace = false;
   std::vector<std::string> only;
   std::vector<double> schedule;
   CLI::App app{"dcpmla_bench: the copy and GEMM ceilings, a plain baseline (gather + cuBLAS + softmax) and\n"
@@ -592,6 +666,7 @@ int main(int argc, char** argv) {
   app.add_flag("--no-baseline", no_baseline, "Skip the baseline (its columns are null in the JSON)");
   app.add_flag("--sweep", sweep, "Also time every other kernel variant at each shape (on the default variant's plan; @plan<rows> marks a variant with other rows per CTA)");
   app.add_flag("--no-ceilings", no_ceilings, "Skip the ceilings (the ratios to them are null in the JSON)");
+  app.add_flag("--trace", trace, "Also trace one more call of each shape: every CTA's start and end on the GPU's global timer, summarised (the JSON's \"trace\"; the mma.sync reference kernel does not stamp)");
   app.add_option("--only", only, "Run only these shapes (comma-separated names)")->delimiter(',');
   app.add_option("--schedule", schedule, "The schedule's cost model: piece,cut,slack (ScheduleCost; default: each kernel's calibration, calibrated_schedule_cost)")
       ->delimiter(',')
@@ -654,11 +729,18 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   for (const Shape& s : shapes) {
     if (!wanted(s.name)) continue;
-    rows.push_back(run_shape(s, runs, baseline, sweep, cost, blas));
+    rows.push_back(run_shape(s, runs, baseline, sweep, trace, cost, blas));
     const Row& r = rows.back();
     std::fprintf(stderr, "  %-32s %9.1f us (graph %.1f, sync %.1f)  %7.0f GB/s  %6.1f TFLOP/s  route %s (%d cut)  %s  [%s]\n",
                  s.name.c_str(), r.us, r.graph_us, r.sync_us, r.kv_GBps, r.tflops, r.route.c_str(), r.cut_requests,
                  r.variant.c_str(), r.sweep.c_str());
+    if (r.trace)
+      std::fprintf(stderr,
+                   "    trace: %d CTAs, last start %.1f us, ends p10 %.1f p50 %.1f last %.1f (a CTA %.1f); combine %d "
+                   "CTAs %.1f..%.1f us; timer step %.3f us\n",
+                   r.trace->attention_ctas, r.trace->last_start, r.trace->end_p10, r.trace->end_p50, r.trace->end_last,
+                   r.trace->cta_p50, r.trace->combine_ctas, r.trace->combine_first_start, r.trace->combine_last_end,
+                   r.trace->timer_step_us);
   }
   cublasDestroy(blas);
 
@@ -692,7 +774,18 @@ int main(int argc, char** argv) {
                          {"rel_l2_vs_baseline", measured(base, r.check)},
                          {"copy_GBps", measured(copy_GBps > 0, copy_GBps)},
                          {"gemm_TFLOPs", measured(gemm_TFLOPs > 0, gemm_TFLOPs)},
-                         {"sweep_us", r.sweep}});
+                         {"sweep_us", r.sweep},
+                         {"trace", r.trace ? nlohmann::json{{"attention_ctas", r.trace->attention_ctas},
+                                                            {"last_start_us", r.trace->last_start},
+                                                            {"end_p10_us", r.trace->end_p10},
+                                                            {"end_p50_us", r.trace->end_p50},
+                                                            {"end_last_us", r.trace->end_last},
+                                                            {"cta_p50_us", r.trace->cta_p50},
+                                                            {"combine_ctas", r.trace->combine_ctas},
+                                                            {"combine_first_start_us", r.trace->combine_first_start},
+                                                            {"combine_last_end_us", r.trace->combine_last_end},
+                                                            {"timer_step_us", r.trace->timer_step_us}}
+                                           : nlohmann::json(nullptr)}});
   }
   if (!json_path.empty()) {
     try {

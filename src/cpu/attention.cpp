@@ -136,7 +136,7 @@ AttentionParams attention_params(const PlannerConfig& c, const bf16* q, const ui
   const int64_t parts = int64_t(plan.work_capacity) * plan.max_qlen * c.heads;
   return AttentionParams{q,   kv,   c.kv_dtype, kv_scale.value, kv_scale.device, softmax_scale, c.heads,
                          c.dims.dim(), R, plan, out, lse, workspace, workspace + parts * R,
-                         workspace + parts * (R + 1)};
+                         workspace + parts * (R + 1), nullptr};
 }
 
 void attention_cpu(const AttentionParams& p) {

@@ -9,7 +9,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -173,15 +175,57 @@ inline cuda::AttentionTuning test_tuning() {
 
 // Runs one scenario on both backends and returns the comparison; `cache_ok` says whether
 // the KV write kernel produced the CPU's cache bytes exactly.
+// A traced call (AttentionParams::trace) beside the plain one: its output, bit for bit, and
+// its stamps: attention CTAs 0 .. n - 1 stamped, each end at or after its start, the rest
+// untouched; the combine's CTAs stamped only when the plan cut a request, each after the
+// first attention CTA started.
+struct TraceCheck {
+  bool same_output = true, stamps_ok = true;
+  int attention_ctas = 0, combine_ctas = 0;
+  std::string problem;
+};
+
 struct ScenarioResult {
   Comparison cmp;
   bool cache_ok = true;
   int64_t cache_mismatch = 0;
   bool plan_ok = true;
   Route route = Route::automatic;
+  std::optional<TraceCheck> trace;
 };
 
-inline ScenarioResult run_scenario(const Scenario& s) {
+inline TraceCheck check_trace(const std::vector<uint64_t>& t, bool cut, bool attention_stamps) {
+  TraceCheck c;
+  auto fail = [&](const std::string& what) {
+    if (c.stamps_ok) c.problem = what;
+    c.stamps_ok = false;
+  };
+  uint64_t first = 0;
+  for (int b = 0; b < kTraceCtas; ++b) {
+    const uint64_t start = t[size_t(2 * b)], end = t[size_t(2 * b + 1)];
+    if (start == 0 && end == 0) continue;
+    if (b != c.attention_ctas) fail("attention CTA " + std::to_string(b) + " stamped after a gap");
+    if (start == 0 || end < start) fail("attention CTA " + std::to_string(b) + ": start/end out of order");
+    first = c.attention_ctas == 0 ? start : std::min(first, start);
+    ++c.attention_ctas;
+  }
+  for (int b = 0; b < kTraceCtas; ++b) {
+    const uint64_t start = t[size_t(kTraceCombine + 2 * b)], end = t[size_t(kTraceCombine + 2 * b + 1)];
+    if (start == 0 && end == 0) continue;
+    if (start == 0 || end < start || start < first)
+      fail("combine CTA " + std::to_string(b) + ": start/end out of order or before the attention");
+    ++c.combine_ctas;
+  }
+  if (attention_stamps != (c.attention_ctas > 0))
+    fail(std::string("attention CTAs stamped: ") + std::to_string(c.attention_ctas) +
+         (attention_stamps ? ", expected some" : ", expected none (the mma.sync kernel)"));
+  if (cut != (c.combine_ctas > 0))
+    fail(std::string("combine CTAs stamped: ") + std::to_string(c.combine_ctas) + (cut ? ", but the plan cut" : ", but nothing was cut"));
+  return c;
+}
+
+// trace: also run the call traced (the mma.sync reference kernel stamps nothing).
+inline ScenarioResult run_scenario(const Scenario& s, bool trace = false) {
   const int batch = int(s.lens.size());
   int64_t total = 0, max_local = 1;
   const Layout group{s.world, 0, s.interleave};
@@ -249,6 +293,24 @@ inline ScenarioResult run_scenario(const Scenario& s) {
     gpu.run(q.get(), cache.view, KvScale{s.kv_scale}, out.get(), lse.get(), stream);
     cuda_ok(cudaStreamSynchronize(stream), "attend");
     res.cmp = compare_rows(out.download(), lse.download(), ref_out, ref_lse, 512, s.qlen, s.heads);
+    if (trace) {
+      DeviceBuffer<uint64_t> stamps(std::vector<uint64_t>(kTraceEntries, 0));
+      DeviceBuffer<bf16> out2(rows * 512);
+      DeviceBuffer<float> lse2(rows);
+      out2.poison();
+      lse2.poison();
+      AttentionParams tp = gpu.params(q.get(), cache.view, KvScale{s.kv_scale}, out2.get(), lse2.get());
+      tp.trace = stamps.get();
+      cuda::attention(tp, stream, 0, true, test_tuning());
+      cuda_ok(cudaStreamSynchronize(stream), "traced call");
+      const bool stamping = cuda::attention_variant(gpu.planner().config().limits.max_qlen, s.heads, s.dtype,
+                                                    test_tuning()).kernel != 1;
+      res.trace = check_trace(stamps.download(), gpu.current_plan().header().split_requests > 0, stamping);
+      const auto o1 = out.download(), o2 = out2.download();
+      const auto l1 = lse.download(), l2 = lse2.download();
+      res.trace->same_output = std::memcmp(o1.data(), o2.data(), o1.size() * sizeof(bf16)) == 0 &&
+                               std::memcmp(l1.data(), l2.data(), l1.size() * sizeof(float)) == 0;
+    }
   }
   cudaStreamDestroy(stream);
   return res;

@@ -146,5 +146,25 @@ TEST_P(CudaAttention, MatchesCpuKernel) {
 INSTANTIATE_TEST_SUITE_P(Scenarios, CudaAttention, ::testing::ValuesIn(scenarios()),
                          [](const ::testing::TestParamInfo<Scenario>& info) { return info.param.name; });
 
+// The diagnostics stamps (AttentionParams::trace, the bench's --trace) on cut and uncut plans
+// of every default kernel: each CTA stamped in order, the combine only where a request was
+// cut, and the traced call's output bit for bit the plain one's.
+TEST(CudaTrace, StampsEveryCtaAndChangesNothing) {
+  DCPMLA_REQUIRE_GPU();
+  int traced = 0;
+  for (const Scenario& s : scenarios()) {
+    if (s.name != "ragged_verify_bf16" && s.name != "long_split_e5m2" && s.name != "heads128_decode_e4m3" &&
+        s.name != "heads5_verify" && s.name != "heads40_qlen2_two_groups" && s.name != "decode_batch40_split")
+      continue;
+    const ScenarioResult r = run_scenario(s, true);
+    ASSERT_TRUE(r.trace.has_value());
+    EXPECT_EQ(r.cmp.bad_rows, 0) << s.describe();
+    EXPECT_TRUE(r.trace->same_output) << s.describe() << ": the traced call's output differs";
+    EXPECT_TRUE(r.trace->stamps_ok) << s.describe() << " (route " << to_string(r.route) << "): " << r.trace->problem;
+    ++traced;
+  }
+  EXPECT_EQ(traced, 6);
+}
+
 }  // namespace
 }  // namespace dcpmla::testing

@@ -61,6 +61,8 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineCtasPerSm)
   // Launched early (launch_split_merge): the attention grid's partials are complete and
   // visible only after this.
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  const bool stamps = threadIdx.x == 0 && blockIdx.x < unsigned(kTraceCtas);
+  if (stamps) trace_stamp(p.trace, kTraceCombine + 2 * int(blockIdx.x));
   const float kNegInf = neg_inf();
   using Scan = cub::BlockScan<int, kCombineThreads>;
   __shared__ typename Scan::TempStorage scan;
@@ -186,6 +188,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineCtasPerSm)
     dealt = (dealt + total) % grid;
     __syncthreads();  // req and scan are rewritten for the next requests
   }
+  if (stamps) trace_stamp(p.trace, kTraceCombine + 2 * int(blockIdx.x) + 1);
 }
 
 // A programmatic dependent launch behind the attention kernel (the stream's previous kernel):

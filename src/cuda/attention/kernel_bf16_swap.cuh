@@ -120,6 +120,7 @@ __global__ void __launch_bounds__(Bf16SwapConfig<M>::THREADS, 1)
   }
   __syncthreads();
 
+  if (tid == 0) trace_cta(p, false);
   const PlanScalars ps = plan_scalars<M>(p);
   if (tid < 128) {
     // Unit k's Q rows (zero past the unit's rows) and row lengths into buffer k % 2, once the
@@ -311,6 +312,7 @@ __global__ void __launch_bounds__(Bf16SwapConfig<M>::THREADS, 1)
     }
     wg_sync();  // l is reused by the next unit
   }
+  if (tid == 128) trace_cta(p, true);  // the first consumer thread, after its last unit
 }
 
 template <int M>

@@ -145,6 +145,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
   }
   __syncthreads();
 
+  if (tid == 0) trace_cta(p, false);
   const PlanScalars ps = plan_scalars<M>(p);
 
   // Tiles are numbered across the CTA's units (gt): tile gt sits in stage gt % STAGES, its
@@ -572,6 +573,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
     else merge_and_store();
     consumers_sync();  // sQ, sO1, sL, sM1 are reused by the next unit
   }
+  if (tid == 128) trace_cta(p, true);  // the first consumer thread, after its last unit
 }
 
 template <bool E5M2, int M>

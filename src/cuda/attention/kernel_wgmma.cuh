@@ -199,6 +199,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
   }
   __syncthreads();
 
+  if (tid == 0) trace_cta(p, false);
   const PlanScalars ps = plan_scalars<M>(p);
   if (wg == 2) {
     setmaxnreg_dec<C::PRODUCER_REGS>();
@@ -420,6 +421,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
     gbase += uint32_t(ntiles);
     consumers_sync();  // shared memory is reused by the next unit
   }
+  if (tid == 128) trace_cta(p, true);  // the first consumer thread, after its last unit
 }
 
 template <bool FP8>

@@ -32,6 +32,12 @@ struct PlanScalars {
   int groups, chunks;
 };
 
+// Diagnostics (AttentionParams::trace): attention CTA b's start (end = false) or end; one
+// thread of the CTA stamps.
+__device__ __forceinline__ void trace_cta(const AttentionParams& p, bool end) {
+  if (blockIdx.x < unsigned(kTraceCtas)) trace_stamp(p.trace, 2 * int(blockIdx.x) + int(end));
+}
+
 template <int M>
 __device__ __forceinline__ PlanScalars plan_scalars(const AttentionParams& p) {
   const PlanHeader hdr = *p.plan.header;

@@ -19,6 +19,19 @@ inline constexpr float kLn2 = 0.6931471805599453f;
 // -inf (the max of an empty row, the lse of a row with no key).
 __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
 
+// The GPU's global timer (ns), the same on every SM.
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Diagnostics (AttentionParams::trace): the global timer into trace[slot], where the caller
+// asked for it (trace not null).
+__device__ __forceinline__ void trace_stamp(uint64_t* trace, int slot) {
+  if (trace != nullptr) trace[slot] = global_ns();
+}
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return uint32_t(__cvta_generic_to_shared(p));
 }

@@ -16,11 +16,6 @@ __device__ __forceinline__ bf16 to_bf16(float x) {
   const __nv_bfloat16 h = __float2bfloat16_rn(x);
   return *reinterpret_cast<const bf16*>(&h);
 }
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 int grid_for(int64_t items, int per_block, int cap = 8192) {
   return int(std::max<int64_t>(1, std::min<int64_t>((items + per_block - 1) / per_block, cap)));
