@@ -446,15 +446,9 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
         wgmma_fence();
 #pragma unroll
         for (int bb = 0; bb < NBB; ++bb) {
-          if constexpr (C::SPLIT) {
-            if (s == 0) wgmma_m64n32k32_fp8_rs<E5M2, false>(ot[bb], va[bb], dph.at());
-            else wgmma_m64n32k32_fp8_rs<E5M2, true>(ot[bb], va[bb], dph.at(32));
-            wgmma_m64n32k32_fp8_rs<E5M2, true>(ot[bb], va[bb], dpl.at(32 * s));
-          } else {
-            if (s == 0) wgmma_m64n16k32_fp8_rs<E5M2, false>(ot[bb], va[bb], dph.at());
-            else wgmma_m64n16k32_fp8_rs<E5M2, true>(ot[bb], va[bb], dph.at(32));
-            wgmma_m64n16k32_fp8_rs<E5M2, true>(ot[bb], va[bb], dpl.at(32 * s));
-          }
+          if (s == 0) wgmma_m64k32_fp8_rs<M, E5M2, false>(ot[bb], va[bb], dph.at());
+          else wgmma_m64k32_fp8_rs<M, E5M2, true>(ot[bb], va[bb], dph.at(32));
+          wgmma_m64k32_fp8_rs<M, E5M2, true>(ot[bb], va[bb], dpl.at(32 * s));
         }
         wgmma_commit();
         wgmma_wait<0>();

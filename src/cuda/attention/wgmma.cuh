@@ -120,9 +120,9 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 // MN-major (M contiguous). scale_d = 0: D = A B (the accumulators' old values are ignored).
 
 // The accumulator operands of m64n16 / n32 / n64 / n128 / n256 wgmma (8, 16, 32, 64, 128 per
-// thread): %0..%N-1
-// in the instruction text and the matching read-write register constraints, each list the
-// previous one extended.
+// thread): %0..%N-1 in the instruction text, and the register operands with constraint C
+// ("+f" to accumulate, "=f" where D = A B only writes them), each list the previous one
+// extended.
 #define DCPMLA_WGMMA_D8_TEXT "%0, %1, %2, %3, %4, %5, %6, %7"
 #define DCPMLA_WGMMA_D16_TEXT DCPMLA_WGMMA_D8_TEXT ", %8, %9, %10, %11, %12, %13, %14, %15"
 #define DCPMLA_WGMMA_D32_TEXT DCPMLA_WGMMA_D16_TEXT "," \
@@ -135,27 +135,27 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95," \
   "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111," \
   "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-#define DCPMLA_WGMMA_D8_OPERANDS(d) \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-#define DCPMLA_WGMMA_D16_OPERANDS(d) DCPMLA_WGMMA_D8_OPERANDS(d), \
-  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-#define DCPMLA_WGMMA_D32_OPERANDS(d) DCPMLA_WGMMA_D16_OPERANDS(d), \
-  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-#define DCPMLA_WGMMA_D64_OPERANDS(d) DCPMLA_WGMMA_D32_OPERANDS(d), \
-  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-#define DCPMLA_WGMMA_D128_OPERANDS(d) DCPMLA_WGMMA_D64_OPERANDS(d), \
-  "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
-  "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
-  "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
-  "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
-  "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
-  "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
-  "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
-  "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+#define DCPMLA_WGMMA_D8(C, d) \
+  C(d[0]), C(d[1]), C(d[2]), C(d[3]), C(d[4]), C(d[5]), C(d[6]), C(d[7])
+#define DCPMLA_WGMMA_D16(C, d) DCPMLA_WGMMA_D8(C, d), \
+  C(d[8]), C(d[9]), C(d[10]), C(d[11]), C(d[12]), C(d[13]), C(d[14]), C(d[15])
+#define DCPMLA_WGMMA_D32(C, d) DCPMLA_WGMMA_D16(C, d), \
+  C(d[16]), C(d[17]), C(d[18]), C(d[19]), C(d[20]), C(d[21]), C(d[22]), C(d[23]), \
+  C(d[24]), C(d[25]), C(d[26]), C(d[27]), C(d[28]), C(d[29]), C(d[30]), C(d[31])
+#define DCPMLA_WGMMA_D64(C, d) DCPMLA_WGMMA_D32(C, d), \
+  C(d[32]), C(d[33]), C(d[34]), C(d[35]), C(d[36]), C(d[37]), C(d[38]), C(d[39]), \
+  C(d[40]), C(d[41]), C(d[42]), C(d[43]), C(d[44]), C(d[45]), C(d[46]), C(d[47]), \
+  C(d[48]), C(d[49]), C(d[50]), C(d[51]), C(d[52]), C(d[53]), C(d[54]), C(d[55]), \
+  C(d[56]), C(d[57]), C(d[58]), C(d[59]), C(d[60]), C(d[61]), C(d[62]), C(d[63])
+#define DCPMLA_WGMMA_D128(C, d) DCPMLA_WGMMA_D64(C, d), \
+  C(d[64]), C(d[65]), C(d[66]), C(d[67]), C(d[68]), C(d[69]), C(d[70]), C(d[71]), \
+  C(d[72]), C(d[73]), C(d[74]), C(d[75]), C(d[76]), C(d[77]), C(d[78]), C(d[79]), \
+  C(d[80]), C(d[81]), C(d[82]), C(d[83]), C(d[84]), C(d[85]), C(d[86]), C(d[87]), \
+  C(d[88]), C(d[89]), C(d[90]), C(d[91]), C(d[92]), C(d[93]), C(d[94]), C(d[95]), \
+  C(d[96]), C(d[97]), C(d[98]), C(d[99]), C(d[100]), C(d[101]), C(d[102]), C(d[103]), \
+  C(d[104]), C(d[105]), C(d[106]), C(d[107]), C(d[108]), C(d[109]), C(d[110]), C(d[111]), \
+  C(d[112]), C(d[113]), C(d[114]), C(d[115]), C(d[116]), C(d[117]), C(d[118]), C(d[119]), \
+  C(d[120]), C(d[121]), C(d[122]), C(d[123]), C(d[124]), C(d[125]), C(d[126]), C(d[127])
 
 // The _ss (A and B from shared memory) and _rs (A from registers) forms of m64nNk16 with
 // NACC = N / 2 accumulators per thread; the operand numbers after the accumulators are
@@ -167,7 +167,7 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_SCALE ", 0;\n"                                              \
                  "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" DCPMLA_WGMMA_D##NACC##_TEXT "}, " SS_OPS \
                  ";\n}\n"                                                                                          \
-                 : DCPMLA_WGMMA_D##NACC##_OPERANDS(d)                                                              \
+                 : DCPMLA_WGMMA_D##NACC("+f", d)                                                              \
                  : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));                            \
   }                                                                                                                \
   template <int TRANS_B>                                                                                           \
@@ -176,7 +176,7 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " RS_SCALE ", 0;\n"                                              \
                  "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" DCPMLA_WGMMA_D##NACC##_TEXT "}, " RS_OPS \
                  ";\n}\n"                                                                                          \
-                 : DCPMLA_WGMMA_D##NACC##_OPERANDS(d)                                                              \
+                 : DCPMLA_WGMMA_D##NACC("+f", d)                                                              \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));           \
   }
 
@@ -195,70 +195,58 @@ DCPMLA_WGMMA_BF16_FORMS(256, 128, "%128, %129, p, 1, 1, %132, %131", "%130",
 // D as above: d[4 j + 0, 1] = D[16 w + g][8 j + 2 c + 0, 1], d[4 j + 2, 3] = D[16 w + g + 8][same].
 // ACC = false: D = A B, the accumulators written only (no zeroing before a chain's first
 // step); ACC = true: D += A B.
-#define DCPMLA_WGMMA_D8(C, d) C(d[0]), C(d[1]), C(d[2]), C(d[3]), C(d[4]), C(d[5]), C(d[6]), C(d[7])
-#define DCPMLA_WGMMA_D16(C, d) \
-  DCPMLA_WGMMA_D8(C, d), C(d[8]), C(d[9]), C(d[10]), C(d[11]), C(d[12]), C(d[13]), C(d[14]), C(d[15])
-#define DCPMLA_WGMMA_FP8_SS_N32(ATYPE, C)                                                                 \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                \
-               "wgmma.mma_async.sync.aligned.m64n32k32.f32." ATYPE ".e4m3 "                                 \
-               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n" \
-               : DCPMLA_WGMMA_D16(C, d)                                                                    \
-               : "l"(desc_a), "l"(desc_b), "r"(int(ACC)))
-#define DCPMLA_WGMMA_FP8_RS_N16(ATYPE, C)                                                                 \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                                                \
-               "wgmma.mma_async.sync.aligned.m64n16k32.f32." ATYPE ".e4m3 "                                 \
-               "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"                   \
-               : DCPMLA_WGMMA_D8(C, d)                                                                     \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(ACC)))
-
-#define DCPMLA_WGMMA_FP8_RS_N32(ATYPE, C)                                                                 \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                                \
-               "wgmma.mma_async.sync.aligned.m64n32k32.f32." ATYPE ".e4m3 "                                 \
-               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "                   \
-               "{%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"                                                    \
-               : DCPMLA_WGMMA_D16(C, d)                                                                    \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(ACC)))
+// One fp8 form in its four instantiations (A e4m3 or e5m2, D written or accumulated): N,
+// NACC = N / 2 accumulators, OPS the operand numbers after them, SCALE the scale-d flag's,
+// then the input operands.
+#define DCPMLA_WGMMA_FP8_ASM(N, NACC, OPS, SCALE, ATYPE, C, ...)                                                   \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\n"                                                 \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32." ATYPE ".e4m3 {" DCPMLA_WGMMA_D##NACC##_TEXT "}, " OPS \
+               ", p, 1, 1;\n}\n"                                                                                   \
+               : DCPMLA_WGMMA_D##NACC(C, d)                                                                       \
+               : __VA_ARGS__)
+#define DCPMLA_WGMMA_FP8_FORM(N, NACC, OPS, SCALE, ...)                                 \
+  if constexpr (A_E5M2 && ACC) DCPMLA_WGMMA_FP8_ASM(N, NACC, OPS, SCALE, "e5m2", "+f", __VA_ARGS__); \
+  else if constexpr (A_E5M2) DCPMLA_WGMMA_FP8_ASM(N, NACC, OPS, SCALE, "e5m2", "=f", __VA_ARGS__);   \
+  else if constexpr (ACC) DCPMLA_WGMMA_FP8_ASM(N, NACC, OPS, SCALE, "e4m3", "+f", __VA_ARGS__);      \
+  else DCPMLA_WGMMA_FP8_ASM(N, NACC, OPS, SCALE, "e4m3", "=f", __VA_ARGS__)
 
 template <bool A_E5M2, bool ACC>
 __device__ __forceinline__ void wgmma_m64n32k32_fp8_ss(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {
-  if constexpr (A_E5M2 && ACC) DCPMLA_WGMMA_FP8_SS_N32("e5m2", "+f");
-  else if constexpr (A_E5M2) DCPMLA_WGMMA_FP8_SS_N32("e5m2", "=f");
-  else if constexpr (ACC) DCPMLA_WGMMA_FP8_SS_N32("e4m3", "+f");
-  else DCPMLA_WGMMA_FP8_SS_N32("e4m3", "=f");
+  DCPMLA_WGMMA_FP8_FORM(32, 16, "%16, %17", "%18", "l"(desc_a), "l"(desc_b), "r"(int(ACC)));
 }
 
 template <bool A_E5M2, bool ACC>
 __device__ __forceinline__ void wgmma_m64n16k32_fp8_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b) {
-  if constexpr (A_E5M2 && ACC) DCPMLA_WGMMA_FP8_RS_N16("e5m2", "+f");
-  else if constexpr (A_E5M2) DCPMLA_WGMMA_FP8_RS_N16("e5m2", "=f");
-  else if constexpr (ACC) DCPMLA_WGMMA_FP8_RS_N16("e4m3", "+f");
-  else DCPMLA_WGMMA_FP8_RS_N16("e4m3", "=f");
+  DCPMLA_WGMMA_FP8_FORM(16, 8, "{%8, %9, %10, %11}, %12", "%13", "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]),
+                        "l"(desc_b), "r"(int(ACC)));
 }
 
 template <bool A_E5M2, bool ACC>
 __device__ __forceinline__ void wgmma_m64n32k32_fp8_rs(float (&d)[16], const uint32_t (&a)[4], uint64_t desc_b) {
-  if constexpr (A_E5M2 && ACC) DCPMLA_WGMMA_FP8_RS_N32("e5m2", "+f");
-  else if constexpr (A_E5M2) DCPMLA_WGMMA_FP8_RS_N32("e5m2", "=f");
-  else if constexpr (ACC) DCPMLA_WGMMA_FP8_RS_N32("e4m3", "+f");
-  else DCPMLA_WGMMA_FP8_RS_N32("e4m3", "=f");
+  DCPMLA_WGMMA_FP8_FORM(32, 16, "{%16, %17, %18, %19}, %20", "%21", "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]),
+                        "l"(desc_b), "r"(int(ACC)));
 }
 
-#undef DCPMLA_WGMMA_D8
-#undef DCPMLA_WGMMA_D16
-#undef DCPMLA_WGMMA_FP8_SS_N32
-#undef DCPMLA_WGMMA_FP8_RS_N16
-#undef DCPMLA_WGMMA_FP8_RS_N32
+// m64nNk32 with A from registers, N = 16 or 32 (the fp8 swap kernel's O^T at its rows per CTA).
+template <int N, bool A_E5M2, bool ACC>
+__device__ __forceinline__ void wgmma_m64k32_fp8_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b) {
+  static_assert(N == 16 || N == 32);
+  if constexpr (N == 16) wgmma_m64n16k32_fp8_rs<A_E5M2, ACC>(d, a, desc_b);
+  else wgmma_m64n32k32_fp8_rs<A_E5M2, ACC>(d, a, desc_b);
+}
 
+#undef DCPMLA_WGMMA_FP8_FORM
+#undef DCPMLA_WGMMA_FP8_ASM
 #undef DCPMLA_WGMMA_BF16_FORMS
 #undef DCPMLA_WGMMA_D8_TEXT
-#undef DCPMLA_WGMMA_D8_OPERANDS
+#undef DCPMLA_WGMMA_D8
 #undef DCPMLA_WGMMA_D16_TEXT
-#undef DCPMLA_WGMMA_D16_OPERANDS
+#undef DCPMLA_WGMMA_D16
 #undef DCPMLA_WGMMA_D32_TEXT
-#undef DCPMLA_WGMMA_D32_OPERANDS
+#undef DCPMLA_WGMMA_D32
 #undef DCPMLA_WGMMA_D64_TEXT
-#undef DCPMLA_WGMMA_D64_OPERANDS
+#undef DCPMLA_WGMMA_D64
 #undef DCPMLA_WGMMA_D128_TEXT
-#undef DCPMLA_WGMMA_D128_OPERANDS
+#undef DCPMLA_WGMMA_D128
 
 }  // namespace dcpmla::cuda_detail
