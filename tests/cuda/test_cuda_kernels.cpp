@@ -374,9 +374,9 @@ TEST(CudaValidation, AttentionRefusesBadBatchesCachesAndRunWithoutPlan) {
 // Which kernel runs where (host-side dispatch, no device needed): the wgmma kernel serves
 // 64-row CTAs of every cache and bf16's 32-row ones (padded to 64), the fp8 swap kernel fp8
 // caches below 64 rows (16- or 32-row CTAs), the bf16 swap kernel bf16's 16-row CTAs, the
-// mma.sync kernel every knob only it has; each can be
-// forced at any shape (the fp8 swap kernel for fp8 caches only, the bf16 swap kernel for bf16
-// ones, in groups of 16 or 32 rows); an unknown kernel is refused.
+// mma.sync kernel every knob only it has; each can be forced at any shape (the fp8 swap
+// kernel for fp8 caches only, the bf16 swap kernel for bf16 ones, in groups of 16 or 32
+// rows); an unknown kernel is refused.
 TEST(CudaValidation, KernelVariantDispatch) {
   using cuda::AttentionTuning;
   for (KvDtype d : {KvDtype::bf16, KvDtype::fp8_e4m3, KvDtype::fp8_e5m2}) {

@@ -54,8 +54,8 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineCtasPerSm)
     split_merge_kernel(const __grid_constant__ AttentionParams p) {
   // The plan was copied before the attention kernel ran (stream order), so its header may be
   // read before the wait: a plan that cut no request exits here, beside the attention grid's
-  // last CTAs, instead of waiting for that grid to complete (a captured graph launches the
-  // combine for every plan).
+  // last CTAs, instead of waiting for that grid to complete (a captured graph holds the
+  // combine wherever the planner may cut, and replays it for plans that cut nothing).
   const PlanHeader hdr = *p.plan.header;
   if (hdr.split_requests == 0) return;
   // Launched early (launch_split_merge): the attention grid's partials are complete and

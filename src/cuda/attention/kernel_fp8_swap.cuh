@@ -3,9 +3,9 @@
 // of a tile are the wgmma's M and the query rows its N (a 16-row CTA on the 64-row kernels
 // computes four times the rows it needs). The cache is never dequantised: K and V enter the
 // tensor cores as stored, kv_scale is folded into the softmax and output scales. Same
-// contract as kernel.cuh: each CTA of a fixed grid runs its chunk of the schedule for one row group,
-// from the device plan; rows with no local key give out = 0, lse = -inf; pieces of cut
-// requests write (o / l, m, l) partials.
+// contract as kernel.cuh: each CTA of a fixed grid runs its chunk of the schedule for one
+// row group, from the device plan; rows with no local key give out = 0, lse = -inf; pieces
+// of cut requests write (o / l, m, l) partials.
 //
 // The bf16 side as fp8, exactly: wgmma takes fp8 for both operands, so Q and P are each
 // split into two e4m3 terms, x = hi + lo with hi = rn(x), lo = rn(x - hi). A bf16 value has
