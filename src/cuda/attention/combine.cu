@@ -11,30 +11,36 @@
 
 namespace dcpmla::cuda_detail {
 
-// The combine of the cut requests' rows (the schedule's partials). An item is a (cut row,
-// slice of kSliceCols columns), run by a group of G warps, G a power of two up to
-// kCombineWarps chosen per cut request from its own piece count: the common two or three
-// pieces get a warp per item (eight warps on one such item waited on each other for nothing:
-// decode128 lost 45 us to that), a request cut into a hundred pieces gets whole CTAs (one CTA
-// per row kept only 64 SMs busy on a 64-row request, each with a few loads in flight against
-// DRAM). A task is one CTA's turn on kCombineWarps / G items of one request; the requests'
-// tasks are dealt to the CTAs round-robin, continuing from one request to the next. Each CTA
-// finds its tasks for kCombineThreads requests at a time with one block-wide scan (a walk over
-// the request list with a 64-bit modulo per request cost about 1 us per cut request).
-// Per item the group's warps take pieces k, k + G, ..., then one reduction in shared memory:
-// M = max m_s, l = sum l_s 2^(m_s - M), o = sum l_s 2^(m_s - M) o_s / l, lse = (M + log2 l) ln 2.
+// The combine of the cut requests' rows (the schedule's partials). An item is one cut row, all
+// kRank columns (lane l holds columns 4 l + 128 j, j < 4: four float4 a piece), run by a group
+// of G warps, G a power of two up to kCombineWarps chosen per cut request from its own piece
+// count: the common two or three pieces get a warp per row, a request cut into a hundred
+// pieces gets whole CTAs. A task is one CTA's turn on kCombineWarps / G rows of one request;
+// the requests' tasks are dealt to the CTAs round-robin, continuing from one request to the
+// next. Each CTA finds its tasks for kCombineThreads requests at a time with one block-wide
+// scan (a walk over the request list with a 64-bit modulo per request cost about 1 us per cut
+// request); the plan is in memory before the attention kernel runs, so the first scan runs
+// before the wait for the partials, beside the attention grid's last CTAs.
+// The combine reads each partial once from L2 and is bound by how many loads are in flight:
+// a warp folds its pieces k, k + G, ... kCombineBatch at a time, all loads of a batch issued
+// before any is used, into a running state (online: M = max m_s, l = sum l_s 2^(m_s - M),
+// acc = sum l_s 2^(m_s - M) o_s, rescaled when M grows), so no load waits for another row
+// statistic; a group's warps then merge their states in shared memory once (one barrier a
+// task, double-buffered), o = acc / l, lse = (M + log2 l) ln 2. (The former form, a warp per
+// 128-column slice that read every m_s first and waited on two barriers per item, kept
+// 18 % of L2's throughput: 9-14 us a combine.)
 // Rows of whole requests were written by the attention kernel and are not touched. Pieces
-// with l_s = 0 hold no key (their o is 0, never NaN: the kernel writes 0 for them); none at
-// all gives o = 0, lse = -inf; a NaN l_s or m_s poisons the row (the CPU merge's rule).
+// with l_s = 0 hold no key and are skipped; none at all gives o = 0, lse = -inf; a NaN l_s
+// or m_s poisons the row (the CPU merge's rule).
 constexpr int kCombineWarps = 8;
 constexpr int kCombineThreads = 32 * kCombineWarps;
-constexpr int kCombineSlices = 4;
-constexpr int kSliceCols = kRank / kCombineSlices;
-static_assert(kSliceCols == 32 * 4, "a warp covers one slice with one float4 per lane");
-constexpr int kPiecesPerWarp = 4;     // a group grows only while each warp keeps this many pieces
-// Four 256-thread CTAs an SM: __launch_bounds__ holds ptxas to 64 registers a thread (no
-// spills at four loads in flight a warp), and the grid is sized to what is resident.
-constexpr int kCombineCtasPerSm = 4;
+constexpr int kCombineVecs = kRank / 128;  // float4 a lane per piece
+static_assert(kCombineVecs * 128 == kRank, "a warp covers a row with kCombineVecs float4 per lane");
+constexpr int kCombineBatch = 4;   // pieces whose loads a warp has in flight at once
+constexpr int kPiecesPerWarp = 4;  // a group grows only while each warp keeps this many pieces
+// Two 256-thread CTAs an SM: __launch_bounds__ holds ptxas to 128 registers a thread (a batch
+// is 64 of them), and the grid is sized to what is resident.
+constexpr int kCombineCtasPerSm = 2;
 
 __device__ __forceinline__ int combine_group_warps(int pieces) {
   int g = 1;
@@ -50,28 +56,77 @@ struct CombineRequests {
   int64_t row0[kCombineThreads];
 };
 
+// One warp's running merge of a row: M, l (the same in every lane) and its columns' acc.
+struct CombineState {
+  float m, l;
+  float4 acc[kCombineVecs];
+};
+
+__device__ __forceinline__ void scale_add(float4& a, float c, float w, const float4& v) {
+  a.x = a.x * c + w * v.x;
+  a.y = a.y * c + w * v.y;
+  a.z = a.z * c + w * v.z;
+  a.w = a.w * c + w * v.w;
+}
+
+// Folds (m_s, l_s, o_s) into st. An empty state (l = 0) or piece (l_s = 0) is skipped by its
+// factor, never rescaled through -inf - -inf; NaN in l_s or m_s reaches l and acc.
+__device__ __forceinline__ void combine_fold(CombineState& st, float ms, float ls, const float4 (&v)[kCombineVecs]) {
+  if (ls == 0.0f) return;
+  const float m = nan_max(st.m, ms);
+  const float c = st.l != 0.0f ? exp2f(st.m - m) : 0.0f;
+  const float w = ls * exp2f(ms - m);
+  st.m = m;
+  st.l = st.l * c + w;
+#pragma unroll
+  for (int j = 0; j < kCombineVecs; ++j) scale_add(st.acc[j], c, w, v[j]);
+}
+
+// A warp's pieces k = gw, gw + G, ... < pieces of row rr, kCombineBatch at a time.
+__device__ __forceinline__ CombineState combine_warp(const AttentionParams& p, int64_t first_slot, int slot_rows,
+                                                     int rr, int pieces, int gw, int group_warps, int lane) {
+  CombineState st{neg_inf(), 0.0f, {}};
+  for (int s0 = gw; s0 < pieces; s0 += kCombineBatch * group_warps) {
+    float ms[kCombineBatch], ls[kCombineBatch];
+    float4 v[kCombineBatch][kCombineVecs];
+#pragma unroll
+    for (int b = 0; b < kCombineBatch; ++b) {
+      const int s = s0 + b * group_warps;
+      ms[b] = 0.0f;
+      ls[b] = 0.0f;
+      if (s < pieces) {
+        const int64_t at = (first_slot + s) * slot_rows + rr;
+        ms[b] = __ldcs(p.part_m + at);
+        ls[b] = __ldcs(p.part_l + at);
+        const float4* o = reinterpret_cast<const float4*>(p.part_o + at * kRank) + lane;
+#pragma unroll
+        for (int j = 0; j < kCombineVecs; ++j) v[b][j] = __ldcs(o + 32 * j);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kCombineBatch; ++b) combine_fold(st, ms[b], ls[b], v[b]);
+  }
+  return st;
+}
+
 __global__ void __launch_bounds__(kCombineThreads, kCombineCtasPerSm)
     split_merge_kernel(const __grid_constant__ AttentionParams p) {
-  // The plan was copied before the attention kernel ran (stream order), so its header may be
-  // read before the wait: a plan that cut no request exits here, beside the attention grid's
-  // last CTAs, instead of waiting for that grid to complete (a captured graph holds the
-  // combine wherever the planner may cut, and replays it for plans that cut nothing).
+  // The plan was copied before the attention kernel ran (stream order), so it may be read
+  // before the wait: a plan that cut no request exits here, beside the attention grid's last
+  // CTAs, instead of waiting for that grid to complete (a captured graph holds the combine
+  // wherever the planner may cut, and replays it for plans that cut nothing).
   const PlanHeader hdr = *p.plan.header;
   if (hdr.split_requests == 0) return;
-  // Launched early (launch_split_merge): the attention grid's partials are complete and
-  // visible only after this.
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
   const bool stamps = threadIdx.x == 0 && blockIdx.x < unsigned(kTraceCtas);
-  if (stamps) trace_stamp(p.trace, kTraceCombine + 2 * int(blockIdx.x));
-  const float kNegInf = neg_inf();
   using Scan = cub::BlockScan<int, kCombineThreads>;
   __shared__ typename Scan::TempStorage scan;
   __shared__ CombineRequests req;
-  __shared__ float4 red[kCombineWarps][32];
-  __shared__ float red_m[kCombineWarps], red_l[kCombineWarps];
-  __shared__ int red_any[kCombineWarps];
+  __shared__ float4 red[2][kCombineWarps][kCombineVecs][32];  // double-buffered: one barrier a task
+  __shared__ float red_m[2][kCombineWarps], red_l[2][kCombineWarps];
+  int buf = 0;
+  bool waited = false;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int slot_rows = hdr.qlen * p.heads, row_items = slot_rows * kCombineSlices;
+  const int slot_rows = hdr.qlen * p.heads;
   const int64_t grid = gridDim.x;
   int64_t dealt = 0;  // tasks of the requests before those in hand, mod grid (the same in every CTA)
   for (int base = 0; base < hdr.split_requests; base += kCombineThreads) {
@@ -81,7 +136,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineCtasPerSm)
       const int first = p.plan.split_slot[i], count = p.plan.split_slot[i + 1] - first;
       const int b = p.plan.split_request[i];
       const int per_task = kCombineWarps / combine_group_warps(count);
-      tasks = (row_items + per_task - 1) / per_task;
+      tasks = (slot_rows + per_task - 1) / per_task;
       req.first[j] = first;
       req.count[j] = count;
       req.rows[j] = (p.plan.q_start[b + 1] - p.plan.q_start[b]) * p.heads;
@@ -102,93 +157,71 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineCtasPerSm)
     }
     __syncthreads();
     const int n_mine = req.n_mine;
+    if (n_mine > 0 && !waited) {
+      // Launched early (launch_split_merge): the attention grid's partials are complete and
+      // visible only after this.
+      asm volatile("griddepcontrol.wait;\n" ::: "memory");
+      waited = true;
+      if (stamps) trace_stamp(p.trace, kTraceCombine + 2 * int(blockIdx.x));
+    }
     for (int k = 0; k < n_mine; ++k) {
       const int r = req.mine[k];
       const int count = req.count[r], rows = req.rows[r];
       const int group_warps = combine_group_warps(count), per_task = kCombineWarps / group_warps;
       const int group = warp / group_warps, gw = warp % group_warps, lead = group * group_warps;
-      // Every warp runs every task (the barriers are the CTA's); an item past the request's
-      // items or on a padding row of a shorter request is a group with no pieces.
+      // Every warp runs every task (the barrier is the CTA's); a row past the request's rows
+      // (a shorter request's padding, or past the last task's) is a group with no pieces.
       for (int t = req.start[r]; t < req.tasks[r]; t += int(grid)) {
-        const int item = t * per_task + group;
-        const int rr = item / kCombineSlices, col = (item % kCombineSlices) * kSliceCols + lane * 4;
-        const bool valid = item < row_items && rr < rows;
-        const int first = req.first[r], pieces = valid ? count : 0;
-        // The row's maximum over every piece holding a key (all lanes of the group), and
-        // whether any does: a NaN l_s (a NaN score; its m_s may be -inf) is not empty and
-        // poisons the row.
-        float m = kNegInf;
-        bool any = false;
-        for (int s = gw * 32 + lane; s < pieces; s += group_warps * 32) {
-          const int64_t at = int64_t(first + s) * slot_rows + rr;
-          if (p.part_l[at] != 0.0f) {
-            any = true;
-            m = nan_max(m, p.part_m[at]);
-          }
-        }
+        const int rr = t * per_task + group;
+        const bool valid = rr < rows;
+        CombineState st = combine_warp(p, req.first[r], slot_rows, rr, valid ? count : 0, gw, group_warps, lane);
+        if (group_warps > 1) {
+          // The group's states, merged by its first warp (the l = 0 guard as in combine_fold).
 #pragma unroll
-        for (int d = 16; d; d >>= 1) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, d));
-        any = __any_sync(0xffffffffu, any);
-        if (lane == 0) {
-          red_m[warp] = m;
-          red_any[warp] = any;
-        }
-        __syncthreads();
-        m = kNegInf;
-        any = false;
-        for (int w = lead; w < lead + group_warps; ++w) {
-          m = nan_max(m, red_m[w]);
-          any = any || red_any[w] != 0;
-        }
-        // This warp's pieces, weighted by l_s 2^(m_s - M) (unnormalised), and their l.
-        float l = 0.0f;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (any) {
-#pragma unroll 4
-          for (int s = gw; s < pieces; s += group_warps) {
-            const int64_t at = int64_t(first + s) * slot_rows + rr;
-            const float ls = p.part_l[at];
-            const float w = ls != 0.0f ? ls * exp2f(p.part_m[at] - m) : 0.0f;
-            l += w;
-            const float4 v = *reinterpret_cast<const float4*>(p.part_o + at * kRank + col);
-            acc.x += w * v.x;
-            acc.y += w * v.y;
-            acc.z += w * v.z;
-            acc.w += w * v.w;
+          for (int v = 0; v < kCombineVecs; ++v) red[buf][warp][v][lane] = st.acc[v];
+          if (lane == 0) {
+            red_m[buf][warp] = st.m;
+            red_l[buf][warp] = st.l;
           }
+          __syncthreads();
+          if (gw == 0) {
+            float m = neg_inf();
+            for (int w = lead; w < lead + group_warps; ++w)
+              if (red_l[buf][w] != 0.0f) m = nan_max(m, red_m[buf][w]);
+            st = CombineState{m, 0.0f, {}};
+            for (int w = lead; w < lead + group_warps; ++w) {
+              const float lw = red_l[buf][w];
+              if (lw == 0.0f) continue;
+              const float c = exp2f(red_m[buf][w] - m);
+              st.l += lw * c;
+#pragma unroll
+              for (int v = 0; v < kCombineVecs; ++v) scale_add(st.acc[v], 1.0f, c, red[buf][w][v][lane]);
+            }
+          }
+          buf ^= 1;  // the next task writes the other buffer; the one after follows its barrier
         }
-        red[warp][lane] = acc;
-        if (lane == 0) red_l[warp] = l;
-        __syncthreads();
         if (valid && gw == 0) {
-          l = 0.0f;
-          float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-          for (int w = lead; w < lead + group_warps; ++w) {
-            l += red_l[w];
-            const float4 u = red[w][lane];
-            v.x += u.x;
-            v.y += u.y;
-            v.z += u.z;
-            v.w += u.w;
-          }
           const int64_t row = req.row0[r] + rr;
           // No piece held a key: o = 0, lse = -inf (l = 0 then, and every acc is 0).
-          const float inv = l != 0.0f ? 1.0f / l : 0.0f;
-          const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x * inv, v.y * inv);
-          const __nv_bfloat162 hi = __floats2bfloat162_rn(v.z * inv, v.w * inv);
-          uint2 o;
-          o.x = *reinterpret_cast<const uint32_t*>(&lo);
-          o.y = *reinterpret_cast<const uint32_t*>(&hi);
-          *reinterpret_cast<uint2*>(p.out + row * kRank + col) = o;
-          if (col == 0) p.lse[row] = l != 0.0f ? (m + log2f(l)) * kLn2 : kNegInf;
+          const float inv = st.l != 0.0f ? 1.0f / st.l : 0.0f;
+#pragma unroll
+          for (int v = 0; v < kCombineVecs; ++v) {
+            const float4 a = st.acc[v];
+            const __nv_bfloat162 lo = __floats2bfloat162_rn(a.x * inv, a.y * inv);
+            const __nv_bfloat162 hi = __floats2bfloat162_rn(a.z * inv, a.w * inv);
+            uint2 o;
+            o.x = *reinterpret_cast<const uint32_t*>(&lo);
+            o.y = *reinterpret_cast<const uint32_t*>(&hi);
+            *reinterpret_cast<uint2*>(p.out + row * kRank + 128 * v + 4 * lane) = o;
+          }
+          if (lane == 0) p.lse[row] = st.l != 0.0f ? (st.m + log2f(st.l)) * kLn2 : neg_inf();
         }
-        __syncthreads();  // red is reused by the next task
       }
     }
     dealt = (dealt + total) % grid;
     __syncthreads();  // req and scan are rewritten for the next requests
   }
-  if (stamps) trace_stamp(p.trace, kTraceCombine + 2 * int(blockIdx.x) + 1);
+  if (stamps && waited) trace_stamp(p.trace, kTraceCombine + 2 * int(blockIdx.x) + 1);
 }
 
 // A programmatic dependent launch behind the attention kernel (the stream's previous kernel):
@@ -197,12 +230,12 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineCtasPerSm)
 // of the launch starting after the grid has completed. Also under graph capture (a
 // programmatic edge). The attention kernels do not trigger earlier: griddepcontrol in their
 // unit loop cost ptxas 25 more registers in the wgmma kernel.
-// The grid follows the capacities (graph-safe): as many CTAs as (row, slice) items of the most
-// rows a plan can cut, up to the resident CTAs of the GPU; a CTA runs a request's tasks of
-// kCombineWarps / G items, and CTAs with no task exit after the request list.
+// The grid follows the capacities (graph-safe): a CTA per row of the most rows a plan can cut,
+// up to the resident CTAs of the GPU; a CTA runs a request's tasks of kCombineWarps / G rows,
+// and CTAs with no task exit after the request list.
 void launch_split_merge(const AttentionParams& p, int64_t max_cut_rows, int num_sms, cudaStream_t stream) {
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(std::min<int64_t>(max_cut_rows * kCombineSlices, int64_t(num_sms) * kCombineCtasPerSm)));
+  cfg.gridDim = dim3(unsigned(std::min<int64_t>(max_cut_rows, int64_t(num_sms) * kCombineCtasPerSm)));
   cfg.blockDim = dim3(kCombineThreads);
   cfg.stream = stream;
   cudaLaunchAttribute early{};
