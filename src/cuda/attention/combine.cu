@@ -225,11 +225,11 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineCtasPerSm)
 }
 
 // A programmatic dependent launch behind the attention kernel (the stream's previous kernel):
-// its launch is processed while the attention kernel runs, and its CTAs start as the
-// attention CTAs exit (the implicit trigger) and wait in the kernel for the partials, instead
-// of the launch starting after the grid has completed. Also under graph capture (a
-// programmatic edge). The attention kernels do not trigger earlier: griddepcontrol in their
-// unit loop cost ptxas 25 more registers in the wgmma kernel.
+// the wgmma and swap kernels trigger it as their CTAs start (cta_start; the mma.sync kernel
+// when its CTAs exit), so its CTAs take the SMs as the attention CTAs leave them and wait in
+// the kernel for the partials, instead of the launch starting after the grid has completed.
+// Also under graph capture (a programmatic edge). The trigger is in the kernels' prologue:
+// griddepcontrol in the unit loop cost ptxas 25 more registers in the wgmma kernel.
 // The grid follows the capacities (graph-safe): a CTA per row of the most rows a plan can cut,
 // up to the resident CTAs of the GPU; a CTA runs a request's tasks of kCombineWarps / G rows,
 // and CTAs with no task exit after the request list.

@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(Bf16SwapConfig<M>::THREADS, 1)
   }
   __syncthreads();
 
-  if (tid == 0) trace_cta(p, false);
+  cta_start(p, tid);
   const PlanScalars ps = plan_scalars<M>(p);
   if (tid < 128) {
     // Unit k's Q rows (zero past the unit's rows) and row lengths into buffer k % 2, once the

@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
   }
   __syncthreads();
 
-  if (tid == 0) trace_cta(p, false);
+  cta_start(p, tid);
   const PlanScalars ps = plan_scalars<M>(p);
 
   // Tiles are numbered across the CTA's units (gt): tile gt sits in stage gt % STAGES, its

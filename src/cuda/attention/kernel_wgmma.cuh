@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
   }
   __syncthreads();
 
-  if (tid == 0) trace_cta(p, false);
+  cta_start(p, tid);
   const PlanScalars ps = plan_scalars<M>(p);
   if (wg == 2) {
     setmaxnreg_dec<C::PRODUCER_REGS>();

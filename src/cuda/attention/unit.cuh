@@ -38,6 +38,15 @@ __device__ __forceinline__ void trace_cta(const AttentionParams& p, bool end) {
   if (blockIdx.x < unsigned(kTraceCtas)) trace_stamp(p.trace, 2 * int(blockIdx.x) + int(end));
 }
 
+// Every attention kernel's first step once its barriers are set up: lets the combine's CTAs
+// launch now (a programmatic dependent launch, launch_split_merge: they take the SMs the
+// attention CTAs leave, read the plan and wait in-kernel for the partials, instead of
+// launching after the last attention CTA has exited), and stamps the CTA's start.
+__device__ __forceinline__ void cta_start(const AttentionParams& p, int tid) {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  if (tid == 0) trace_cta(p, false);
+}
+
 template <int M>
 __device__ __forceinline__ PlanScalars plan_scalars(const AttentionParams& p) {
   const PlanHeader hdr = *p.plan.header;
