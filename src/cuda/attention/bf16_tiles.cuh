@@ -6,8 +6,10 @@
 // tile gt sits in stage gt % 2. A stage is refilled once its consumers have released it
 // (empty[s]: phase n - 1 for its n-th fill), and each producer thread's copies arrive on
 // full[s] as they land (cp.async.mbarrier.arrive.noinc: full[s] expects 128 arrivals).
-// on_unit(u, k) runs at the start of the CTA's k-th unit u, before its tiles are issued (the
-// bf16 swap kernel loads the unit's Q there, one unit ahead of its consumer).
+// on_unit(u, k) runs once the CTA's k-th unit u has its first tile issued (at once when it has
+// none): the kernels load the unit's Q there (produce_unit_q), one unit ahead of their
+// consumers, behind the tile, which the 64-row kernel's single Q buffer would otherwise hold
+// back until the previous unit's last S.
 #pragma once
 
 #include <cstdint>
@@ -24,6 +26,26 @@ namespace dcpmla::cuda_detail {
 inline constexpr int kBf16TileTokens = 64;
 inline constexpr int kBf16TileBytes = kBf16TileTokens * kDim * 2;  // (64, 576) bf16: 72 KiB
 
+// A producer thread's part (t < 128) of unit k's Q rows (zero past the unit's rows; 16-byte
+// chunk ch of row r at q + at(r, ch)) and row lengths (M int32 at len) into buffer k % BUFS
+// (the next buffer q_bytes and 4 M bytes on), once the consumers have released it (unit
+// k - BUFS's: qempty + 8 b), arriving on qfull + 8 b as they land (cp.async.mbarrier.arrive.noinc:
+// qfull expects 128 arrivals). The producers load Q one unit ahead, so that a unit's start
+// waits for no load of the consumers' own.
+template <int M, int BUFS, typename At>
+__device__ __forceinline__ void produce_unit_q(const AttentionParams& p, const UnitSpan& u, uint32_t k, uint32_t q,
+                                               uint32_t q_bytes, uint32_t len, uint32_t qfull, uint32_t qempty, int t,
+                                               At at) {
+  const uint32_t b = k % BUFS, n = k / BUFS;
+  if (n > 0) mbar_wait(qempty + 8 * b, (n - 1) & 1u);
+  load_q_async<M, 128>(p, u, q + b * q_bytes, t, at);
+  if (t < M) {
+    const bool ok = t < u.nr;
+    cp_async_4(len + b * (4 * M) + 4 * t, ok ? u.lens + (u.row0 + t) / p.heads : u.lens, ok ? 4 : 0);
+  }
+  cp_async_mbar_arrive(qfull + 8 * b);
+}
+
 // Thread t (< 128) of the producer warpgroup of CTAs of M rows; ring: stage 0's shared
 // address (stage 1 follows kBf16TileBytes later); full, empty: the mbarriers of stage 0 (stage
 // 1's 8 bytes later). Eight threads per token (chunks lc + 8 m, m < 9: one 128-byte row of each
@@ -37,7 +59,7 @@ __device__ __forceinline__ void stream_bf16_tiles(const AttentionParams& p, cons
   uint32_t gbase = 0, unit = 0;
   for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
     const UnitSpan u = unit_span<M, NT>(p, cur, ps);
-    on_unit(u, unit++);
+    if (u.ntiles == 0) on_unit(u, unit);
     // The sub-pages of this thread's four tokens of tile i (0 past the end: never dereferenced).
     auto subpages = [&](int i, int (&sp)[4]) {
 #pragma unroll
@@ -59,9 +81,11 @@ __device__ __forceinline__ void stream_bf16_tiles(const AttentionParams& p, cons
           cp_async_16(dst + swz128(tok, m, lc, NT * 128), src + (lc + 8 * m) * 16, ok ? 16 : 0);
       }
       cp_async_mbar_arrive(full + 8 * s);
+      if (i == 0) on_unit(u, unit);
       if (i + 1 < u.ntiles) subpages(i + 1, sp);
     }
     gbase += uint32_t(u.ntiles);
+    ++unit;
   }
 }
 

@@ -126,15 +126,8 @@ __global__ void __launch_bounds__(Bf16SwapConfig<M>::THREADS, 1)
     // Unit k's Q rows (zero past the unit's rows) and row lengths into buffer k % 2, once the
     // consumer has released it (unit k - 2's), arriving on qfull as they land.
     auto load_unit = [&](const UnitSpan& u, uint32_t k) {
-      const uint32_t b = k & 1u, n = k >> 1;
-      if (n > 0) mbar_wait(qempty_a + 8 * b, (n - 1) & 1u);
-      load_q_async<M, 128>(p, u, smem_addr(sh.q[b]), t,
+      produce_unit_q<M, 2>(p, u, k, smem_addr(sh.q[0]), sizeof(sh.q[0]), smem_addr(sh.len[0]), qfull_a, qempty_a, t,
                            [](int r, int ch) { return swz128(r, ch >> 3, ch & 7, C::Q_BLOCK); });
-      if (t < M) {
-        const bool ok = t < u.nr;
-        cp_async_4(smem_addr(&sh.len[b][t]), ok ? u.lens + (u.row0 + t) / p.heads : u.lens, ok ? 4 : 0);
-      }
-      cp_async_mbar_arrive(qfull_a + 8 * b);
     };
     stream_bf16_tiles<M>(p, ps, sKV_a, full_a, empty_a, t, load_unit);
     return;

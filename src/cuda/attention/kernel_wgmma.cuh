@@ -18,7 +18,11 @@
 // A third warpgroup, the producer, fills the stages: it waits until both consumers have
 // released a stage ("empty" mbarriers), fills it and arrives on its "full" mbarrier, running
 // ahead across the CTA's units (tiles are numbered across them: tile gt sits in stage gt % 2),
-// so the next unit's first tiles load during this unit's last tiles and epilogue.
+// so the next unit's first tiles load during this unit's last tiles and epilogue. It also
+// loads each unit's Q and row lengths, as soon as WG0 has run the previous unit's last S
+// (the Q buffer is single: two would not fit), so that the load overlaps that unit's last
+// softmax, P V and epilogue instead of following them (bench/NOTES.md, eleventh session: the
+// consumers' own load cost a cut piece about 9 us).
 //   bf16: cp.async straight into the swizzled stage; each producer thread's copies arrive on
 //     the stage's full barrier when they land (stream_bf16_tiles, bf16_tiles.cuh, shared with
 //     the bf16 swap kernel). 40 registers; the consumers take 232.
@@ -86,9 +90,20 @@ enum WgBarrier : int {
 // 0..q, so a part's completion implies the earlier parts'), then "P free": WG1 has consumed
 // P(i) and alpha(i), sP may be rewritten (one arrival per WG1 thread; WG0 waits on it from its
 // own branch, where a named barrier would have to be the slower unaligned barrier.sync), then
-// empty[0], empty[1] ("both consumers are done with stage s"; one arrival per consumer thread).
-// The full barriers take room for the most parts (fp8's).
-enum WgMbarrier : int { kMbarFull = 0, kMbarPFree = 6, kMbarEmpty0 = 7, kMbarEmpty1 = 8, kMbarCount = 9 };
+// empty[0], empty[1] ("both consumers are done with stage s"; one arrival per consumer thread),
+// then "Q full" (the unit's Q and row lengths have landed: one cp.async arrival per producer
+// thread, produce_unit_q) and "Q empty" (WG0 has read the lengths and run the unit's last S:
+// one arrival per WG0 thread; the producer then loads the next unit's Q while WG0 finishes
+// the unit). The full barriers take room for the most parts (fp8's).
+enum WgMbarrier : int {
+  kMbarFull = 0,
+  kMbarPFree = 6,
+  kMbarEmpty0 = 7,
+  kMbarEmpty1 = 8,
+  kMbarQFull = 9,
+  kMbarQEmpty = 10,
+  kMbarCount = 11
+};
 static_assert(kMbarPFree - kMbarFull == WgConfig<true>::STAGES * WgConfig<true>::PARTS &&
               WgConfig<true>::PARTS >= WgConfig<false>::PARTS);
 template <bool FP8>
@@ -113,6 +128,15 @@ inline constexpr int kWgSmemBytes = int(sizeof(WgShared)) + 1024;  // + slack to
 static_assert(kWgSmemBytes <= kSmemPerCta, "wgmma tiles do not fit in shared memory");
 
 
+// The producer's load of unit k's Q and row lengths (produce_unit_q into the one Q buffer).
+__device__ __forceinline__ void wgmma_load_unit_q(const AttentionParams& p, const UnitSpan& u, uint32_t k,
+                                                  WgShared& sh, int t) {
+  constexpr int M = WgShared::C::M;
+  const uint32_t bar_a = smem_addr(sh.bar);
+  produce_unit_q<M, 1>(p, u, k, smem_addr(sh.q), WgShared::C::Q_BYTES, smem_addr(sh.len), bar_a + 8 * kMbarQFull,
+                       bar_a + 8 * kMbarQEmpty, t, [](int r, int ch) { return swz128(r, ch >> 3, ch & 7, M * 128); });
+}
+
 // fp8 producer warpgroup (thread t of 128): streams the raw bytes of each tile into
 // registers one tile ahead (two threads per token, alternating 16-byte chunks of its row),
 // waits until both consumers have released the tile's stage, dequantises into it (exact:
@@ -127,7 +151,7 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
   const uint32_t bar_a = smem_addr(sh.bar);
   const int tk = t >> 1, half = t & 1;
   uint4 raw[kDim / 32];  // this thread's 18 chunks of the next tile
-  uint32_t gbase = 0;
+  uint32_t gbase = 0, unit = 0;
   for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
     const UnitSpan u = unit_span<M, NT>(p, cur, ps);
     // Sub-page of this thread's token of tile i.
@@ -142,6 +166,7 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
         raw[k] = ok ? __ldg(reinterpret_cast<const uint4*>(src + (2 * k + half) * 16)) : make_uint4(0u, 0u, 0u, 0u);
     };
     if (u.ntiles > 0) read(0, subpage(0));
+    else wgmma_load_unit_q(p, u, unit, sh, t);
     int sp_next = subpage(1);
     for (int i = 0; i < u.ntiles; ++i) {
       const uint32_t gt = gbase + uint32_t(i), s = gt & 1u, n = gt >> 1;
@@ -165,8 +190,12 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
         read(i + 1, sp_next);
         sp_next = subpage(i + 2);
       }
+      // The unit's Q behind its first tile (as stream_bf16_tiles' on_unit), the next tile's
+      // bytes in flight meanwhile.
+      if (i == 0) wgmma_load_unit_q(p, u, unit, sh, t);
     }
     gbase += uint32_t(u.ntiles);
+    ++unit;
   }
 }
 
@@ -196,6 +225,8 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
     mbar_init(bar_a + 8 * kMbarPFree, 128);
     mbar_init(bar_a + 8 * kMbarEmpty0, C::CONSUMERS);
     mbar_init(bar_a + 8 * kMbarEmpty1, C::CONSUMERS);
+    mbar_init(bar_a + 8 * kMbarQFull, 128);
+    mbar_init(bar_a + 8 * kMbarQEmpty, 128);
   }
   __syncthreads();
 
@@ -205,7 +236,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
     setmaxnreg_dec<C::PRODUCER_REGS>();
     if constexpr (!FP8)
       stream_bf16_tiles<M>(p, ps, sKV_a, bar_a + 8 * full_bar<false>(0, 0), bar_a + 8 * kMbarEmpty0, t,
-                           [](const UnitSpan&, uint32_t) {});
+                           [&](const UnitSpan& u, uint32_t k) { wgmma_load_unit_q(p, u, k, sh, t); });
     else if (p.kv_dtype == KvDtype::fp8_e5m2) wgmma_fp8_producer<true>(p, ps, sh, t);
     else wgmma_fp8_producer<false>(p, ps, sh, t);
     return;
@@ -236,20 +267,8 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
 
   for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
     const UnitSpan u = unit_span<M, NT>(p, cur, ps);
-    const int row0 = u.row0, nr = u.nr;
+    const int nr = u.nr;
     const int tok_lo = u.tok_lo, tok_hi = u.tok_hi, ntiles = u.ntiles;
-    const int32_t* lens = u.lens;
-    if (tid < M) sLen[tid] = tid < nr ? lens[(row0 + tid) / p.heads] : 0;
-
-    // fp8: an opaque copy of tid, so that the loader's index math stays in the unit loop
-    // (ptxas hoists it into registers the tile loop needs; at fp8's 200 it spills them).
-    int tq = tid;
-    if constexpr (FP8) asm volatile("" : "+r"(tq));
-    load_q_async<M, C::CONSUMERS>(p, u, sQ_a, tq,
-                                  [](int r, int ch) { return swz128(r, ch >> 3, ch & 7, M * 128); });
-    cp_async_wait_all();
-    fence_proxy_async();
-    consumers_sync();  // Q and sLen visible to both warpgroups
 
 #pragma unroll
     for (int k = 0; k < 128; ++k) o[k] = 0.0f;
@@ -258,7 +277,12 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
     // The softmax role (WG0): S, the online softmax, P and alpha to WG1, O[:, 0:256] += P V;
     // then the row statistics for the epilogue.
     auto softmax_role = [&] {
+      // The unit's Q and lengths, loaded by the producer (no proxy fence: cp.async bytes
+      // arrived through the mbarrier). Q is released after the unit's last S.
+      mbar_wait(bar_a + 8 * kMbarQFull, (phase >> kMbarQFull) & 1u);
+      phase ^= 1u << kMbarQFull;
       const int lim0 = min(sLen[r0], tok_hi), lim1 = min(sLen[r1], tok_hi);
+      if (ntiles == 0) mbar_arrive(bar_a + 8 * kMbarQEmpty);
       for (int i = 0; i < ntiles; ++i) {
         const int s = (gbase + i) & 1;
         // No proxy fence after the wait: cp.async bytes, completed through
@@ -291,6 +315,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         }
         wgmma_wait<0>();
         fence_regs(sc);
+        if (i + 1 == ntiles) mbar_arrive(bar_a + 8 * kMbarQEmpty);
 
         // Online softmax, base 2; each row masked at its own local length, in place and only
         // in a tile that reaches past one of this thread's two rows (a unit's last tile, or a
