@@ -11,35 +11,43 @@
 
 namespace dcpmla::cuda_detail {
 
-// The combine of the cut requests' rows (the schedule's partials). An item is one cut row, all
-// kRank columns (lane l holds columns 4 l + 128 j, j < 4: four float4 a piece), run by a group
-// of G warps, G a power of two up to kCombineWarps chosen per cut request from its own piece
-// count: the common two or three pieces get a warp per row, a request cut into a hundred
-// pieces gets whole CTAs. A task is one CTA's turn on kCombineWarps / G rows of one request;
+// The combine of the cut requests' rows (the schedule's partials). An item is one cut row,
+// or for a request cut into more than kSlicePieces pieces one 128-column slice of it (lane l
+// holds columns 4 l + 128 j of the item: V = 4 float4 a piece for a row, 1 for a slice), run
+// by a group of G warps, G a power of two up to kCombineWarps chosen per cut request from its
+// own piece count: the common two or three pieces get a warp per row, a request cut into a
+// hundred pieces (a long request among short ones) gets whole CTAs per slice, four times the
+// warps a row would have. A task is one CTA's turn on kCombineWarps / G items of one request;
 // the requests' tasks are dealt to the CTAs round-robin, continuing from one request to the
 // next. Each CTA finds its tasks for kCombineThreads requests at a time with one block-wide
 // scan (a walk over the request list with a 64-bit modulo per request cost about 1 us per cut
 // request); the plan is in memory before the attention kernel runs, so the first scan runs
 // before the wait for the partials, beside the attention grid's last CTAs.
 // The combine reads each partial once from L2 and is bound by how many loads are in flight:
-// a warp folds its pieces k, k + G, ... kCombineBatch at a time, all loads of a batch issued
-// before any is used, into a running state (online: M = max m_s, l = sum l_s 2^(m_s - M),
-// acc = sum l_s 2^(m_s - M) o_s, rescaled when M grows), so no load waits for another row
-// statistic; a group's warps then merge their states in shared memory once (one barrier a
-// task, double-buffered), o = acc / l, lse = (M + log2 l) ln 2. (The former form, a warp per
-// 128-column slice that read every m_s first and waited on two barriers per item, kept
-// 18 % of L2's throughput: 9-14 us a combine.)
+// a warp folds its pieces k, k + G, ... a batch at a time, all loads of a batch issued before
+// any is used, into a running state (online: M = max m_s, l = sum l_s 2^(m_s - M), acc = sum
+// l_s 2^(m_s - M) o_s, rescaled when M grows), so no load waits for another row statistic; a
+// group's warps then merge their states in shared memory once (one barrier a task,
+// double-buffered), o = acc / l, lse = (M + log2 l) ln 2. (The tenth session's form, a warp
+// per 128-column slice that read every m_s first and waited on two barriers per item, took
+// 6-14 us a combine at 18 % of L2's throughput.)
 // Rows of whole requests were written by the attention kernel and are not touched. Pieces
 // with l_s = 0 hold no key and are skipped; none at all gives o = 0, lse = -inf; a NaN l_s
 // or m_s poisons the row (the CPU merge's rule).
 constexpr int kCombineWarps = 8;
 constexpr int kCombineThreads = 32 * kCombineWarps;
-constexpr int kCombineVecs = kRank / 128;  // float4 a lane per piece
-static_assert(kCombineVecs * 128 == kRank, "a warp covers a row with kCombineVecs float4 per lane");
-constexpr int kCombineBatch = 4;   // pieces whose loads a warp has in flight at once
+constexpr int kRowVecs = kRank / 128;  // float4 a lane per piece of a whole row
+static_assert(kRowVecs * 128 == kRank, "a warp covers a row with kRowVecs float4 per lane");
+// Pieces a warp has in flight per batch: 3 of a row (12 float4 a lane), 4 of a slice (ptxas
+// kept no larger pair within 128 registers: 4 and 4 spilled, as did 2 and 8).
+template <int V>
+inline constexpr int kCombineBatch = V == 1 ? 4 : 3;
 constexpr int kPiecesPerWarp = 4;  // a group grows only while each warp keeps this many pieces
-// Two 256-thread CTAs an SM: __launch_bounds__ holds ptxas to 128 registers a thread (a batch
-// is 64 of them), and the grid is sized to what is resident.
+// Past this many pieces a request's items are slices: its group is already kCombineWarps warps
+// with kPiecesPerWarp pieces each, and only more items add warps.
+constexpr int kSlicePieces = kCombineWarps * kPiecesPerWarp;
+// Two 256-thread CTAs an SM: __launch_bounds__ holds ptxas to 128 registers a thread, and the
+// grid is sized to what is resident.
 constexpr int kCombineCtasPerSm = 2;
 
 __device__ __forceinline__ int combine_group_warps(int pieces) {
@@ -47,6 +55,8 @@ __device__ __forceinline__ int combine_group_warps(int pieces) {
   while (g < kCombineWarps && 2 * g * kPiecesPerWarp <= pieces) g *= 2;
   return g;
 }
+// Items per cut row: 1 (a whole row) or kRowVecs slices.
+__device__ __forceinline__ int combine_slices(int pieces) { return pieces > kSlicePieces ? kRowVecs : 1; }
 
 // The requests in hand: their pieces, rows, first output row and tasks, this CTA's first task
 // in each, and the list of those it has a task in.
@@ -56,10 +66,17 @@ struct CombineRequests {
   int64_t row0[kCombineThreads];
 };
 
-// One warp's running merge of a row: M, l (the same in every lane) and its columns' acc.
+// The group merge's shared memory: each warp's state, double-buffered.
+struct CombineReduce {
+  float4 acc[2][kCombineWarps][kRowVecs][32];
+  float m[2][kCombineWarps], l[2][kCombineWarps];
+};
+
+// One warp's running merge of an item: M, l (the same in every lane) and its columns' acc.
+template <int V>
 struct CombineState {
   float m, l;
-  float4 acc[kCombineVecs];
+  float4 acc[V];
 };
 
 __device__ __forceinline__ void scale_add(float4& a, float c, float w, const float4& v) {
@@ -71,7 +88,8 @@ __device__ __forceinline__ void scale_add(float4& a, float c, float w, const flo
 
 // Folds (m_s, l_s, o_s) into st. An empty state (l = 0) or piece (l_s = 0) is skipped by its
 // factor, never rescaled through -inf - -inf; NaN in l_s or m_s reaches l and acc.
-__device__ __forceinline__ void combine_fold(CombineState& st, float ms, float ls, const float4 (&v)[kCombineVecs]) {
+template <int V>
+__device__ __forceinline__ void combine_fold(CombineState<V>& st, float ms, float ls, const float4 (&v)[V]) {
   if (ls == 0.0f) return;
   const float m = nan_max(st.m, ms);
   const float c = st.l != 0.0f ? exp2f(st.m - m) : 0.0f;
@@ -79,34 +97,81 @@ __device__ __forceinline__ void combine_fold(CombineState& st, float ms, float l
   st.m = m;
   st.l = st.l * c + w;
 #pragma unroll
-  for (int j = 0; j < kCombineVecs; ++j) scale_add(st.acc[j], c, w, v[j]);
+  for (int j = 0; j < V; ++j) scale_add(st.acc[j], c, w, v[j]);
 }
 
-// A warp's pieces k = gw, gw + G, ... < pieces of row rr, kCombineBatch at a time.
-__device__ __forceinline__ CombineState combine_warp(const AttentionParams& p, int64_t first_slot, int slot_rows,
-                                                     int rr, int pieces, int gw, int group_warps, int lane) {
-  CombineState st{neg_inf(), 0.0f, {}};
-  for (int s0 = gw; s0 < pieces; s0 += kCombineBatch * group_warps) {
-    float ms[kCombineBatch], ls[kCombineBatch];
-    float4 v[kCombineBatch][kCombineVecs];
+// One item of a cut request: row rr's columns col0 + 4 lane + 128 j (j < V) over the
+// request's pieces (first_slot on), by the group's warp gw of G; the group's first warp
+// stores the row's output (and, where col0 = 0, its lse) unless the item is not `valid`. The
+// barrier is the CTA's: every warp calls this for every task of a request with G > 1.
+template <int V>
+__device__ __forceinline__ void combine_item(const AttentionParams& p, CombineReduce& red, int& buf, int64_t first_slot,
+                                             int slot_rows, int pieces, int64_t row, int rr, int col0, bool valid,
+                                             int warp, int gw, int group_warps, int lane) {
+  constexpr int kBatch = kCombineBatch<V>;
+  CombineState<V> st{neg_inf(), 0.0f, {}};
+  const int own = valid ? pieces : 0;
+  for (int s0 = gw; s0 < own; s0 += kBatch * group_warps) {
+    float ms[kBatch], ls[kBatch];
+    float4 v[kBatch][V];
 #pragma unroll
-    for (int b = 0; b < kCombineBatch; ++b) {
+    for (int b = 0; b < kBatch; ++b) {
       const int s = s0 + b * group_warps;
       ms[b] = 0.0f;
       ls[b] = 0.0f;
-      if (s < pieces) {
+      if (s < own) {
         const int64_t at = (first_slot + s) * slot_rows + rr;
         ms[b] = __ldcs(p.part_m + at);
         ls[b] = __ldcs(p.part_l + at);
-        const float4* o = reinterpret_cast<const float4*>(p.part_o + at * kRank) + lane;
+        const float4* o = reinterpret_cast<const float4*>(p.part_o + at * kRank + col0) + lane;
 #pragma unroll
-        for (int j = 0; j < kCombineVecs; ++j) v[b][j] = __ldcs(o + 32 * j);
+        for (int j = 0; j < V; ++j) v[b][j] = __ldcs(o + 32 * j);
       }
     }
 #pragma unroll
-    for (int b = 0; b < kCombineBatch; ++b) combine_fold(st, ms[b], ls[b], v[b]);
+    for (int b = 0; b < kBatch; ++b) combine_fold(st, ms[b], ls[b], v[b]);
   }
-  return st;
+  if (group_warps > 1) {
+    // The group's states, merged by its first warp (the l = 0 guard as in combine_fold).
+#pragma unroll
+    for (int j = 0; j < V; ++j) red.acc[buf][warp][j][lane] = st.acc[j];
+    if (lane == 0) {
+      red.m[buf][warp] = st.m;
+      red.l[buf][warp] = st.l;
+    }
+    __syncthreads();
+    if (gw == 0) {
+      const int lead = warp;
+      float m = neg_inf();
+      for (int w = lead; w < lead + group_warps; ++w)
+        if (red.l[buf][w] != 0.0f) m = nan_max(m, red.m[buf][w]);
+      st = CombineState<V>{m, 0.0f, {}};
+      for (int w = lead; w < lead + group_warps; ++w) {
+        const float lw = red.l[buf][w];
+        if (lw == 0.0f) continue;
+        const float c = exp2f(red.m[buf][w] - m);
+        st.l += lw * c;
+#pragma unroll
+        for (int j = 0; j < V; ++j) scale_add(st.acc[j], 1.0f, c, red.acc[buf][w][j][lane]);
+      }
+    }
+    buf ^= 1;  // the next task writes the other buffer; the one after follows its barrier
+  }
+  if (valid && gw == 0) {
+    // No piece held a key: o = 0, lse = -inf (l = 0 then, and every acc is 0).
+    const float inv = st.l != 0.0f ? 1.0f / st.l : 0.0f;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float4 a = st.acc[j];
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(a.x * inv, a.y * inv);
+      const __nv_bfloat162 hi = __floats2bfloat162_rn(a.z * inv, a.w * inv);
+      uint2 o;
+      o.x = *reinterpret_cast<const uint32_t*>(&lo);
+      o.y = *reinterpret_cast<const uint32_t*>(&hi);
+      *reinterpret_cast<uint2*>(p.out + row * kRank + col0 + 128 * j + 4 * lane) = o;
+    }
+    if (lane == 0 && col0 == 0) p.lse[row] = st.l != 0.0f ? (st.m + log2f(st.l)) * kLn2 : neg_inf();
+  }
 }
 
 __global__ void __launch_bounds__(kCombineThreads, kCombineCtasPerSm)
@@ -121,8 +186,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineCtasPerSm)
   using Scan = cub::BlockScan<int, kCombineThreads>;
   __shared__ typename Scan::TempStorage scan;
   __shared__ CombineRequests req;
-  __shared__ float4 red[2][kCombineWarps][kCombineVecs][32];  // double-buffered: one barrier a task
-  __shared__ float red_m[2][kCombineWarps], red_l[2][kCombineWarps];
+  __shared__ CombineReduce red;
   int buf = 0;
   bool waited = false;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -136,7 +200,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineCtasPerSm)
       const int first = p.plan.split_slot[i], count = p.plan.split_slot[i + 1] - first;
       const int b = p.plan.split_request[i];
       const int per_task = kCombineWarps / combine_group_warps(count);
-      tasks = (slot_rows + per_task - 1) / per_task;
+      tasks = (slot_rows * combine_slices(count) + per_task - 1) / per_task;
       req.first[j] = first;
       req.count[j] = count;
       req.rows[j] = (p.plan.q_start[b + 1] - p.plan.q_start[b]) * p.heads;
@@ -166,56 +230,20 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineCtasPerSm)
     }
     for (int k = 0; k < n_mine; ++k) {
       const int r = req.mine[k];
-      const int count = req.count[r], rows = req.rows[r];
+      const int count = req.count[r], rows = req.rows[r], slices = combine_slices(count);
       const int group_warps = combine_group_warps(count), per_task = kCombineWarps / group_warps;
-      const int group = warp / group_warps, gw = warp % group_warps, lead = group * group_warps;
-      // Every warp runs every task (the barrier is the CTA's); a row past the request's rows
+      const int group = warp / group_warps, gw = warp % group_warps;
+      // Every warp runs every task (the barrier is the CTA's); an item past the request's rows
       // (a shorter request's padding, or past the last task's) is a group with no pieces.
       for (int t = req.start[r]; t < req.tasks[r]; t += int(grid)) {
-        const int rr = t * per_task + group;
-        const bool valid = rr < rows;
-        CombineState st = combine_warp(p, req.first[r], slot_rows, rr, valid ? count : 0, gw, group_warps, lane);
-        if (group_warps > 1) {
-          // The group's states, merged by its first warp (the l = 0 guard as in combine_fold).
-#pragma unroll
-          for (int v = 0; v < kCombineVecs; ++v) red[buf][warp][v][lane] = st.acc[v];
-          if (lane == 0) {
-            red_m[buf][warp] = st.m;
-            red_l[buf][warp] = st.l;
-          }
-          __syncthreads();
-          if (gw == 0) {
-            float m = neg_inf();
-            for (int w = lead; w < lead + group_warps; ++w)
-              if (red_l[buf][w] != 0.0f) m = nan_max(m, red_m[buf][w]);
-            st = CombineState{m, 0.0f, {}};
-            for (int w = lead; w < lead + group_warps; ++w) {
-              const float lw = red_l[buf][w];
-              if (lw == 0.0f) continue;
-              const float c = exp2f(red_m[buf][w] - m);
-              st.l += lw * c;
-#pragma unroll
-              for (int v = 0; v < kCombineVecs; ++v) scale_add(st.acc[v], 1.0f, c, red[buf][w][v][lane]);
-            }
-          }
-          buf ^= 1;  // the next task writes the other buffer; the one after follows its barrier
-        }
-        if (valid && gw == 0) {
-          const int64_t row = req.row0[r] + rr;
-          // No piece held a key: o = 0, lse = -inf (l = 0 then, and every acc is 0).
-          const float inv = st.l != 0.0f ? 1.0f / st.l : 0.0f;
-#pragma unroll
-          for (int v = 0; v < kCombineVecs; ++v) {
-            const float4 a = st.acc[v];
-            const __nv_bfloat162 lo = __floats2bfloat162_rn(a.x * inv, a.y * inv);
-            const __nv_bfloat162 hi = __floats2bfloat162_rn(a.z * inv, a.w * inv);
-            uint2 o;
-            o.x = *reinterpret_cast<const uint32_t*>(&lo);
-            o.y = *reinterpret_cast<const uint32_t*>(&hi);
-            *reinterpret_cast<uint2*>(p.out + row * kRank + 128 * v + 4 * lane) = o;
-          }
-          if (lane == 0) p.lse[row] = st.l != 0.0f ? (st.m + log2f(st.l)) * kLn2 : neg_inf();
-        }
+        const int item = t * per_task + group, rr = item / slices;
+        const int64_t row = req.row0[r] + rr;
+        if (slices == 1)
+          combine_item<kRowVecs>(p, red, buf, req.first[r], slot_rows, count, row, rr, 0, rr < rows, warp, gw,
+                                 group_warps, lane);
+        else
+          combine_item<1>(p, red, buf, req.first[r], slot_rows, count, row, rr, 128 * (item % slices), rr < rows,
+                          warp, gw, group_warps, lane);
       }
     }
     dealt = (dealt + total) % grid;
@@ -231,7 +259,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineCtasPerSm)
 // Also under graph capture (a programmatic edge). The trigger is in the kernels' prologue:
 // griddepcontrol in the unit loop cost ptxas 25 more registers in the wgmma kernel.
 // The grid follows the capacities (graph-safe): a CTA per row of the most rows a plan can cut,
-// up to the resident CTAs of the GPU; a CTA runs a request's tasks of kCombineWarps / G rows,
+// up to the resident CTAs of the GPU; a CTA runs a request's tasks of kCombineWarps / G items,
 // and CTAs with no task exit after the request list.
 void launch_split_merge(const AttentionParams& p, int64_t max_cut_rows, int num_sms, cudaStream_t stream) {
   cudaLaunchConfig_t cfg{};
