@@ -21,7 +21,10 @@ PlannerConfig planner_config(const AttentionConfig& c, Backend backend, int work
   p.num_workers = c.num_workers > 0 ? c.num_workers : workers;
   p.rows_per_unit = rows_per_unit;
   p.min_segment_tokens = c.min_segment_tokens;
-  p.cost = c.schedule_cost.value_or(calibrated_schedule_cost(rows_per_unit));
+  // Whether the capacity's widest step makes one row group or more (all the calibration tells
+  // apart; the planner checks the sizes).
+  const int row_groups = int64_t(c.limits.max_qlen) * c.heads > rows_per_unit ? 2 : 1;
+  p.cost = c.schedule_cost.value_or(calibrated_schedule_cost(rows_per_unit, c.kv_dtype, row_groups));
   return p;
 }
 

@@ -37,10 +37,13 @@ struct ScheduleCost {
   double slack = 0.05;
 };
 
-// The H200 calibration for units of rows_per_unit query rows: a piece costs 1 tile at 16
-// rows and 2 at 32 or more (Q and the epilogue grow with the rows, the tile time less; the
-// tenth session's grid of the serving batches).
-ScheduleCost calibrated_schedule_cost(int rows_per_unit);
+// The H200 calibration for units of rows_per_unit query rows of a kv_dtype cache, a step's
+// rows making row_groups groups: a piece costs 1 tile at 16 bf16 rows, 2 at 16 fp8 rows or
+// at 32 or more in one group, 3 in two groups or more (Q, the pipeline's restart and the
+// epilogue grow with the rows, the tile time less; fp8 halves the tile time; the groups of a
+// chunk share their tiles' reads through L2). From the eleventh session's grid of the
+// serving batches (bench/NOTES.md).
+ScheduleCost calibrated_schedule_cost(int rows_per_unit, KvDtype kv_dtype, int row_groups);
 
 // Fixed for the planner's life (one per model and rank); checked at construction. The
 // caches are the engine's: their size is checked against each plan when a run takes one.

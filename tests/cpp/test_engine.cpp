@@ -511,12 +511,27 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, WriteKv, ::testing::Values(KvDtype::bf16, KvDty
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
 // An AttentionConfig without its own schedule cost gets the calibration of the backend
-// kernel's rows per CTA; one that sets it keeps it, whatever the rows.
+// kernel's rows per CTA, its cache's dtype and its row groups; one that sets it keeps it,
+// whatever the rows.
 TEST(ScheduleCostOfAConfig, CalibratedUnlessSet) {
   AttentionConfig c;
-  for (int rows : {16, 32, 64}) {
-    const ScheduleCost want = calibrated_schedule_cost(rows), got = planner_config(c, Backend::cpu, 132, rows).cost;
-    EXPECT_EQ(got.piece, rows == 16 ? 1.0 : 2.0) << rows << " rows";
+  struct Case {
+    int rows, heads, max_qlen;
+    KvDtype dtype;
+    double piece;
+  };
+  for (const Case& k : {Case{16, 16, 1, KvDtype::bf16, 1.0}, Case{16, 16, 1, KvDtype::fp8_e4m3, 2.0},
+                        Case{16, 16, 1, KvDtype::fp8_e5m2, 2.0}, Case{32, 16, 2, KvDtype::fp8_e4m3, 2.0},
+                        Case{64, 16, 2, KvDtype::bf16, 2.0}, Case{64, 16, 4, KvDtype::bf16, 2.0},
+                        Case{64, 16, 4, KvDtype::fp8_e4m3, 2.0}, Case{64, 128, 1, KvDtype::bf16, 3.0},
+                        Case{64, 16, 8, KvDtype::bf16, 3.0}, Case{32, 16, 4, KvDtype::fp8_e4m3, 3.0}}) {
+    c.heads = k.heads;
+    c.limits.max_qlen = k.max_qlen;
+    c.kv_dtype = k.dtype;
+    const ScheduleCost want = calibrated_schedule_cost(k.rows, k.dtype, k.heads * k.max_qlen > k.rows ? 2 : 1);
+    const ScheduleCost got = planner_config(c, Backend::cpu, 132, k.rows).cost;
+    EXPECT_EQ(got.piece, k.piece) << k.rows << " rows, " << k.heads << " heads x " << k.max_qlen << ", "
+                                  << to_string(k.dtype);
     EXPECT_EQ(got.piece, want.piece);
     EXPECT_EQ(got.cut, want.cut);
     EXPECT_EQ(got.slack, want.slack);
