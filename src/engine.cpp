@@ -1,5 +1,6 @@
 #include "dcpmla/engine.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -21,9 +22,12 @@ PlannerConfig planner_config(const AttentionConfig& c, Backend backend, int work
   p.num_workers = c.num_workers > 0 ? c.num_workers : workers;
   p.rows_per_unit = rows_per_unit;
   p.min_segment_tokens = c.min_segment_tokens;
-  // Whether the capacity's widest step makes one row group or more (all the calibration tells
-  // apart; the planner checks the sizes).
-  const int row_groups = int64_t(c.limits.max_qlen) * c.heads > rows_per_unit ? 2 : 1;
+  // Row groups of the capacity's widest step (the planner checks the sizes; a config it will
+  // refuse gets some calibration).
+  const int64_t rows = int64_t(c.limits.max_qlen) * c.heads;
+  int row_groups = 1;
+  if (rows_per_unit > 0 && rows > 0)
+    row_groups = int(std::min<int64_t>((rows + rows_per_unit - 1) / rows_per_unit, int64_t(1) << 20));
   p.cost = c.schedule_cost.value_or(calibrated_schedule_cost(rows_per_unit, c.kv_dtype, row_groups));
   return p;
 }

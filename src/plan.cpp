@@ -274,7 +274,7 @@ int64_t Planner::validate(const BatchDesc& batch) const {
 
 ScheduleCost calibrated_schedule_cost(int rows_per_unit, KvDtype kv_dtype, int row_groups) {
   ScheduleCost cost;
-  if (rows_per_unit > 16) cost.piece = row_groups > 1 ? 3.0 : 2.0;
+  if (rows_per_unit > 16) cost.piece = row_groups == 2 ? 3.0 : 2.0;
   else if (kv_dtype != KvDtype::bf16) cost.piece = 2.0;
   return cost;
 }

@@ -39,8 +39,8 @@ struct AttentionConfig {
   int num_workers = 0;                 // parallel units a plan spreads over; 0: the backend's
   int min_segment_tokens = 256;        // shortest piece of a cut request (PlannerConfig)
   // The schedule's cost model (tuning: results do not depend on it); none: the calibration
-  // for the backend kernel's rows per CTA, the cache's dtype and whether the widest step
-  // makes more than one row group (calibrated_schedule_cost).
+  // for the backend kernel's rows per CTA, the cache's dtype and the widest step's row
+  // groups (calibrated_schedule_cost).
   std::optional<ScheduleCost> schedule_cost;
 };
 

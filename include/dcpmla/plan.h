@@ -39,10 +39,11 @@ struct ScheduleCost {
 
 // The H200 calibration for units of rows_per_unit query rows of a kv_dtype cache, a step's
 // rows making row_groups groups: a piece costs 1 tile at 16 bf16 rows, 2 at 16 fp8 rows or
-// at 32 or more in one group, 3 in two groups or more (Q, the pipeline's restart and the
-// epilogue grow with the rows, the tile time less; fp8 halves the tile time; the groups of a
-// chunk share their tiles' reads through L2). From the eleventh session's grid of the
-// serving batches (bench/NOTES.md).
+// at 32 or more, 3 at 32 or more in exactly two groups (Q, the pipeline's restart and the
+// epilogue grow with the rows, the tile time less; fp8 halves the tile time; the two groups
+// of a chunk share their tiles' reads through L2). Measured, not modelled: the eleventh
+// session's grid of the serving batches and its check on the uniform shapes, where 3 lost
+// 1-2 % at four groups and more (bench/NOTES.md).
 ScheduleCost calibrated_schedule_cost(int rows_per_unit, KvDtype kv_dtype, int row_groups);
 
 // Fixed for the planner's life (one per model and rank); checked at construction. The

@@ -524,11 +524,12 @@ TEST(ScheduleCostOfAConfig, CalibratedUnlessSet) {
                         Case{16, 16, 1, KvDtype::fp8_e5m2, 2.0}, Case{32, 16, 2, KvDtype::fp8_e4m3, 2.0},
                         Case{64, 16, 2, KvDtype::bf16, 2.0}, Case{64, 16, 4, KvDtype::bf16, 2.0},
                         Case{64, 16, 4, KvDtype::fp8_e4m3, 2.0}, Case{64, 128, 1, KvDtype::bf16, 3.0},
-                        Case{64, 16, 8, KvDtype::bf16, 3.0}, Case{32, 16, 4, KvDtype::fp8_e4m3, 3.0}}) {
+                        Case{64, 16, 8, KvDtype::bf16, 3.0}, Case{32, 16, 4, KvDtype::fp8_e4m3, 3.0},
+                        Case{64, 128, 2, KvDtype::bf16, 2.0}, Case{64, 128, 4, KvDtype::fp8_e4m3, 2.0}}) {
     c.heads = k.heads;
     c.limits.max_qlen = k.max_qlen;
     c.kv_dtype = k.dtype;
-    const ScheduleCost want = calibrated_schedule_cost(k.rows, k.dtype, k.heads * k.max_qlen > k.rows ? 2 : 1);
+    const ScheduleCost want = calibrated_schedule_cost(k.rows, k.dtype, (k.heads * k.max_qlen + k.rows - 1) / k.rows);
     const ScheduleCost got = planner_config(c, Backend::cpu, 132, k.rows).cost;
     EXPECT_EQ(got.piece, k.piece) << k.rows << " rows, " << k.heads << " heads x " << k.max_qlen << ", "
                                   << to_string(k.dtype);
