@@ -21,8 +21,8 @@
 // so the next unit's first tiles load during this unit's last tiles and epilogue. It also
 // loads each unit's Q and row lengths, as soon as WG0 has run the previous unit's last S
 // (the Q buffer is single: two would not fit), so that the load overlaps that unit's last
-// softmax, P V and epilogue instead of following them (bench/NOTES.md, eleventh session: the
-// consumers' own load cost a cut piece about 9 us).
+// softmax, P V and epilogue instead of following them (bench/NOTES.md, eleventh session: a
+// piece cost 8-10 us with the consumers loading Q after the epilogue, about 6.5 so).
 //   bf16: cp.async straight into the swizzled stage; each producer thread's copies arrive on
 //     the stage's full barrier when they land (stream_bf16_tiles, bf16_tiles.cuh, shared with
 //     the bf16 swap kernel). 40 registers; the consumers take 232.
