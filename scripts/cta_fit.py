@@ -1,0 +1,50 @@
+#!/usr/bin/env python3
+"""Fits each traced CTA's time to the work the plan gave it, per shape:
+
+    busy_us = a * tiles + b * pieces + c * cut_pieces + d     (least squares)
+
+from a dcpmla_bench --trace results file (each row's trace.ctas: start_us, busy_us, pieces,
+cut_pieces, tiles). Prints, per shape: the kernel variant, the CTAs' median and largest time,
+the ranges of their tiles and pieces, the fitted costs (a: µs a tile, b: µs a piece, c: µs more
+for a piece of a cut request, d: µs a CTA), the fit's rms and the slowest CTA's work. The
+schedule's cost model counts a piece in tiles: b / a is the figure to compare with it
+(bench/NOTES.md, eleventh session).
+
+    scripts/cta_fit.py bench/results/h200_2026-12-02_s11.json [--only NAME ...]
+"""
+import argparse
+import json
+import sys
+
+import numpy as np
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", help="a dcpmla_bench --json file written with --trace")
+    ap.add_argument("--only", nargs="*", default=None, help="these shapes only")
+    args = ap.parse_args()
+    data = json.load(open(args.results))
+    rows = [r for r in data["rows"] if r.get("trace") and r["trace"].get("ctas")]
+    if not rows:
+        sys.exit(f"{args.results}: no row has trace.ctas (run dcpmla_bench with --trace)")
+    for r in rows:
+        if args.only and r["name"] not in args.only:
+            continue
+        c = r["trace"]["ctas"]
+        busy = np.array(c["busy_us"], dtype=float)
+        tiles, pieces, cut = (np.array(c[k], dtype=float) for k in ("tiles", "pieces", "cut_pieces"))
+        a = np.stack([tiles, pieces, cut, np.ones_like(tiles)], axis=1)
+        coef, _, rank, _ = np.linalg.lstsq(a, busy, rcond=None)
+        rms = float(np.sqrt(np.mean((a @ coef - busy) ** 2)))
+        k = int(np.argmax(busy))
+        per_tile = coef[0] if coef[0] > 0 else float("nan")
+        print(f"{r['name']:32s} {r['variant']:9s} busy p50 {np.median(busy):7.1f} max {busy.max():7.1f} | "
+              f"tiles {int(tiles.min())}-{int(tiles.max())} pieces {int(pieces.min())}-{int(pieces.max())} | "
+              f"tile {coef[0]:.2f} piece {coef[1]:.2f} ({coef[1] / per_tile:.1f} tiles) cut {coef[2]:+.2f} "
+              f"cta {coef[3]:.1f} rms {rms:.2f} | slowest: {int(tiles[k])} tiles, {int(pieces[k])} pieces"
+              + ("" if rank == 4 else " | degenerate (a column is constant or follows the others: the split among them is arbitrary)"))
+
+
+if __name__ == "__main__":
+    main()
