@@ -232,7 +232,7 @@ struct Shape {
 // the smallest step between two distinct stamps (the global timer's resolution bounds every
 // figure). ctas: every attention CTA's start and time beside the work the plan gave it (its
 // pieces, those of cut requests, and its tiles over them), for fitting the schedule's cost
-// model to what the GPU took.
+// model to what the GPU took; combine: every working combine CTA's start and time.
 struct CtaRecord {
   double start_us = 0, busy_us = 0;
   int pieces = 0, cut_pieces = 0, tiles = 0;
@@ -242,6 +242,7 @@ struct Trace {
   double last_start = 0, end_p10 = 0, end_p50 = 0, end_last = 0, cta_p50 = 0;
   double combine_first_start = 0, combine_last_end = 0, timer_step_us = 0;
   std::vector<CtaRecord> ctas;
+  std::vector<double> combine_start_us, combine_busy_us;  // each working combine CTA's (after its wait)
 };
 
 struct Row {
@@ -294,6 +295,10 @@ Trace summarise_trace(const std::vector<uint64_t>& t) {
   r.timer_step_us = double(step) * 1e-3;
   for (int b = 0; b < r.attention_ctas; ++b)
     r.ctas.push_back({us(t[size_t(2 * b)]), double(t[size_t(2 * b + 1)] - t[size_t(2 * b)]) * 1e-3});
+  for (size_t k = 0; k < cstarts.size(); ++k) {
+    r.combine_start_us.push_back(us(cstarts[k]));
+    r.combine_busy_us.push_back(double(cends[k] - cstarts[k]) * 1e-3);
+  }
   return r;
 }
 
@@ -716,7 +721,7 @@ int main(int argc, char** argv) {
   app.add_flag("--no-baseline", no_baseline, "Skip the baseline (its columns are null in the JSON)");
   app.add_flag("--sweep", sweep, "Also time every other kernel variant at each shape (on the default variant's plan; @plan<rows> marks a variant with other rows per CTA)");
   app.add_flag("--no-ceilings", no_ceilings, "Skip the ceilings (the ratios to them are null in the JSON)");
-  app.add_flag("--trace", trace, "Also trace one more call of each shape: every CTA's start and end on the GPU's global timer, summarised, with each attention CTA's time beside its pieces and tiles (the JSON's \"trace\" and \"trace.ctas\", for scripts/cta_fit.py; the mma.sync reference kernel does not stamp)");
+  app.add_flag("--trace", trace, "Also trace one more call of each shape: every CTA's start and end on the GPU's global timer, summarised, with each attention CTA's time beside its pieces and tiles (the JSON's \"trace\", \"trace.ctas\" for scripts/cta_fit.py and \"trace.combine\"; the mma.sync reference kernel does not stamp)");
   app.add_option("--only", only, "Run only these shapes (comma-separated names)")->delimiter(',');
   app.add_option("--schedule", schedule, "The schedule's cost model: piece,cut,slack (ScheduleCost; default: each kernel's calibration, calibrated_schedule_cost)")
       ->delimiter(',')
@@ -835,7 +840,9 @@ int main(int argc, char** argv) {
                                                             {"combine_first_start_us", r.trace->combine_first_start},
                                                             {"combine_last_end_us", r.trace->combine_last_end},
                                                             {"timer_step_us", r.trace->timer_step_us},
-                                                            {"ctas", cta_json(r.trace->ctas)}}
+                                                            {"ctas", cta_json(r.trace->ctas)},
+                                                            {"combine", {{"start_us", r.trace->combine_start_us},
+                                                                         {"busy_us", r.trace->combine_busy_us}}}}
                                            : nlohmann::json(nullptr)}});
   }
   if (!json_path.empty()) {
