@@ -22,12 +22,13 @@ PlannerConfig planner_config(const AttentionConfig& c, Backend backend, int work
   p.num_workers = c.num_workers > 0 ? c.num_workers : workers;
   p.rows_per_unit = rows_per_unit;
   p.min_segment_tokens = c.min_segment_tokens;
-  // Row groups of the capacity's widest step (the planner checks the sizes; a config it will
-  // refuse gets some calibration).
+  // The row groups of the capacity's widest step (max_qlen x heads), as the kernel variant is
+  // fixed by the capacity too (the planner checks the sizes; a config it will refuse gets
+  // some calibration).
   const int64_t rows = int64_t(c.limits.max_qlen) * c.heads;
   int row_groups = 1;
   if (rows_per_unit > 0 && rows > 0)
-    row_groups = int(std::min<int64_t>((rows + rows_per_unit - 1) / rows_per_unit, int64_t(1) << 20));
+    row_groups = int(std::min<int64_t>((rows + rows_per_unit - 1) / rows_per_unit, std::numeric_limits<int>::max()));
   p.cost = c.schedule_cost.value_or(calibrated_schedule_cost(rows_per_unit, c.kv_dtype, row_groups));
   return p;
 }

@@ -37,8 +37,8 @@ struct ScheduleCost {
   double slack = 0.05;
 };
 
-// The H200 calibration for units of rows_per_unit query rows of a kv_dtype cache, a step's
-// rows making row_groups groups: a piece costs 1 tile at 16 bf16 rows, 2 at 16 fp8 rows or
+// The H200 calibration for units of rows_per_unit query rows of a kv_dtype cache, the widest
+// step the planner is sized for (max_qlen x heads) making row_groups groups: a piece costs 1 tile at 16 bf16 rows, 2 at 16 fp8 rows or
 // at 32 or more, 3 at 32 or more in exactly two groups (Q, the pipeline's restart and the
 // epilogue grow with the rows, the tile time less; fp8 halves the tile time; the two groups
 // of a chunk share their tiles' reads through L2). Measured, not modelled: the eleventh

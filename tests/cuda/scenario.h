@@ -41,6 +41,9 @@ struct Scenario {
   // Query row r (of batch x qlen x heads) is scaled by 2^q_row_exp[r % size] (exact in
   // bf16): rows far from unit magnitude, which the fp8 swap kernel scales per row.
   std::vector<int> q_row_exp{};
+  // Under the library's own kernel choice, the plan must cut some request into more than
+  // this many pieces (0: not checked): a scenario meant for a path that only many pieces take.
+  int min_cut_pieces = 0;
 
   std::string describe() const {
     std::ostringstream s;
@@ -160,6 +163,9 @@ inline float default_softmax_scale() { return 1.0f / std::sqrt(576.0f); }
 // cache, in groups of 16 or 32 rows) or "bf16swap" (the bf16 swap kernel for every bf16 cache, in
 // groups of 16 or 32 rows); unset means the library's choice. ctest runs the scenarios once
 // per variant.
+inline bool default_tuning(const cuda::AttentionTuning& t) {
+  return t.kernel == 0 && t.tile_tokens == 0 && t.ctas_per_sm == 0;
+}
 inline cuda::AttentionTuning test_tuning() {
   cuda::AttentionTuning t;
   if (const char* env = std::getenv("DCPMLA_TEST_TUNING")) {
@@ -173,8 +179,6 @@ inline cuda::AttentionTuning test_tuning() {
   return t;
 }
 
-// Runs one scenario on both backends and returns the comparison; `cache_ok` says whether
-// the KV write kernel produced the CPU's cache bytes exactly.
 // A traced call (AttentionParams::trace) beside the plain one: its output, bit for bit, and
 // its stamps: attention CTAs 0 .. n - 1 stamped, each end at or after its start, the rest
 // untouched; the combine's CTAs stamped only when the plan cut a request, each after the
@@ -191,6 +195,7 @@ struct ScenarioResult {
   int64_t cache_mismatch = 0;
   bool plan_ok = true;
   Route route = Route::automatic;
+  int max_segments = 0;  // the most pieces the device plan cut a request into
   std::optional<TraceCheck> trace;
 };
 
@@ -224,7 +229,9 @@ inline TraceCheck check_trace(const std::vector<uint64_t>& t, bool cut, bool att
   return c;
 }
 
-// trace: also run the call traced (the mma.sync reference kernel stamps nothing).
+// Runs one scenario on both backends and returns the comparison; `cache_ok` says whether
+// the KV write kernel produced the CPU's cache bytes exactly. trace: also run the call traced
+// (the mma.sync reference kernel stamps nothing).
 inline ScenarioResult run_scenario(const Scenario& s, bool trace = false) {
   const int batch = int(s.lens.size());
   int64_t total = 0, max_local = 1;
@@ -285,6 +292,7 @@ inline ScenarioResult run_scenario(const Scenario& s, bool trace = false) {
                   std::equal(uploaded.begin(), uploaded.end(), expected.begin()) &&
                   std::equal(staged.begin(), staged.end(), expected.begin(), expected.end());
     res.route = gpu.current_plan().route();
+    res.max_segments = gpu.current_plan().stats().max_segments;
     DeviceBuffer<bf16> q(d.q.empty() ? std::vector<bf16>(1) : d.q);
     DeviceBuffer<bf16> out(rows * 512);
     DeviceBuffer<float> lse(rows);

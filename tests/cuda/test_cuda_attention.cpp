@@ -125,9 +125,16 @@ std::vector<Scenario> scenarios() {
   // Added last: a scenario's seed is its index, so the others keep theirs (q_magnitudes_e4m3,
   // shifted by one, drew a row whose lse the fp8 swap kernel misses by 0.012 against the bound
   // of 0.01, at lse 51: its S precision at rows 16 times unit size, not a regression).
-  // A request cut into more pieces than the combine folds per row (kSlicePieces: it merges
-  // 128-column slices), beside one cut into a few, over two row groups.
-  add({"heads128_long_cut_slices", M::verify, K::bf16, 64, 128, 1, 0, 1, R::split_k, 2, 2, {40000, 900, 3}});
+  // A request cut into more pieces than the combine folds per row (kSlicePieces, 32: it merges
+  // 128-column slices), beside one cut into a few, over four row groups. 264 chunks (66 per
+  // group) cut it into about 65 pieces whatever the GPU's SM count (at 132 SMs' own chunk
+  // count it was 33, one past the threshold).
+  {
+    Scenario s{"heads128_long_cut_slices", M::verify, K::bf16, 64, 128, 1, 0, 1, R::split_k, 2, 2, {40000, 900, 3}};
+    s.num_workers = 264;
+    s.min_cut_pieces = 32;
+    add(s);
+  }
   return v;
 }
 
@@ -145,6 +152,9 @@ TEST_P(CudaAttention, MatchesCpuKernel) {
   EXPECT_EQ(r.cmp.bad_rows, 0) << s.describe() << " (route " << to_string(r.route) << ") max rel_l2 "
                                << r.cmp.max_rel_l2 << ", max lse err " << r.cmp.max_lse_err << " | worst "
                                << r.cmp.worst;
+  if (s.min_cut_pieces > 0 && default_tuning(test_tuning()))
+    EXPECT_GT(r.max_segments, s.min_cut_pieces) << s.describe() << ": the plan no longer cuts a request into the pieces "
+                                                   "this scenario is for";
   RecordProperty("route", std::string(to_string(r.route)));
   RecordProperty("max_rel_l2", std::to_string(r.cmp.max_rel_l2));
 }

@@ -28,9 +28,9 @@ namespace dcpmla::cuda_detail {
 // any is used, into a running state (online: M = max m_s, l = sum l_s 2^(m_s - M), acc = sum
 // l_s 2^(m_s - M) o_s, rescaled when M grows), so no load waits for another row statistic; a
 // group's warps then merge their states in shared memory once (one barrier a task,
-// double-buffered), o = acc / l, lse = (M + log2 l) ln 2. (The tenth session's form, a warp
-// per 128-column slice that read every m_s first and waited on two barriers per item, took
-// 6-14 us a combine at 18 % of L2's throughput.)
+// double-buffered), o = acc / l, lse = (M + log2 l) ln 2. (The tenth session's form, an item
+// per (row, 128-column slice) whatever the piece count, every m_s read before any o and two
+// barriers per item, took 6-14 us a combine at 18 % of L2's throughput.)
 // Rows of whole requests were written by the attention kernel and are not touched. Pieces
 // with l_s = 0 hold no key and are skipped; none at all gives o = 0, lse = -inf; a NaN l_s
 // or m_s poisons the row (the CPU merge's rule).

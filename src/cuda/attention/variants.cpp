@@ -66,9 +66,9 @@ const KernelVariant& find_variant(Kernel kernel, int rows_per_cta, int tile_toke
 // faster than two 16-row CTAs on the fp8 serving rows, tenth session). bf16 caches: 16-row
 // CTAs the bf16 swap kernel, 32-row ones the wgmma kernel padded to 64 rows: both stream
 // through a producer warpgroup that runs ahead across units, which the serving batches' many
-// units per CTA reward (H200, ninth session: at 16 rows the swap
-// kernel 1-3.5 % faster than mma.sync on the serving rows; at 32 rows the padded wgmma kernel
-// 4 % faster than mma.sync and 2 % faster than the 32-row swap kernel).
+// units per CTA reward (H200, ninth session: at 16 rows the swap kernel 1-3.5 % faster than
+// mma.sync on the serving rows; at 32 rows the padded wgmma kernel 4 % faster than mma.sync
+// and 2 % faster than the 32-row swap kernel).
 Kernel default_kernel(int rows_per_cta, bool fp8) {
   if (rows_per_cta == 64) return Kernel::wgmma;
   if (fp8) return Kernel::fp8_swap;
