@@ -59,6 +59,7 @@ __device__ __forceinline__ void stream_bf16_tiles(const AttentionParams& p, cons
   uint32_t gbase = 0, unit = 0;
   for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
     const UnitSpan u = unit_span<M, NT>(p, cur, ps);
+    if (t == 0) prefetch_unit_q(p, u);  // on_unit's Q load may wait for the consumers
     if (u.ntiles == 0) on_unit(u, unit);
     // The sub-pages of this thread's four tokens of tile i (0 past the end: never dereferenced).
     auto subpages = [&](int i, int (&sp)[4]) {

@@ -159,6 +159,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
     const int lt = t >> 3, lc = t & 7;
     for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
       const UnitSpan us = unit_span<M, NT>(p, cur, ps);
+      if (t == 0) prefetch_unit_q(p, us);  // the consumers load it STAGES tiles from now at most
       // Sub-page ids of this thread's four tokens of tile i (0 past the end: never used).
       auto fetch_subpages = [&](int i, int (&sp)[4]) {
 #pragma unroll

@@ -154,6 +154,7 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
   uint32_t gbase = 0, unit = 0;
   for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
     const UnitSpan u = unit_span<M, NT>(p, cur, ps);
+    if (t == 0) prefetch_unit_q(p, u);  // its load waits for the previous unit's last S
     // Sub-page of this thread's token of tile i.
     auto subpage = [&](int i) { return token_subpage(u, ps, i, u.tok_lo + i * NT + tk); };
     // Raw bytes of tile i (zeros past tok_hi).

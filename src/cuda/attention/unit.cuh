@@ -134,6 +134,13 @@ __device__ __forceinline__ const uint8_t* token_row(const AttentionParams& p, co
   return p.kv + (int64_t(subpage) * ps.page + (jt & (ps.page - 1))) * ROW_BYTES;
 }
 
+// A producer's prefetch (one thread) of unit u's Q rows into L2 as it reaches the unit, a few
+// tiles before the unit's Q is loaded (the rows of a unit are contiguous in q), so that load
+// finds them in L2 instead of DRAM.
+__device__ __forceinline__ void prefetch_unit_q(const AttentionParams& p, const UnitSpan& u) {
+  if (u.nr > 0) prefetch_l2(p.q + u.q_row * kDim, uint32_t(u.nr) * kDim * 2);
+}
+
 // Columns col + STRIDE n, col + STRIDE n + 1 (n < N) of row dst_row + r of unit u, from
 // pair(n) = (o, o'), scaled by out_scale / l: l = 0 means no key (o = 0); a NaN l propagates.
 template <int N, int STRIDE = 8, typename Pair>
