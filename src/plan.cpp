@@ -280,16 +280,17 @@ ScheduleCost calibrated_schedule_cost(int rows_per_unit, KvDtype kv_dtype, int r
 }
 
 // The balanced schedule: the requests' tiles (plus a fixed cost per piece) are dealt in
-// request order into `chunks` chunks of about equal cost; each chunk's share is recomputed
-// from what is left, so overruns and short chunks even out. A request that does not fit the
-// rest of a chunk is cut there (its pieces write partials, combined afterwards), unless it
-// fits within the slack or its pieces would be shorter than min_segment_tokens. The longest
+// request order into `chunks` chunks, each filled up to a cost T; a request that does not fit
+// the rest of a chunk is cut there (its pieces write partials, combined afterwards), unless
+// it fits within the slack or its pieces would be shorter than min_segment_tokens. T is the
+// least cost for which that deal places everything within the chunks (bisected), so the most
+// loaded chunk, which the step waits for, is as light as the deal can make it. The longest
 // request may thus run over many chunks, and a chunk may hold many short requests.
 void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& plan, PlanStats& stats) const {
   const auto& c = config_;
   const ScheduleCost& cost = c.cost;
   bool cut_allowed = may_cut();  // false also when whole requests fit the balanced share
-  const double slack = c.route == Route::split_k ? 0.0 : cost.slack;
+  const double slack = c.route == Route::split_k ? 0.0 : cost.slack;  // for the uniform check only
   const int64_t min_tiles = ceil_div(c.min_segment_tokens, kCutTokens);
   const int32_t* q_start = plan.at(plan.off_q_start_);
   auto* work = reinterpret_cast<WorkItem*>(plan.at(plan.off_work_));
@@ -299,54 +300,36 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
   int32_t* split_request = plan.at(plan.off_split_request_);
   int32_t* split_slot = plan.at(plan.off_split_slot_);
 
-  // A chunk's share: the tiles not yet dealt and their pieces' costs over the chunks left.
-  // With fewer pieces than chunks, cuts must make one piece per chunk.
-  int64_t tiles_left = 0, parts_left = 0;
+  // The even share, a lower bound on T: every tile and one piece per request, or per chunk
+  // when there are fewer requests than chunks (cuts must then make the pieces).
+  int64_t tiles = 0, parts = 0, most = 0;
   for (int b = 0; b < b_count; ++b)
     if (q_start[b + 1] > q_start[b] && longest[b] > 0) {
-      tiles_left += ceil_div(longest[b], kCutTokens);
-      ++parts_left;
+      const int64_t t = ceil_div(longest[b], kCutTokens);
+      tiles += t;
+      most = std::max(most, t);
+      ++parts;
     }
-  auto share = [&](int chunks_left) {
-    const double pieces = double(std::max<int64_t>(parts_left, chunks_left));
-    const double cuts = double(std::max<int64_t>(0, chunks_left - parts_left));
-    return (double(tiles_left) + cost.piece * pieces + cost.cut * cuts) / chunks_left;
-  };
-  // Whole requests, one per chunk, within the slack of the balanced share: no cut pays for
-  // its partials (a uniform batch a little smaller than the GPU).
-  if (cut_allowed && slack > 0.0 && parts_left <= chunks) {
-    int64_t most = 0;
-    for (int b = 0; b < b_count; ++b)
-      if (q_start[b + 1] > q_start[b]) most = std::max(most, ceil_div(longest[b], kCutTokens));
-    if (double(most) + cost.piece <= share(chunks) * (1.0 + slack)) cut_allowed = false;
-  }
-  // Two deals. The shares count one piece per request, but the cuts add pieces and cut costs,
-  // and what a share misses piles up in the last chunk (the one that takes every rest: 58
-  // tiles against 53 on the others in the uniform serving batch). The first deal (dry: it does
-  // not write the cut list, which overwrites `longest`) measures that total; the second
-  // raises every share by the missing cost over the chunks. A first deal without a cut is
-  // the plan.
-  const int64_t tiles0 = tiles_left, parts0 = parts_left;
-  const double estimate = share(chunks) * chunks;
+  const double share = (double(tiles) + cost.piece * double(std::max<int64_t>(parts, chunks)) +
+                        cost.cut * double(std::max<int64_t>(0, chunks - parts))) /
+                       chunks;
+  // Whole requests, one per chunk, within the slack of the share: no cut pays for its partials
+  // (a uniform batch a little smaller than the GPU).
+  if (cut_allowed && slack > 0.0 && parts <= chunks && double(most) + cost.piece <= share * (1.0 + slack))
+    cut_allowed = false;
+
+  // Deals the requests into chunks of cost up to T (a whole request may run over by the slack,
+  // an empty chunk always takes a piece); false when they do not fit in the chunks. The final
+  // deal also writes the cut list (which overwrites `longest`).
   int count = 0, k = 0, splits = 0, slots = 0;
-  double extra = 0.0, budget = 0.0, used = 0.0, total = 0.0;
-  auto close_chunk = [&] {
-    chunk_work[++k] = count;
-    total += used;
-    used = 0.0;
-    budget = share(chunks - k) + extra;
-  };
-  auto deal = [&](bool final) {
-    tiles_left = tiles0;
-    parts_left = parts0;
+  auto deal = [&](double T, bool final) {
     count = k = splits = slots = 0;
-    total = used = 0.0;
-    budget = share(chunks) + extra;
+    double used = 0.0;
     chunk_work[0] = 0;
     for (int b = 0; b < b_count; ++b) {
       if (q_start[b + 1] == q_start[b]) continue;  // no query rows: nothing to compute or write
       const int32_t len = longest[b];
-      const int64_t tiles = ceil_div(len, kCutTokens);
+      const int64_t n = ceil_div(len, kCutTokens);
       int64_t pos = 0;
       bool cut = false;
       const int first = count;
@@ -359,56 +342,74 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
           }
           ++splits;
         }
-        const int32_t tok_end = end == tiles ? len : int32_t(end * kCutTokens);
-        work[count++] = WorkItem{b, int32_t(pos * kCutTokens), tok_end, partial ? slots++ : -1};
+        const int32_t slot = partial ? slots++ : -1;
+        if (final) work[count] = WorkItem{b, int32_t(pos * kCutTokens), end == n ? len : int32_t(end * kCutTokens), slot};
+        ++count;
       };
-      if (tiles == 0) {
+      if (n == 0) {
         // Padding, or no local token here: its rows get zeros, a cost the schedule ignores so
         // that padding never moves a cut (seed 002).
         emit(0, false);
         continue;
       }
+      // A piece of a cut request has min_tiles..cap tiles (cap: what an empty chunk holds).
+      const int64_t cap = int64_t(std::floor(T - cost.piece - cost.cut + 1e-9));
+      auto dealable = [&](int64_t r) { return cap >= min_tiles && r >= min_tiles && ceil_div(r, cap) * min_tiles <= r; };
+      // A request T cannot split: cuts are off, or it has too few tiles for two pieces.
+      const bool whole_only = !cut_allowed || n < 2 * min_tiles;
       for (;;) {
-        const int64_t rest = tiles - pos;
+        const int64_t rest = n - pos;
         const double whole = double(rest) + cost.piece + (cut ? cost.cut : 0.0);
-        const double room = budget - used;
-        // The rest fits (the slack spares a whole request its cut; a cut one's rest has nothing
-        // to spare), or it is cut here, or it goes to the next chunk. A cut is rounded up: the
-        // shares after it shrink by what it took over, so the last chunks get less, never the
-        // pile of every earlier chunk's rounding. An empty chunk always takes a piece, and a
-        // rest too short to be a piece stays only if no shorter cut leaves a whole one.
-        const bool fits = k == chunks - 1 || whole <= room + (cut ? 0.0 : slack * budget);
-        int64_t take = int64_t(std::ceil(room - cost.piece - cost.cut - 1e-9));
-        if (used == 0.0) take = std::max(take, min_tiles);
-        if (rest - take < min_tiles && rest - min_tiles >= min_tiles) take = std::min(take, rest - min_tiles);
-        const bool cuttable = cut_allowed && take >= min_tiles && rest - take >= min_tiles;
-        if (fits || (!cuttable && used == 0.0)) {  // the rest here (uncuttable: it takes the chunk)
-          emit(tiles, cut);
+        const double room = T - used;
+        // The rest fits, or it is cut to fill the chunk, or it goes to the next chunk.
+        if (whole <= room) {
+          emit(n, cut);
           used += whole;
-          tiles_left -= rest;
-          --parts_left;
           break;
         }
-        if (cuttable) {
+        int64_t take = 0;
+        if (!whole_only) {
+          take = int64_t(std::floor(room - cost.piece - cost.cut + 1e-9));
+          // What is left must still go in dealable pieces: 11 tiles do not go in pieces of 4..5,
+          // so 16 is cut 4 + 12, not 5 + 11.
+          while (take >= min_tiles && !dealable(rest - take)) --take;
+        }
+        if (take >= min_tiles) {
           emit(pos + take, true);
           cut = true;
           used += double(take) + cost.piece + cost.cut;
-          tiles_left -= take;
           pos += take;
+        } else if (used == 0.0) {
+          // An empty chunk cannot take a piece within T: T is too small, unless no T splits
+          // the request (it then takes the chunk, the least any deal can give it).
+          if (!whole_only) return false;
+          emit(n, false);
+          used += whole;
+          break;
         }
-        close_chunk();
+        if (k == chunks - 1) return false;  // no chunk left for the rest
+        chunk_work[++k] = count;  // (a dry deal's offsets are rewritten by the final one)
+        used = 0.0;
       }
-      stats.max_segments = std::max(stats.max_segments, count - first);
-      if (k < chunks - 1 && used >= budget) close_chunk();
+      if (final) stats.max_segments = std::max(stats.max_segments, count - first);
     }
-    total += used;
+    return true;
   };
-  deal(false);
-  if (splits > 0) {  // else the first deal wrote the whole plan (it has no cut list)
-    extra = std::max(0.0, total - estimate) / chunks;
-    stats.max_segments = 0;
-    deal(true);
+  // The least T that fits, to a quarter tile or 0.3 % of it. The share is a lower bound and
+  // the cuts' own costs usually need a tile or two more: the bracket grows from the share by
+  // doubling steps, then is bisected (about six deals of O(batch + chunks) each).
+  double lo = share, step = 1.0, hi = share + step;
+  while (!deal(hi, false)) {
+    lo = hi;
+    step *= 2.0;
+    hi = share + step;
   }
+  while (hi - lo > std::max(0.25, 0.003 * hi)) {
+    const double mid = 0.5 * (lo + hi);
+    (deal(mid, false) ? hi : lo) = mid;
+  }
+  stats.max_segments = 0;
+  deal(hi, true);
   for (int j = k + 1; j <= chunks; ++j) chunk_work[j] = count;
   split_slot[splits] = slots;
   PlanHeader& h = plan.mutable_header();

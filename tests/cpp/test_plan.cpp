@@ -199,8 +199,10 @@ TEST(Plan, ChunksHoldManyShortRequestsAndOneRequestRunsOverManyChunks) {
   Plan one = planner.make_plan();
   planner.plan(batch_of({65536}, 1, 64, 1100, Mode::draft).desc(), one);
   EXPECT_SCHEDULE_OK(planner, one);
-  EXPECT_EQ(one.stats().max_segments, 132);
-  EXPECT_LT(imbalance(planner, one), 1.05);
+  // 1024 tiles over 132 chunks: pieces of 8 tiles at most, so 128 of them (a ninth tile in
+  // more chunks would not lighten the heaviest).
+  EXPECT_EQ(one.stats().max_segments, 128);
+  EXPECT_LT(imbalance(planner, one), 1.05 * 132 / 128);
 }
 
 TEST(Plan, RowGroupsShareTheChunks) {
