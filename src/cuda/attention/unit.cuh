@@ -143,6 +143,7 @@ __device__ __forceinline__ void prefetch_unit_q(const AttentionParams& p, const 
 
 // Columns col + STRIDE n, col + STRIDE n + 1 (n < N) of row dst_row + r of unit u, from
 // pair(n) = (o, o'), scaled by out_scale / l: l = 0 means no key (o = 0); a NaN l propagates.
+// A partial is kept in L2 for the combine (l2_keep_policy).
 template <int N, int STRIDE = 8, typename Pair>
 __device__ __forceinline__ void store_row_slice(const AttentionParams& p, const UnitSpan& u, int r, int col, float l,
                                                 float out_scale, Pair pair) {
@@ -150,10 +151,11 @@ __device__ __forceinline__ void store_row_slice(const AttentionParams& p, const 
   const int64_t row = u.dst_row + r;
   if (u.split) {
     float* dst = p.part_o + row * kRank + col;
+    const uint64_t keep = l2_keep_policy();
 #pragma unroll
     for (int n = 0; n < N; ++n) {
       const float2 v = pair(n);
-      *reinterpret_cast<float2*>(dst + n * STRIDE) = make_float2(v.x * sc, v.y * sc);
+      st_global_kept(dst + n * STRIDE, make_float2(v.x * sc, v.y * sc), keep);
     }
   } else {
     bf16* dst = p.out + row * kRank + col;
