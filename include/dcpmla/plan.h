@@ -27,9 +27,9 @@ inline constexpr int kCutTokens = 64;
 
 // The schedule's cost model, in tiles of kCutTokens tokens: a piece costs its tiles plus
 // `piece` (loading Q, filling the pipeline, the epilogue); a piece of a cut request also
-// `cut` (its partial write and share of the combine). Under the automatic route a chunk may
-// run over its even share by `slack` of it rather than cut a request, so that a uniform
-// batch is not cut to win a few percent. The defaults are the 16-row kernels' calibration;
+// `cut` (its partial write and share of the combine). Under the automatic route a batch of
+// at most one request per chunk is not cut when its longest request is within `slack` of the
+// even share, so that a uniform batch is not cut to win a few percent. The defaults are the 16-row kernels' calibration;
 // calibrated_schedule_cost gives each unit size its own (H200: bench/NOTES.md).
 struct ScheduleCost {
   double piece = 1.0;

@@ -185,6 +185,30 @@ TEST(Plan, TheLastChunkDoesNotCollectWhatTheSharesMissed) {
   }
 }
 
+// The bench's one-long-among-short serving batch (serve_one128k_*: a 131072-token request among
+// 63 of 256..2048). Dealt into shares recomputed from what was left, the chunks closed early
+// (a short request that did not fit their rest and was too short to cut) raised the last
+// shares until the last chunks took 30-31 tiles whole against about 25 elsewhere (1.2x the
+// mean cost; the H200 waited 12 us for those CTAs). Filling every chunk to the least cost
+// that fits leaves no such pile.
+TEST(Plan, OneLongRequestAmongShortOnesLeavesNoPileAtTheEnd) {
+  auto c = config();
+  c.rows_per_unit = 64;  // 16 heads x qlen 2: one row group, the 64-row kernel
+  c.cost = calibrated_schedule_cost(64, KvDtype::bf16, 1);
+  c.limits = PlanLimits{64, 2, 1 << 17};
+  Planner planner(c);
+  Plan plan = planner.make_plan();
+  const std::vector<int32_t> lens{
+      131072, 1257, 607,  1314, 877,  1259, 903,  1577, 1013, 1519, 553,  457,  1316, 1274, 1893, 724,
+      292,    766,  1676, 2010, 1140, 938,  640,  312,  395,  1716, 713,  881,  909,  1425, 1232, 310,
+      1390,   703,  1070, 1403, 1850, 1589, 421,  1866, 1032, 1996, 1400, 1423, 1412, 963,  1301, 1934,
+      1350,   1660, 2028, 852,  1804, 431,  1890, 1071, 436,  988,  1157, 1080, 1030, 1973, 1867, 1635};
+  planner.plan(batch_of(lens, 2, 64, 2100).desc(), plan);
+  EXPECT_SCHEDULE_OK(planner, plan);
+  EXPECT_EQ(plan.route(), Route::split_k);
+  EXPECT_LT(imbalance(planner, plan), 1.05);
+}
+
 TEST(Plan, ChunksHoldManyShortRequestsAndOneRequestRunsOverManyChunks) {
   auto c = config();
   c.num_workers = 4;
