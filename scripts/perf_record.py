@@ -33,6 +33,8 @@ def load():
             continue
         if data["rows"] and "schedule" in data["rows"][0]:  # a schedule-cost grid, not the defaults: NOTES
             continue
+        if data["rows"] and "tree" in data["rows"][0]:  # an ab of several trees (device.sh ab): NOTES
+            continue
         runs.append((path, data["meta"], data["rows"]))
     runs.sort(key=lambda run: (run[1]["date"], run[0].name))
     dcp = [run for run in runs if run[2] and "attention_us" in run[2][0]]
