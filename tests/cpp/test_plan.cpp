@@ -162,33 +162,40 @@ TEST(Plan, RaggedAndLongBatchesAreBalanced) {
   EXPECT_GT(multi, 30) << "chunks hold the ends of one request and the start of the next";
 }
 
+// Plans `lens` at each qlen and expects a split schedule whose heaviest chunk is below `bound`
+// times the mean.
+void expect_balanced(const PlannerConfig& c, const std::vector<int32_t>& lens, std::initializer_list<int> qlens,
+                     int width, double bound) {
+  Planner planner(c);
+  Plan plan = planner.make_plan();
+  for (int qlen : qlens) {
+    planner.plan(batch_of(lens, qlen, 64, width).desc(), plan);
+    EXPECT_SCHEDULE_OK(planner, plan);
+    EXPECT_EQ(plan.route(), Route::split_k);
+    EXPECT_LT(imbalance(planner, plan), bound) << "qlen " << qlen;
+  }
+}
+
 // The bench's uniform serving batch (serve_uniform_*: 64 requests of 512..16384 tokens). The
-// shares count one piece per request; the cuts' own pieces and cut costs used to pile up in
-// the last chunk, which takes every rest: 58 tiles against 52-54 on the others (1.09x the
-// mean cost), and the kernels wait for that chunk. The schedule's second deal raises the
-// shares by what the first one found missing.
+// shares once counted one piece per request, and the cuts' own pieces and cut costs piled up
+// in the last chunk, which took every rest: 58 tiles against 52-54 on the others (1.09x the
+// mean cost), and the kernels waited for that chunk.
 TEST(Plan, TheLastChunkDoesNotCollectWhatTheSharesMissed) {
   auto c = config();
   c.limits = PlanLimits{64, 2, 1 << 17};
-  Planner planner(c);
-  Plan plan = planner.make_plan();
-  const std::vector<int32_t> lens{
-      2637, 2677,  7674,  845,  6081, 14977, 7984,  1693,  9557,  10595, 1931, 9340, 13046, 4029, 7157, 4476,
-      5144, 13261, 8045,  4796, 5052, 12400, 7783,  5372,  5619,  2308,  2406, 1609, 11539, 10794, 13054, 6742,
-      8923, 6835,  3533,  9988, 14613, 6394, 1122,  5008,  14564, 4667,  8773, 821,  8554,  16367, 10173, 15279,
-      14358, 3084, 13142, 8358, 9254,  12080, 734,   7651,  3420,  1412,  3558, 706,  1854,  521,  2641,  4179};
-  for (int qlen : {1, 2}) {
-    planner.plan(batch_of(lens, qlen, 64, 300).desc(), plan);
-    EXPECT_SCHEDULE_OK(planner, plan);
-    EXPECT_EQ(plan.route(), Route::split_k);
-    EXPECT_LT(imbalance(planner, plan), 1.04) << "qlen " << qlen;
-  }
+  expect_balanced(c,
+                  {2637,  2677,  7674, 845,   6081,  14977, 7984, 1693, 9557,  10595, 1931, 9340, 13046,
+                   4029,  7157,  4476, 5144,  13261, 8045,  4796, 5052, 12400, 7783,  5372, 5619, 2308,
+                   2406,  1609,  11539, 10794, 13054, 6742, 8923, 6835,  3533,  9988, 14613, 6394, 1122,
+                   5008,  14564, 4667, 8773,  821,   8554,  16367, 10173, 15279, 14358, 3084, 13142, 8358,
+                   9254,  12080, 734,  7651,  3420,  1412,  3558, 706,  1854,  521,  2641,  4179},
+                  {1, 2}, 300, 1.04);
 }
 
 // The bench's one-long-among-short serving batch (serve_one128k_*: a 131072-token request among
 // 63 of 256..2048). Dealt into shares recomputed from what was left, the chunks closed early
 // (a short request that did not fit their rest and was too short to cut) raised the last
-// shares until the last chunks took 30-31 tiles whole against about 25 elsewhere (1.2x the
+// shares until the last chunks took 30-31 tiles whole against about 25 elsewhere (1.19x the
 // mean cost; the H200 waited 12 us for those CTAs). Filling every chunk to the least cost
 // that fits leaves no such pile.
 TEST(Plan, OneLongRequestAmongShortOnesLeavesNoPileAtTheEnd) {
@@ -196,17 +203,12 @@ TEST(Plan, OneLongRequestAmongShortOnesLeavesNoPileAtTheEnd) {
   c.rows_per_unit = 64;  // 16 heads x qlen 2: one row group, the 64-row kernel
   c.cost = calibrated_schedule_cost(64, KvDtype::bf16, 1);
   c.limits = PlanLimits{64, 2, 1 << 17};
-  Planner planner(c);
-  Plan plan = planner.make_plan();
-  const std::vector<int32_t> lens{
-      131072, 1257, 607,  1314, 877,  1259, 903,  1577, 1013, 1519, 553,  457,  1316, 1274, 1893, 724,
-      292,    766,  1676, 2010, 1140, 938,  640,  312,  395,  1716, 713,  881,  909,  1425, 1232, 310,
-      1390,   703,  1070, 1403, 1850, 1589, 421,  1866, 1032, 1996, 1400, 1423, 1412, 963,  1301, 1934,
-      1350,   1660, 2028, 852,  1804, 431,  1890, 1071, 436,  988,  1157, 1080, 1030, 1973, 1867, 1635};
-  planner.plan(batch_of(lens, 2, 64, 2100).desc(), plan);
-  EXPECT_SCHEDULE_OK(planner, plan);
-  EXPECT_EQ(plan.route(), Route::split_k);
-  EXPECT_LT(imbalance(planner, plan), 1.05);
+  expect_balanced(c,
+                  {131072, 1257, 607,  1314, 877,  1259, 903,  1577, 1013, 1519, 553,  457,  1316, 1274, 1893, 724,
+                   292,    766,  1676, 2010, 1140, 938,  640,  312,  395,  1716, 713,  881,  909,  1425, 1232, 310,
+                   1390,   703,  1070, 1403, 1850, 1589, 421,  1866, 1032, 1996, 1400, 1423, 1412, 963,  1301, 1934,
+                   1350,   1660, 2028, 852,  1804, 431,  1890, 1071, 436,  988,  1157, 1080, 1030, 1973, 1867, 1635},
+                  {2}, 2100, 1.05);
 }
 
 TEST(Plan, ChunksHoldManyShortRequestsAndOneRequestRunsOverManyChunks) {
