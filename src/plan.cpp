@@ -282,10 +282,11 @@ ScheduleCost calibrated_schedule_cost(int rows_per_unit, KvDtype kv_dtype, int r
 // The balanced schedule: the requests' tiles (plus a fixed cost per piece) are dealt in
 // request order into `chunks` chunks, each filled up to a cost T; a request that does not fit
 // the rest of a chunk is cut there (its pieces write partials, combined afterwards), unless
-// it fits within the slack or its pieces would be shorter than min_segment_tokens. T is the
-// least cost for which that deal places everything within the chunks (bisected), so the most
-// loaded chunk, which the step waits for, is as light as the deal can make it. The longest
-// request may thus run over many chunks, and a chunk may hold many short requests.
+// its pieces would be shorter than min_segment_tokens. T is the least cost for which that
+// deal places everything within the chunks (bisected), so the most loaded chunk, which the
+// step waits for, is as light as the deal can make it. The longest request may thus run over
+// many chunks, and a chunk may hold many short requests. A batch of at most one request per
+// chunk within the slack of the even share is not cut at all.
 void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& plan, PlanStats& stats) const {
   const auto& c = config_;
   const ScheduleCost& cost = c.cost;
@@ -318,9 +319,9 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
   if (cut_allowed && slack > 0.0 && parts <= chunks && double(most) + cost.piece <= share * (1.0 + slack))
     cut_allowed = false;
 
-  // Deals the requests into chunks of cost up to T (a whole request may run over by the slack,
-  // an empty chunk always takes a piece); false when they do not fit in the chunks. The final
-  // deal also writes the cut list (which overwrites `longest`).
+  // Deals the requests into chunks of cost up to T (a request no T can split takes an empty
+  // chunk whole, over T if it must); false when they do not fit in the chunks. Only the final
+  // deal writes the work items and the cut list (which overwrites `longest`).
   int count = 0, k = 0, splits = 0, slots = 0;
   auto deal = [&](double T, bool final) {
     count = k = splits = slots = 0;
