@@ -29,8 +29,9 @@ inline constexpr int kCutTokens = 64;
 // `piece` (loading Q, filling the pipeline, the epilogue); a piece of a cut request also
 // `cut` (its partial write and share of the combine). Under the automatic route a batch of
 // at most one request per chunk is not cut when its longest request is within `slack` of the
-// even share, so that a uniform batch is not cut to win a few percent. The defaults are the 16-row kernels' calibration;
-// calibrated_schedule_cost gives each unit size its own (H200: bench/NOTES.md).
+// even share, so that a uniform batch is not cut to win a few percent. The defaults are the
+// 16-row kernels' calibration; calibrated_schedule_cost gives each unit size its own (H200:
+// bench/NOTES.md).
 struct ScheduleCost {
   double piece = 1.0;
   double cut = 0.5;
