@@ -396,16 +396,18 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
     }
     return true;
   };
-  // The least T that fits, to a quarter tile or 0.3 % of it. The share is a lower bound and
-  // the cuts' own costs usually need a tile or two more: the bracket grows from the share by
-  // doubling steps, then is bisected (about six deals of O(batch + chunks) each).
+  // The least T that fits, to half a tile or 0.3 % of it (with the calibrated costs every
+  // chunk's cost is a multiple of half a tile, so half a tile finds the least exactly). The
+  // share is a lower bound and the cuts' own costs usually need a tile or two more: the
+  // bracket grows from the share by doubling steps, then is bisected (about five deals of
+  // O(batch + chunks) each).
   double lo = share, step = 1.0, hi = share + step;
   while (!deal(hi, false)) {
     lo = hi;
     step *= 2.0;
     hi = share + step;
   }
-  while (hi - lo > std::max(0.25, 0.003 * hi)) {
+  while (hi - lo > std::max(0.5, 0.003 * hi)) {
     const double mid = 0.5 * (lo + hi);
     (deal(mid, false) ? hi : lo) = mid;
   }
