@@ -326,6 +326,9 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
   auto deal = [&](double T, bool final) {
     count = k = splits = slots = 0;
     double used = 0.0;
+    // A piece of a cut request has min_tiles..cap tiles (cap: what an empty chunk holds).
+    const int64_t cap = int64_t(std::floor(T - cost.piece - cost.cut + 1e-9));
+    auto dealable = [&](int64_t r) { return cap >= min_tiles && r >= min_tiles && ceil_div(r, cap) * min_tiles <= r; };
     chunk_work[0] = 0;
     for (int b = 0; b < b_count; ++b) {
       if (q_start[b + 1] == q_start[b]) continue;  // no query rows: nothing to compute or write
@@ -353,9 +356,6 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
         emit(0, false);
         continue;
       }
-      // A piece of a cut request has min_tiles..cap tiles (cap: what an empty chunk holds).
-      const int64_t cap = int64_t(std::floor(T - cost.piece - cost.cut + 1e-9));
-      auto dealable = [&](int64_t r) { return cap >= min_tiles && r >= min_tiles && ceil_div(r, cap) * min_tiles <= r; };
       // A request T cannot split: cuts are off, or it has too few tiles for two pieces.
       const bool whole_only = !cut_allowed || n < 2 * min_tiles;
       for (;;) {
