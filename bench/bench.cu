@@ -312,7 +312,7 @@ void add_cta_work(Trace& tr, const Plan& plan, int heads, int rows, int tile_tok
   const PlanHeader& h = plan.header();
   const PlanView v = plan.view();
   const int grid = int(tr.ctas.size());
-  const int groups = (h.widest_qlen * heads + rows - 1) / rows;
+  const int groups = row_groups_of(int64_t(h.widest_qlen) * heads, rows);
   for (int c = 0; c < grid; ++c) {
     CtaRecord& rec = tr.ctas[size_t(c)];
     for (int slot = c; slot < groups * h.chunks; slot += grid) {

@@ -1,6 +1,5 @@
 #include "dcpmla/engine.h"
 
-#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -25,10 +24,7 @@ PlannerConfig planner_config(const AttentionConfig& c, Backend backend, int work
   // The row groups of the capacity's widest step (max_qlen x heads), as the kernel variant is
   // fixed by the capacity too (the planner checks the sizes; a config it will refuse gets
   // some calibration).
-  const int64_t rows = int64_t(c.limits.max_qlen) * c.heads;
-  int row_groups = 1;
-  if (rows_per_unit > 0 && rows > 0)
-    row_groups = int(std::min<int64_t>((rows + rows_per_unit - 1) / rows_per_unit, std::numeric_limits<int>::max()));
+  const int row_groups = row_groups_of(int64_t(c.limits.max_qlen) * c.heads, rows_per_unit);
   p.cost = c.schedule_cost.value_or(calibrated_schedule_cost(rows_per_unit, c.kv_dtype, row_groups));
   return p;
 }

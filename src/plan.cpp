@@ -208,9 +208,13 @@ Plan Planner::make_plan(int32_t* storage) const {
   return Plan(config_.limits, table_capacity_, work_capacity_, config_.num_workers, storage);
 }
 
+int row_groups_of(int64_t rows, int rows_per_unit) {
+  if (rows < 1 || rows_per_unit < 1) return 1;
+  return int(std::min<int64_t>(ceil_div(rows, rows_per_unit), int64_t(INT32_MAX)));
+}
+
 int Planner::chunks_of(int64_t max_rows) const {
-  const int64_t groups = std::max<int64_t>(1, ceil_div(max_rows, config_.rows_per_unit));
-  return int(std::max<int64_t>(1, config_.num_workers / groups));
+  return std::max(1, config_.num_workers / row_groups_of(max_rows, config_.rows_per_unit));
 }
 
 // Every check branches first and formats only when it fails: this runs every step over
@@ -326,9 +330,9 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
   auto deal = [&](double T, bool final) {
     count = k = splits = slots = 0;
     double used = 0.0;
-    // A piece of a cut request has min_tiles..cap tiles (cap: what an empty chunk holds).
+    // A piece of a cut request has min_tiles..cap tiles (cap: what an empty chunk holds), so
+    // a rest of r tiles goes in pieces only if ceil(r / cap) of them have min_tiles each.
     const int64_t cap = int64_t(std::floor(T - cost.piece - cost.cut + 1e-9));
-    auto dealable = [&](int64_t r) { return cap >= min_tiles && r >= min_tiles && ceil_div(r, cap) * min_tiles <= r; };
     chunk_work[0] = 0;
     for (int b = 0; b < b_count; ++b) {
       if (q_start[b + 1] == q_start[b]) continue;  // no query rows: nothing to compute or write
@@ -369,11 +373,13 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
           break;
         }
         int64_t take = 0;
-        if (!whole_only) {
-          take = int64_t(std::floor(room - cost.piece - cost.cut + 1e-9));
-          // What is left must still go in dealable pieces: 11 tiles do not go in pieces of 4..5,
-          // so 16 is cut 4 + 12, not 5 + 11.
-          while (take >= min_tiles && !dealable(rest - take)) --take;
+        if (!whole_only && cap >= min_tiles) {
+          // The most the room holds, less what keeps the rest in such pieces: the least rest
+          // of at least r tiles that goes in them is max(r, ceil(r / cap) min_tiles) (11 tiles
+          // do not go in pieces of 4..5, so 16 is cut 4 + 12, not 5 + 11).
+          const int64_t most = int64_t(std::floor(room - cost.piece - cost.cut + 1e-9));
+          const int64_t left = std::max(rest - most, min_tiles);
+          take = rest - std::max(left, ceil_div(left, cap) * min_tiles);
         }
         if (take >= min_tiles) {
           emit(pos + take, true);
@@ -396,8 +402,9 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
     }
     return true;
   };
-  // The least T that fits, to half a tile or 0.3 % of it (with the calibrated costs every
-  // chunk's cost is a multiple of half a tile, so half a tile finds the least exactly). The
+  // The least T that fits, to half a tile or 0.3 % of it (with the calibrated costs a deal
+  // changes only where T crosses a multiple of half a tile, so up to 166 tiles a chunk half a
+  // tile finds the least exactly). The
   // share is a lower bound and the cuts' own costs usually need a tile or two more: the
   // bracket grows from the share by doubling steps, then is bisected (about five deals of
   // O(batch + chunks) each).
@@ -412,7 +419,7 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
     (deal(mid, false) ? hi : lo) = mid;
   }
   stats.max_segments = 0;
-  deal(hi, true);
+  if (!deal(hi, true)) throw std::logic_error("dcpmla: the schedule's final deal did not fit");
   for (int j = k + 1; j <= chunks; ++j) chunk_work[j] = count;
   split_slot[splits] = slots;
   PlanHeader& h = plan.mutable_header();

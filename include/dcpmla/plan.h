@@ -39,13 +39,18 @@ struct ScheduleCost {
 };
 
 // The H200 calibration for units of rows_per_unit query rows of a kv_dtype cache, the widest
-// step the planner is sized for (max_qlen x heads) making row_groups groups: a piece costs 1 tile at 16 bf16 rows, 2 at 16 fp8 rows or
-// at 32 or more, 3 at 32 or more in exactly two groups (Q, the pipeline's restart and the
-// epilogue grow with the rows, the tile time less; fp8 halves the tile time; the two groups
-// of a chunk share their tiles' reads through L2). Measured, not modelled: the eleventh
-// session's grid of the serving batches and its check on the uniform shapes, where 3 lost
-// 1-2 % at four groups and more (bench/NOTES.md).
+// step the planner is sized for (max_qlen x heads) making row_groups groups: a piece costs 1
+// tile at 16 bf16 rows, 2 at 16 fp8 rows or at 32 or more, 3 at 32 or more in exactly two
+// groups (Q, the pipeline's restart and the epilogue grow with the rows, the tile time less;
+// fp8 halves the tile time; the two groups of a chunk share their tiles' reads through L2).
+// Measured, not modelled: the eleventh session's grid of the serving batches and its check on
+// the uniform shapes, where 3 lost 1-2 % at four groups and more (bench/NOTES.md).
 ScheduleCost calibrated_schedule_cost(int rows_per_unit, KvDtype kv_dtype, int row_groups);
+
+// The row groups of a step of `rows` query rows (qlen x heads) on units of rows_per_unit
+// rows: ceil(rows / rows_per_unit), at least 1 (also for sizes a planner would refuse), at
+// most INT_MAX.
+int row_groups_of(int64_t rows, int rows_per_unit);
 
 // Fixed for the planner's life (one per model and rank); checked at construction. The
 // caches are the engine's: their size is checked against each plan when a run takes one.

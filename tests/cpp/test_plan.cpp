@@ -242,6 +242,10 @@ TEST(Plan, RowGroupsShareTheChunks) {
   planner.plan(batch_of({60000, 60000}, 4).desc(), plan);  // 512 rows: eight groups
   EXPECT_EQ(plan.header().chunks, 16);
   EXPECT_SCHEDULE_OK(planner, plan);
+  EXPECT_EQ(row_groups_of(129, 64), 3);
+  EXPECT_EQ(row_groups_of(0, 64), 1) << "a step of no rows still has its chunks";
+  EXPECT_EQ(row_groups_of(64, 0), 1) << "a unit size the planner refuses";
+  EXPECT_EQ(row_groups_of(int64_t(1) << 40, 1), INT32_MAX);
 }
 
 TEST(Plan, PaddingNeverMovesACut) {
