@@ -163,9 +163,6 @@ inline float default_softmax_scale() { return 1.0f / std::sqrt(576.0f); }
 // cache, in groups of 16 or 32 rows) or "bf16swap" (the bf16 swap kernel for every bf16 cache, in
 // groups of 16 or 32 rows); unset means the library's choice. ctest runs the scenarios once
 // per variant.
-inline bool default_tuning(const cuda::AttentionTuning& t) {
-  return t.kernel == 0 && t.tile_tokens == 0 && t.ctas_per_sm == 0;
-}
 inline cuda::AttentionTuning test_tuning() {
   cuda::AttentionTuning t;
   if (const char* env = std::getenv("DCPMLA_TEST_TUNING")) {
@@ -177,6 +174,11 @@ inline cuda::AttentionTuning test_tuning() {
     else std::sscanf(env, "%dx%d", &t.tile_tokens, &t.ctas_per_sm);
   }
   return t;
+}
+
+// Whether t leaves every choice to the library (the kernel, tile and occupancy it picks).
+inline bool default_tuning(const cuda::AttentionTuning& t) {
+  return t.kernel == 0 && t.tile_tokens == 0 && t.ctas_per_sm == 0;
 }
 
 // A traced call (AttentionParams::trace) beside the plain one: its output, bit for bit, and
