@@ -52,8 +52,9 @@ __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, int sr
 }
 // The split-K partials stay in L2 from the attention kernel that writes them to the combine
 // that reads them once (evict_last: the KV streamed in between would otherwise evict the
-// early pieces' partials to DRAM before the combine reads them); the combine's streaming
-// loads (ld.global.cs: evict-first) then leave them first to go.
+// early pieces' partials to DRAM before the combine reads them). The combine reads them with
+// evict-first streaming loads (ld.global.cs); whether that demotes the lines for the kernels
+// after it has not been measured (bench/NOTES.md).
 __device__ __forceinline__ uint64_t l2_keep_policy() {
   uint64_t policy;
   asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
