@@ -231,11 +231,11 @@ struct Shape {
 // first start (after its wait) and last end (none when the plan cut nothing). timer_step_us:
 // the smallest step between two distinct stamps (the global timer's resolution bounds every
 // figure). ctas: every attention CTA's start and time beside the work the plan gave it (its
-// pieces, those of cut requests, and its tiles over them), for fitting the schedule's cost
-// model to what the GPU took; combine: every working combine CTA's start and time.
+// pieces, those of cut requests, and its tiles over them) and SM, for fitting the schedule's
+// cost model to what the GPU took and telling an SM's own speed from it; combine: every working combine CTA's start and time.
 struct CtaRecord {
   double start_us = 0, busy_us = 0;
-  int pieces = 0, cut_pieces = 0, tiles = 0;
+  int pieces = 0, cut_pieces = 0, tiles = 0, sm = 0;
 };
 struct Trace {
   int attention_ctas = 0, combine_ctas = 0;
@@ -256,11 +256,12 @@ struct Row {
 
 // The summary of one traced call's stamps (kTraceEntries, 0 = not written).
 Trace summarise_trace(const std::vector<uint64_t>& t) {
-  std::vector<uint64_t> starts, ends, cstarts, cends, all;
+  std::vector<uint64_t> starts, ends, sms, cstarts, cends, all;
   for (int b = 0; b < kTraceCtas; ++b) {
     if (t[size_t(2 * b)] != 0 && t[size_t(2 * b + 1)] != 0) {
       starts.push_back(t[size_t(2 * b)]);
       ends.push_back(t[size_t(2 * b + 1)]);
+      sms.push_back(t[size_t(kTraceSm + b)]);
     }
     if (t[size_t(kTraceCombine + 2 * b)] != 0 && t[size_t(kTraceCombine + 2 * b + 1)] != 0) {
       cstarts.push_back(t[size_t(kTraceCombine + 2 * b)]);
@@ -277,6 +278,7 @@ Trace summarise_trace(const std::vector<uint64_t>& t) {
   std::vector<double> busy;
   for (size_t b = 0; b < starts.size(); ++b) {
     r.ctas.push_back({us(starts[b]), double(ends[b] - starts[b]) * 1e-3});
+    r.ctas.back().sm = int(sms[b]);
     busy.push_back(r.ctas.back().busy_us);
   }
   std::sort(ends.begin(), ends.end());
@@ -331,13 +333,14 @@ void add_cta_work(Trace& tr, const Plan& plan, int heads, int rows, int tile_tok
 nlohmann::json cta_json(const std::vector<CtaRecord>& ctas) {
   nlohmann::json j = {{"start_us", nlohmann::json::array()}, {"busy_us", nlohmann::json::array()},
                       {"pieces", nlohmann::json::array()},   {"cut_pieces", nlohmann::json::array()},
-                      {"tiles", nlohmann::json::array()}};
+                      {"tiles", nlohmann::json::array()},    {"sm", nlohmann::json::array()}};
   for (const CtaRecord& c : ctas) {
     j["start_us"].push_back(c.start_us);
     j["busy_us"].push_back(c.busy_us);
     j["pieces"].push_back(c.pieces);
     j["cut_pieces"].push_back(c.cut_pieces);
     j["tiles"].push_back(c.tiles);
+    j["sm"].push_back(c.sm);
   }
   return j;
 }

@@ -207,12 +207,16 @@ inline TraceCheck check_trace(const std::vector<uint64_t>& t, bool cut, bool att
     if (c.stamps_ok) c.problem = what;
     c.stamps_ok = false;
   };
+  int device = 0, sm_count = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
   uint64_t first = 0;
   for (int b = 0; b < kTraceCtas; ++b) {
     const uint64_t start = t[size_t(2 * b)], end = t[size_t(2 * b + 1)];
     if (start == 0 && end == 0) continue;
     if (b != c.attention_ctas) fail("attention CTA " + std::to_string(b) + " stamped after a gap");
     if (start == 0 || end < start) fail("attention CTA " + std::to_string(b) + ": start/end out of order");
+    if (t[size_t(kTraceSm + b)] >= uint64_t(sm_count)) fail("attention CTA " + std::to_string(b) + ": SM id out of range");
     first = c.attention_ctas == 0 ? start : std::min(first, start);
     ++c.attention_ctas;
   }

@@ -32,10 +32,13 @@ struct PlanScalars {
   int groups, chunks;
 };
 
-// Diagnostics (AttentionParams::trace): attention CTA b's start (end = false) or end; one
-// thread of the CTA stamps.
+// Diagnostics (AttentionParams::trace): attention CTA b's start (end = false, with its SM) or
+// end; one thread of the CTA stamps.
 __device__ __forceinline__ void trace_cta(const AttentionParams& p, bool end) {
-  if (blockIdx.x < unsigned(kTraceCtas)) trace_stamp(p.trace, 2 * int(blockIdx.x) + int(end));
+  if (blockIdx.x < unsigned(kTraceCtas)) {
+    trace_stamp(p.trace, 2 * int(blockIdx.x) + int(end));
+    if (!end && p.trace != nullptr) p.trace[kTraceSm + blockIdx.x] = sm_id();
+  }
 }
 
 // Every attention kernel's first step once its barriers are set up: lets the combine's CTAs
