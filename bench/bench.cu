@@ -728,7 +728,7 @@ int main(int argc, char** argv) {
   app.add_flag("--no-baseline", no_baseline, "Skip the baseline (its columns are null in the JSON)");
   app.add_flag("--sweep", sweep, "Also time every other kernel variant at each shape (on the default variant's plan; @plan<rows> marks a variant with other rows per CTA)");
   app.add_flag("--no-ceilings", no_ceilings, "Skip the ceilings (the ratios to them are null in the JSON)");
-  app.add_flag("--trace", trace, "Also trace one more call of each shape: every CTA's start and end on the GPU's global timer, summarised, with each attention CTA's time beside its pieces and tiles (the JSON's \"trace\", \"trace.ctas\" for scripts/cta_fit.py and \"trace.combine\"; the mma.sync reference kernel does not stamp)");
+  app.add_flag("--trace", trace, "Also trace one more call of each shape: every CTA's start and end on the GPU's global timer, summarised, with each attention CTA's time beside its pieces, tiles and SM (the JSON's \"trace\", \"trace.ctas\" for scripts/cta_fit.py and \"trace.combine\"; the mma.sync reference kernel does not stamp)");
   app.add_option("--only", only, "Run only these shapes (comma-separated names)")->delimiter(',');
   app.add_option("--schedule", schedule, "The schedule's cost model: piece,cut,slack (ScheduleCost; default: each kernel's calibration, calibrated_schedule_cost)")
       ->delimiter(',')
