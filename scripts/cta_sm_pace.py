@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""Compares the attention CTAs' pace per SM between traced runs of one shape:
+
+    pace = tiles / busy_us of each CTA (CTAs of at least --min-tiles tiles), averaged per SM
+
+from dcpmla_bench --trace results files (each row's trace.ctas: busy_us, tiles, sm). Prints
+the correlation of the per-SM paces of every pair of runs (over the SMs both ran), and each
+run's spread (slowest and fastest SM against the median). A pace that belongs to the SM
+correlates across every pair; one that follows where the data lies correlates only between
+runs of the same allocations (bench/NOTES.md, thirteenth session: 0.82-0.92 within a binary,
+-0.71 to -0.75 across two).
+
+    scripts/cta_sm_pace.py A.json B.json ... --shape decode16
+"""
+import argparse
+import json
+import sys
+
+import numpy as np
+
+
+def sm_paces(row, min_tiles):
+    c = row["trace"]["ctas"]
+    per_sm = {}
+    for busy, tiles, sm in zip(c["busy_us"], c["tiles"], c["sm"]):
+        if tiles >= min_tiles and busy > 0:
+            per_sm.setdefault(sm, []).append(tiles / busy)
+    return {sm: float(np.mean(v)) for sm, v in per_sm.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", nargs="+", help="dcpmla_bench --json files written with --trace")
+    ap.add_argument("--shape", required=True, help="the shape (row name) to compare")
+    ap.add_argument("--min-tiles", type=int, default=8, help="CTAs with fewer tiles are left out")
+    args = ap.parse_args()
+    runs = []
+    for path in args.results:
+        for r in json.load(open(path))["rows"]:
+            ctas = (r.get("trace") or {}).get("ctas")
+            if r["name"] == args.shape and ctas and "sm" in ctas:
+                label = f"{path}" + (f" [{r['tree']} r{r['round']}]" if "tree" in r else "")
+                runs.append((label, sm_paces(r, args.min_tiles)))
+    if len(runs) < 2:
+        sys.exit(f"{args.shape}: fewer than two traced runs with SM ids in {args.results}")
+    for i, (label, p) in enumerate(runs):
+        v = np.array(list(p.values()))
+        print(f"run {i}: {label}: {len(p)} SMs, pace median {np.median(v):.3f} tiles/us, "
+              f"slowest {v.min() / np.median(v):.3f}x, fastest {v.max() / np.median(v):.3f}x")
+    print("correlation of the per-SM paces:")
+    for i in range(len(runs)):
+        cells = []
+        for j in range(len(runs)):
+            sms = sorted(set(runs[i][1]) & set(runs[j][1]))
+            a = np.array([runs[i][1][s] for s in sms])
+            b = np.array([runs[j][1][s] for s in sms])
+            cells.append(f"{np.corrcoef(a, b)[0, 1]:6.2f}" if len(sms) > 2 else "     -")
+        print(f"  run {i}: " + " ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
