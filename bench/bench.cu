@@ -231,8 +231,9 @@ struct Shape {
 // first start (after its wait) and last end (none when the plan cut nothing). timer_step_us:
 // the smallest step between two distinct stamps (the global timer's resolution bounds every
 // figure). ctas: every attention CTA's start and time beside the work the plan gave it (its
-// pieces, those of cut requests, and its tiles over them) and SM, for fitting the schedule's
-// cost model to what the GPU took and telling an SM's own speed from it; combine: every working combine CTA's start and time.
+// pieces, those of cut requests, and its tiles over them) and the SM it ran on, for fitting
+// the schedule's cost model to what the GPU took (scripts/cta_fit.py) and comparing the SMs'
+// paces (scripts/cta_sm_pace.py); combine: every working combine CTA's start and time.
 struct CtaRecord {
   double start_us = 0, busy_us = 0;
   int pieces = 0, cut_pieces = 0, tiles = 0, sm = 0;

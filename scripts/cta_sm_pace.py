@@ -7,8 +7,8 @@ from dcpmla_bench --trace results files (each row's trace.ctas: busy_us, tiles, 
 the correlation of the per-SM paces of every pair of runs (over the SMs both ran), and each
 run's spread (slowest and fastest SM against the median). A pace that belongs to the SM
 correlates across every pair; one that follows where the data lies correlates only between
-runs of the same allocations (bench/NOTES.md, thirteenth session: 0.82-0.92 within a binary,
--0.71 to -0.75 across two).
+runs of the same allocations (bench/NOTES.md, thirteenth session: 0.81-0.93 within a binary,
+-0.70 to -0.74 across two).
 
     scripts/cta_sm_pace.py A.json B.json ... --shape decode16
 """

@@ -377,8 +377,8 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
           // The most the room holds, less what keeps the rest in such pieces: the least rest
           // of at least r tiles that goes in them is max(r, ceil(r / cap) min_tiles) (11 tiles
           // do not go in pieces of 4..5, so 16 is cut 4 + 12, not 5 + 11).
-          const int64_t most = int64_t(std::floor(room - cost.piece - cost.cut + 1e-9));
-          const int64_t left = std::max(rest - most, min_tiles);
+          const int64_t room_tiles = int64_t(std::floor(room - cost.piece - cost.cut + 1e-9));
+          const int64_t left = std::max(rest - room_tiles, min_tiles);
           take = rest - std::max(left, ceil_div(left, cap) * min_tiles);
         }
         if (take >= min_tiles) {
@@ -404,10 +404,9 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
   };
   // The least T that fits, to half a tile or 0.3 % of it (with the calibrated costs a deal
   // changes only where T crosses a multiple of half a tile, so up to 166 tiles a chunk half a
-  // tile finds the least exactly). The
-  // share is a lower bound and the cuts' own costs usually need a tile or two more: the
-  // bracket grows from the share by doubling steps, then is bisected (about five deals of
-  // O(batch + chunks) each).
+  // tile finds the least exactly). The share is a lower bound and the cuts' own costs usually
+  // need a tile or two more: the bracket grows from the share by doubling steps, then is
+  // bisected (about five deals of O(batch + chunks) each).
   double lo = share, step = 1.0, hi = share + step;
   while (!deal(hi, false)) {
     lo = hi;

@@ -32,8 +32,8 @@ struct AttentionParams {
   // CUDA diagnostics (the bench's --trace), null in every call the library makes: when set,
   // kTraceEntries device uint64 that receive each CTA's start and end on the GPU's global
   // timer (ns): attention CTA b at [2 b, 2 b + 1], combine CTA c at [kTraceCombine + 2 c, + 1],
-  // for b, c < kTraceCtas (a combine CTA with no row to merge stamps neither), and attention
-  // CTA b's SM at [kTraceSm + b] (to tell the SMs' own speeds from the schedule's). The wgmma and
+  // for b, c < kTraceCtas (a combine CTA with no row to merge stamps neither), and the SM
+  // attention CTA b ran on at [kTraceSm + b]. The wgmma and
   // swap kernels and the combine stamp (the mma.sync reference kernel does not: at 255
   // registers its 32-row form spilled); what a CTA does is unchanged, and unwritten entries
   // keep their value.

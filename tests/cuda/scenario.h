@@ -182,9 +182,11 @@ inline bool default_tuning(const cuda::AttentionTuning& t) {
 }
 
 // A traced call (AttentionParams::trace) beside the plain one: its output, bit for bit, and
-// its stamps: attention CTAs 0 .. n - 1 stamped, each end at or after its start, the rest
-// untouched; the combine's CTAs stamped only when the plan cut a request, each after the
-// first attention CTA started.
+// its stamps: attention CTAs 0 .. n - 1 stamped, each end at or after its start and with an
+// SM id of the device, the rest untouched (their SM entries keep kUnstampedSm, so that an SM
+// never written shows); the combine's CTAs stamped only when the plan cut a request, each
+// after the first attention CTA started.
+inline constexpr uint64_t kUnstampedSm = ~uint64_t(0);
 struct TraceCheck {
   bool same_output = true, stamps_ok = true;
   int attention_ctas = 0, combine_ctas = 0;
@@ -216,10 +218,14 @@ inline TraceCheck check_trace(const std::vector<uint64_t>& t, bool cut, bool att
     if (start == 0 && end == 0) continue;
     if (b != c.attention_ctas) fail("attention CTA " + std::to_string(b) + " stamped after a gap");
     if (start == 0 || end < start) fail("attention CTA " + std::to_string(b) + ": start/end out of order");
-    if (t[size_t(kTraceSm + b)] >= uint64_t(sm_count)) fail("attention CTA " + std::to_string(b) + ": SM id out of range");
+    if (t[size_t(kTraceSm + b)] >= uint64_t(sm_count))
+      fail("attention CTA " + std::to_string(b) + ": SM id " + std::to_string(t[size_t(kTraceSm + b)]) +
+           " not one of the device's " + std::to_string(sm_count));
     first = c.attention_ctas == 0 ? start : std::min(first, start);
     ++c.attention_ctas;
   }
+  for (int b = c.attention_ctas; b < kTraceCtas; ++b)
+    if (t[size_t(kTraceSm + b)] != kUnstampedSm) fail("unstamped CTA " + std::to_string(b) + " wrote an SM id");
   for (int b = 0; b < kTraceCtas; ++b) {
     const uint64_t start = t[size_t(kTraceCombine + 2 * b)], end = t[size_t(kTraceCombine + 2 * b + 1)];
     if (start == 0 && end == 0) continue;
@@ -308,7 +314,9 @@ inline ScenarioResult run_scenario(const Scenario& s, bool trace = false) {
     cuda_ok(cudaStreamSynchronize(stream), "attend");
     res.cmp = compare_rows(out.download(), lse.download(), ref_out, ref_lse, 512, s.qlen, s.heads);
     if (trace) {
-      DeviceBuffer<uint64_t> stamps(std::vector<uint64_t>(kTraceEntries, 0));
+      std::vector<uint64_t> blank(kTraceEntries, 0);
+      std::fill(blank.begin() + kTraceSm, blank.begin() + kTraceSm + kTraceCtas, kUnstampedSm);
+      DeviceBuffer<uint64_t> stamps(blank);
       DeviceBuffer<bf16> out2(rows * 512);
       DeviceBuffer<float> lse2(rows);
       out2.poison();

@@ -20,16 +20,17 @@ inline constexpr float kLn2 = 0.6931471805599453f;
 __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
 
 // The GPU's global timer (ns), the same on every SM.
-__device__ __forceinline__ uint32_t sm_id() {
-  uint32_t v;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(v));
-  return v;
-}
-
 __device__ __forceinline__ uint64_t global_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+}
+
+// The SM this thread runs on.
+__device__ __forceinline__ uint32_t sm_id() {
+  uint32_t v;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(v));
+  return v;
 }
 
 // Diagnostics (AttentionParams::trace): the global timer into trace[slot], where the caller
