@@ -138,7 +138,7 @@ __device__ __forceinline__ void wgmma_load_unit_q(const AttentionParams& p, cons
 }
 
 // fp8 producer warpgroup (thread t of 128): streams the raw bytes of each tile into
-// registers one tile ahead (two threads per token, alternating 16-byte chunks of its row),
+// registers one tile ahead (two threads per token, each half of every 64-byte piece of its row),
 // waits until both consumers have released the tile's stage, dequantises into it (exact:
 // every e4m3 / e5m2 value is a bf16 value; kv_scale is applied outside), fences the stores
 // for the async proxy and arrives on the stage's full barrier.
@@ -150,7 +150,13 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
   constexpr int M = C::M, NT = C::NT;
   const uint32_t bar_a = smem_addr(sh.bar);
   const int tk = t >> 1, half = t & 1;
-  uint4 raw[kDim / 32];  // this thread's 18 chunks of the next tile
+  uint4 raw[kDim / 32];  // this thread's 18 chunks of the next tile: fp8 chunk fp8_chunk(k) of its token
+  // fp8 chunk 4 (k / 2) + 2 half + k % 2 = bf16 chunks 4 half + 2 (k % 2) + e (e < 2) of column
+  // block k / 2: the two threads of a token store to opposite halves of the 128-byte row, so the
+  // eight 16-byte stores of a quarter warp (four tokens, whose swizzles differ in the low two chunk
+  // bits) fall on eight distinct bank groups. (Alternating chunks, 2 k + half, put both threads
+  // in the same half: two-way conflicts on every store, 72 KiB a tile beside S's reads.)
+  auto fp8_chunk = [half](int k) { return 4 * (k >> 1) + 2 * half + (k & 1); };
   uint32_t gbase = 0, unit = 0;
   for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
     const UnitSpan u = unit_span<M, NT>(p, cur, ps);
@@ -164,7 +170,7 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
       const uint8_t* src = token_row<kDim>(p, ps, sp, j);
 #pragma unroll
       for (int k = 0; k < kDim / 32; ++k)
-        raw[k] = ok ? __ldg(reinterpret_cast<const uint4*>(src + (2 * k + half) * 16)) : make_uint4(0u, 0u, 0u, 0u);
+        raw[k] = ok ? __ldg(reinterpret_cast<const uint4*>(src + fp8_chunk(k) * 16)) : make_uint4(0u, 0u, 0u, 0u);
     };
     if (u.ntiles > 0) read(0, subpage(0));
     else wgmma_load_unit_q(p, u, unit, sh, t);
@@ -172,15 +178,15 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
     for (int i = 0; i < u.ntiles; ++i) {
       const uint32_t gt = gbase + uint32_t(i), s = gt & 1u, n = gt >> 1;
       if (n > 0) mbar_wait(bar_a + 8 * (kMbarEmpty0 + s), (n - 1) & 1u);
-      // fp8 chunk 2 k + half of the token's row = bf16 chunks 4 k + 2 half + e (e < 2), in
-      // column block k / 2; each part is fenced for the async proxy (wgmma reads it) and arrived.
+      // Chunk k into column block k / 2 (above); each part is fenced for the async proxy (wgmma
+      // reads it) and arrived.
 #pragma unroll
       for (int k = 0; k < kDim / 32; ++k) {
         uint32_t v[8];
         fp8x16_to_bf16x16(raw[k], E5M2, v);
 #pragma unroll
         for (int e = 0; e < 2; ++e)
-          *reinterpret_cast<uint4*>(sh.kv[s] + swz128(tk, k >> 1, 4 * (k & 1) + 2 * half + e, NT * 128)) =
+          *reinterpret_cast<uint4*>(sh.kv[s] + swz128(tk, k >> 1, 4 * half + 2 * (k & 1) + e, NT * 128)) =
               make_uint4(v[4 * e], v[4 * e + 1], v[4 * e + 2], v[4 * e + 3]);
         if ((k + 1) % (2 * C::BLOCKS_PER_PART) == 0) {
           fence_proxy_async();
