@@ -8,6 +8,8 @@
 //             kernel's S)
 //   s_rs64    the same with Q from registers (only K read from shared memory; ptxas gives
 //             each in-flight step its own A registers, so the chain holds 144 of them)
+//   s_ss32    S of a 32-token tile: 36 x m64n32k16 from shared memory (Q, the A operand, read
+//             once per 32 tokens instead of 64: what smaller tiles would cost S)
 //   s_ss128   S of a 128-token tile: 36 x m64n128k16 from shared memory (one issuer: the
 //             tile is 144 KiB)
 //   pv_ss256  P V of one warpgroup's half of O: 4 x m64n256k16, P and V (MN-major) from
@@ -36,20 +38,23 @@ namespace {
 
 namespace cd = dcpmla::cuda_detail;
 
-enum Form : int { kSss64, kSrs64, kSss128, kPVss256, kPVrs256 };
-constexpr const char* kFormNames[] = {"s_ss64", "s_rs64", "s_ss128", "pv_ss256", "pv_rs256"};
+enum Form : int { kSss64, kSrs64, kSss128, kPVss256, kPVrs256, kSss32 };
+constexpr const char* kFormNames[] = {"s_ss64", "s_rs64", "s_ss128", "pv_ss256", "pv_rs256", "s_ss32"};
 
 constexpr int kDim = 576;
 constexpr int kQBytes = 64 * kDim * 2;  // Q (64, 576) bf16; P V forms read P from its first 8 KiB
 constexpr int kScratchBytes = 8192;     // the streaming warpgroup's landing area
 constexpr double kPeakMacPerClk = 2048.0;
 
-__host__ __device__ constexpr int tile_bytes(int form) { return (form == kSss128 ? 128 : 64) * kDim * 2; }
+__host__ __device__ constexpr int tile_bytes(int form) {
+  return (form == kSss128 ? 128 : form == kSss32 ? 32 : 64) * kDim * 2;
+}
 constexpr double macs_per_chain(int form) {
   switch (form) {
     case kSss64:
     case kSrs64: return 64.0 * 64 * kDim;    // M x N x K of S, 64-token tile
     case kSss128: return 64.0 * 128 * kDim;  // 128-token tile
+    case kSss32: return 64.0 * 32 * kDim;    // 32-token tile
     default: return 64.0 * 256 * 64;         // P V: 256 columns of O over 64 tokens
   }
 }
@@ -71,6 +76,18 @@ __device__ __forceinline__ float chain(uint32_t sQ_a, uint32_t sK_a, const uint3
       if constexpr (FORM == kSss64) cd::wgmma_m64n64k16_ss<0>(acc, dq.at(off), dk.at(off), ks > 0);
       else cd::wgmma_m64n64k16_rs<0>(acc, a, dk.at(off), ks > 0);
     }
+    cd::wgmma_commit();
+    cd::wgmma_wait<0>();
+    cd::fence_regs(acc);
+    return acc[0];
+  } else if constexpr (FORM == kSss32) {
+    float acc[16];
+    const cd::SmemDesc dq(sQ_a, 16, 1024), dk(sK_a, 16, 1024);
+    cd::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kDim / 16; ++ks)
+      cd::wgmma_m64n32k16_ss<0>(acc, dq.at(uint32_t((ks >> 2) * (64 * 128) + (ks & 3) * 32)),
+                                dk.at(uint32_t((ks >> 2) * (32 * 128) + (ks & 3) * 32)), ks > 0);
     cd::wgmma_commit();
     cd::wgmma_wait<0>();
     cd::fence_regs(acc);
@@ -214,6 +231,8 @@ int main(int argc, char** argv) {
     };
     both.template operator()<kSss64, 1>();
     both.template operator()<kSss64, 2>();
+    both.template operator()<kSss32, 1>();
+    both.template operator()<kSss32, 2>();
     both.template operator()<kSrs64, 1>();
     // Two register-form issuers and the streaming warp: 9 warps put 3 on one SM sub-partition,
     // 168 registers each, too few for the chain's in-flight A fragments (ptxas serialises it).
