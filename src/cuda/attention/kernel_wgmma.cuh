@@ -138,10 +138,10 @@ __device__ __forceinline__ void wgmma_load_unit_q(const AttentionParams& p, cons
 }
 
 // fp8 producer warpgroup (thread t of 128): streams the raw bytes of each tile into
-// registers one tile ahead (two threads per token, each half of every 64-byte piece of its row),
-// waits until both consumers have released the tile's stage, dequantises into it (exact:
-// every e4m3 / e5m2 value is a bf16 value; kv_scale is applied outside), fences the stores
-// for the async proxy and arrives on the stage's full barrier.
+// registers one tile ahead (two threads per token, each one 32-byte half of every 64-byte
+// piece of its row), waits until both consumers have released the tile's stage, dequantises
+// into it (exact: every e4m3 / e5m2 value is a bf16 value; kv_scale is applied outside),
+// fences the stores for the async proxy and arrives on the stage's full barrier.
 // One body per format: a run-time choice per chunk keeps both conversions' registers live.
 template <bool E5M2>
 __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, const PlanScalars& ps, WgShared& sh,
@@ -152,10 +152,12 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
   const int tk = t >> 1, half = t & 1;
   uint4 raw[kDim / 32];  // this thread's 18 chunks of the next tile: fp8 chunk fp8_chunk(k) of its token
   // fp8 chunk 4 (k / 2) + 2 half + k % 2 = bf16 chunks 4 half + 2 (k % 2) + e (e < 2) of column
-  // block k / 2: the two threads of a token store to opposite halves of the 128-byte row, so the
-  // eight 16-byte stores of a quarter warp (four tokens, whose swizzles differ in the low two chunk
-  // bits) fall on eight distinct bank groups. (Alternating chunks, 2 k + half, put both threads
-  // in the same half: two-way conflicts on every store, 72 KiB a tile beside S's reads.)
+  // block k / 2: the two threads of a token store to opposite halves of the 128-byte row, so
+  // the eight 16-byte stores of a quarter warp (four tokens, whose swizzles differ in the low
+  // two chunk bits) fall on eight distinct bank groups. (Alternating chunks, 2 k + half, put
+  // both threads in the same half: two-way conflicts on every store, 72 KiB a tile beside S's
+  // reads; 3-5.5 % on the fp8 rows, bench/NOTES.md.) Loads k and k + 1 read the two halves of
+  // one 32-byte sector: the second hits L1 (without L1 allocation, 23-41 % slower).
   auto fp8_chunk = [half](int k) { return 4 * (k >> 1) + 2 * half + (k & 1); };
   uint32_t gbase = 0, unit = 0;
   for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
