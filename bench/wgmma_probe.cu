@@ -46,17 +46,12 @@ constexpr int kQBytes = 64 * kDim * 2;  // Q (64, 576) bf16; P V forms read P fr
 constexpr int kScratchBytes = 8192;     // the streaming warpgroup's landing area
 constexpr double kPeakMacPerClk = 2048.0;
 
-__host__ __device__ constexpr int tile_bytes(int form) {
-  return (form == kSss128 ? 128 : form == kSss32 ? 32 : 64) * kDim * 2;
-}
+// KV tokens of a form's tile (P V forms: 64).
+__host__ __device__ constexpr int tile_tokens(int form) { return form == kSss128 ? 128 : form == kSss32 ? 32 : 64; }
+__host__ __device__ constexpr int tile_bytes(int form) { return tile_tokens(form) * kDim * 2; }
+// M x N x K of S over a tile; P V: 256 columns of O over 64 tokens.
 constexpr double macs_per_chain(int form) {
-  switch (form) {
-    case kSss64:
-    case kSrs64: return 64.0 * 64 * kDim;    // M x N x K of S, 64-token tile
-    case kSss128: return 64.0 * 128 * kDim;  // 128-token tile
-    case kSss32: return 64.0 * 32 * kDim;    // 32-token tile
-    default: return 64.0 * 256 * 64;         // P V: 256 columns of O over 64 tokens
-  }
+  return form == kPVss256 || form == kPVrs256 ? 64.0 * 256 * 64 : 64.0 * tile_tokens(form) * kDim;
 }
 constexpr int smem_bytes(int form, int issuers) { return kQBytes + issuers * tile_bytes(form) + kScratchBytes + 1024; }
 
@@ -66,40 +61,20 @@ using cd::check;
 // fragment registers for every step of the register forms.
 template <int FORM>
 __device__ __forceinline__ float chain(uint32_t sQ_a, uint32_t sK_a, const uint32_t (&a)[4]) {
-  if constexpr (FORM == kSss64 || FORM == kSrs64) {
-    float acc[32];
+  if constexpr (FORM != kPVss256 && FORM != kPVrs256) {
+    constexpr int NTOK = tile_tokens(FORM);  // S's N
+    float acc[NTOK / 2];
     const cd::SmemDesc dq(sQ_a, 16, 1024), dk(sK_a, 16, 1024);
     cd::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kDim / 16; ++ks) {
-      const uint32_t off = uint32_t((ks >> 2) * (64 * 128) + (ks & 3) * 32);
-      if constexpr (FORM == kSss64) cd::wgmma_m64n64k16_ss<0>(acc, dq.at(off), dk.at(off), ks > 0);
-      else cd::wgmma_m64n64k16_rs<0>(acc, a, dk.at(off), ks > 0);
+      const uint32_t offq = uint32_t((ks >> 2) * (64 * 128) + (ks & 3) * 32);
+      const uint32_t offk = uint32_t((ks >> 2) * (NTOK * 128) + (ks & 3) * 32);
+      if constexpr (FORM == kSrs64) cd::wgmma_m64n64k16_rs<0>(acc, a, dk.at(offk), ks > 0);
+      else if constexpr (NTOK == 32) cd::wgmma_m64n32k16_ss<0>(acc, dq.at(offq), dk.at(offk), ks > 0);
+      else if constexpr (NTOK == 64) cd::wgmma_m64n64k16_ss<0>(acc, dq.at(offq), dk.at(offk), ks > 0);
+      else cd::wgmma_m64n128k16_ss<0>(acc, dq.at(offq), dk.at(offk), ks > 0);
     }
-    cd::wgmma_commit();
-    cd::wgmma_wait<0>();
-    cd::fence_regs(acc);
-    return acc[0];
-  } else if constexpr (FORM == kSss32) {
-    float acc[16];
-    const cd::SmemDesc dq(sQ_a, 16, 1024), dk(sK_a, 16, 1024);
-    cd::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kDim / 16; ++ks)
-      cd::wgmma_m64n32k16_ss<0>(acc, dq.at(uint32_t((ks >> 2) * (64 * 128) + (ks & 3) * 32)),
-                                dk.at(uint32_t((ks >> 2) * (32 * 128) + (ks & 3) * 32)), ks > 0);
-    cd::wgmma_commit();
-    cd::wgmma_wait<0>();
-    cd::fence_regs(acc);
-    return acc[0];
-  } else if constexpr (FORM == kSss128) {
-    float acc[64];
-    const cd::SmemDesc dq(sQ_a, 16, 1024), dk(sK_a, 16, 1024);
-    cd::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kDim / 16; ++ks)
-      cd::wgmma_m64n128k16_ss<0>(acc, dq.at(uint32_t((ks >> 2) * (64 * 128) + (ks & 3) * 32)),
-                                 dk.at(uint32_t((ks >> 2) * (128 * 128) + (ks & 3) * 32)), ks > 0);
     cd::wgmma_commit();
     cd::wgmma_wait<0>();
     cd::fence_regs(acc);
