@@ -151,13 +151,14 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
   const uint32_t bar_a = smem_addr(sh.bar);
   const int tk = t >> 1, half = t & 1;
   uint4 raw[kDim / 32];  // this thread's 18 chunks of the next tile: fp8 chunk fp8_chunk(k) of its token
-  // fp8 chunk 4 (k / 2) + 2 half + k % 2 = bf16 chunks 4 half + 2 (k % 2) + e (e < 2) of column
-  // block k / 2: the two threads of a token store to opposite halves of the 128-byte row, so
-  // the eight 16-byte stores of a quarter warp (four tokens, whose swizzles differ in the low
-  // two chunk bits) fall on eight distinct bank groups. (Alternating chunks, 2 k + half, put
-  // both threads in the same half: two-way conflicts on every store, 72 KiB a tile beside S's
-  // reads; 3-5.5 % on the fp8 rows, bench/NOTES.md.) Loads k and k + 1 read the two halves of
-  // one 32-byte sector: the second hits L1 (without L1 allocation, 23-41 % slower).
+  // fp8 chunk f = 4 (k / 2) + 2 half + k % 2 holds bf16 chunks 2 f + e (e < 2): chunks
+  // 2 (f % 4) + e = 4 half + 2 (k % 2) + e of column block f / 4 = k / 2. So the two threads
+  // of a token store to opposite halves of the 128-byte row, and the eight 16-byte stores of a
+  // quarter warp (four tokens, whose swizzles differ in the low two chunk bits) fall on eight
+  // distinct bank groups. (Alternating chunks, 2 k + half, put both threads in the same half:
+  // two-way conflicts on every store, 72 KiB a tile beside S's reads; 3-5.5 % on the fp8 rows,
+  // bench/NOTES.md.) Loads k and k + 1 read the two halves of one 32-byte sector: the second
+  // hits L1 (without L1 allocation, 23-41 % slower).
   auto fp8_chunk = [half](int k) { return 4 * (k >> 1) + 2 * half + (k & 1); };
   uint32_t gbase = 0, unit = 0;
   for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
@@ -180,15 +181,16 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
     for (int i = 0; i < u.ntiles; ++i) {
       const uint32_t gt = gbase + uint32_t(i), s = gt & 1u, n = gt >> 1;
       if (n > 0) mbar_wait(bar_a + 8 * (kMbarEmpty0 + s), (n - 1) & 1u);
-      // Chunk k into column block k / 2 (above); each part is fenced for the async proxy (wgmma
-      // reads it) and arrived.
+      // fp8 chunk f into bf16 chunks 2 f, 2 f + 1 of the row (above); each part is fenced for the
+      // async proxy (wgmma reads it) and arrived.
 #pragma unroll
       for (int k = 0; k < kDim / 32; ++k) {
         uint32_t v[8];
         fp8x16_to_bf16x16(raw[k], E5M2, v);
+        const int f = fp8_chunk(k);
 #pragma unroll
         for (int e = 0; e < 2; ++e)
-          *reinterpret_cast<uint4*>(sh.kv[s] + swz128(tk, k >> 1, 4 * half + 2 * (k & 1) + e, NT * 128)) =
+          *reinterpret_cast<uint4*>(sh.kv[s] + swz128(tk, f >> 2, 2 * (f & 3) + e, NT * 128)) =
               make_uint4(v[4 * e], v[4 * e + 1], v[4 * e + 2], v[4 * e + 3]);
         if ((k + 1) % (2 * C::BLOCKS_PER_PART) == 0) {
           fence_proxy_async();
