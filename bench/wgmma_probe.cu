@@ -1,5 +1,5 @@
-// dcpmla_wgmma_probe: what the tensor pipe gives each wgmma form the attention kernels chain,
-// measured alone, so that a kernel design starts from the rate a form can reach on this GPU
+// dcpmla_wgmma_probe: what the tensor pipe gives each wgmma form the attention kernels chain
+// (or could: S over other tile sizes), measured alone, so that a kernel design starts from the rate a form can reach on this GPU
 // rather than from the datasheet. For each form, warpgroups issue the same chain again and
 // again on shared-memory operands (values do not matter); the table gives the SM cycles per
 // chain (clock64, median over CTAs) and the bf16 MACs per SM cycle of all issuing warpgroups
