@@ -1,9 +1,10 @@
 // dcpmla_wgmma_probe: what the tensor pipe gives each wgmma form the attention kernels chain
-// (or could: S over other tile sizes), measured alone, so that a kernel design starts from the rate a form can reach on this GPU
-// rather than from the datasheet. For each form, warpgroups issue the same chain again and
-// again on shared-memory operands (values do not matter); the table gives the SM cycles per
-// chain (clock64, median over CTAs) and the bf16 MACs per SM cycle of all issuing warpgroups
-// together, also as a fraction of the dense peak (2048 MACs per SM cycle):
+// (or could: S over other tile sizes), measured alone, so that a kernel design starts from
+// the rate a form can reach on this GPU rather than from the datasheet. For each form,
+// warpgroups issue the same chain again and again on shared-memory operands (values do not
+// matter); the table gives the SM cycles per chain (clock64, median over CTAs) and the bf16
+// MACs per SM cycle of all issuing warpgroups together, also as a fraction of the dense peak
+// (2048 MACs per SM cycle):
 //   s_ss64    S of a 64-token tile: 36 x m64n64k16, Q and K from shared memory (the wgmma
 //             kernel's S)
 //   s_rs64    the same with Q from registers (only K read from shared memory; ptxas gives
