@@ -26,10 +26,11 @@
 //   bf16: cp.async straight into the swizzled stage; each producer thread's copies arrive on
 //     the stage's full barrier when they land (stream_bf16_tiles, bf16_tiles.cuh, shared with
 //     the bf16 swap kernel). 40 registers; the consumers take 232.
-//   fp8: the raw bytes of the next tile wait in registers, are dequantised (exact; kv_scale
-//     folded into the softmax and output scales) into the stage, fenced for the async proxy,
-//     then arrived, a third of the columns at a time (S starts on the first third). 104
-//     registers; the consumers take 200.
+//   fp8: the raw bytes of the next tile wait in registers (four threads a token, whole
+//     sectors a load, not kept in L1), are dequantised (exact; kv_scale folded into the
+//     softmax and output scales) into the stage, fenced for the async proxy, then arrived, a
+//     third of the columns at a time (S starts on the first third). 104 registers; the
+//     consumers take 200.
 //
 // Shared memory (WgShared, from a 1024-byte aligned base; every buffer is a stack of (rows, 64)
 // column blocks of 128-byte rows, the 16-byte chunk c of row r at chunk c ^ (r & 7)):
@@ -138,68 +139,81 @@ __device__ __forceinline__ void wgmma_load_unit_q(const AttentionParams& p, cons
 }
 
 // fp8 producer warpgroup (thread t of 128): streams the raw bytes of each tile into
-// registers one tile ahead (two threads per token, each one 32-byte half of every 64-byte
-// piece of its row), waits until both consumers have released the tile's stage, dequantises
-// into it (exact: every e4m3 / e5m2 value is a bf16 value; kv_scale is applied outside),
-// fences the stores for the async proxy and arrives on the stage's full barrier.
+// registers one tile ahead (four threads per token, two tokens a thread: thread q of a token
+// holds fp8 chunk 4 j + q of every 64-byte piece j of its row), waits until both consumers
+// have released the tile's stage, dequantises into it (exact: every e4m3 / e5m2 value is a
+// bf16 value; kv_scale is applied outside), fences the stores for the async proxy and
+// arrives on the stage's full barrier.
 // One body per format: a run-time choice per chunk keeps both conversions' registers live.
 template <bool E5M2>
 __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, const PlanScalars& ps, WgShared& sh,
                                                    int t) {
   using C = WgConfig<true>;
   constexpr int M = C::M, NT = C::NT;
+  constexpr int PIECES = kDim / 64;  // 64-byte pieces of a stored row: one bf16 column block each
   const uint32_t bar_a = smem_addr(sh.bar);
-  const int tk = t >> 1, half = t & 1;
-  uint4 raw[kDim / 32];  // this thread's 18 chunks of the next tile: fp8 chunk fp8_chunk(k) of its token
-  // fp8 chunk f = 4 (k / 2) + 2 half + k % 2 holds bf16 chunks 2 f + e (e < 2): chunks
-  // 2 (f % 4) + e = 4 half + 2 (k % 2) + e of column block f / 4 = k / 2. So the two threads
-  // of a token store to opposite halves of the 128-byte row, and the eight 16-byte stores of a
-  // quarter warp (four tokens, whose swizzles differ in the low two chunk bits) fall on eight
-  // distinct bank groups. (Alternating chunks, 2 k + half, put both threads in the same half:
-  // two-way conflicts on every store, 72 KiB a tile beside S's reads; 3-5.5 % on the fp8 rows,
-  // bench/NOTES.md.) Loads k and k + 1 read the two halves of one 32-byte sector: the second
-  // hits L1 (without L1 allocation, 23-41 % slower).
-  auto fp8_chunk = [half](int k) { return 4 * (k >> 1) + 2 * half + (k & 1); };
+  const int tk = t >> 2, q = t & 3;  // tokens tk and tk + 32 of a tile
+  // fp8 chunk 4 j + q of each token: a warp's load instruction reads 64 contiguous bytes of
+  // each of eight tokens, whole sectors that no other load reads (so they skip L1), and the
+  // thread holds bf16 chunks 2 q + e (e < 2) of column block j: the eight 16-byte stores of a
+  // quarter warp (two tokens, whose swizzles differ in the lowest chunk bit) fall on eight
+  // distinct bank groups. (Two threads a token, each one 32-byte half of every piece, touched
+  // 16 lines a load instruction and read every sector twice, the second time from L1: 2-5 %
+  // slower on the fp8 64-row rows; bench/NOTES.md, fifteenth session.)
+  uint4 raw[2][PIECES];
   uint32_t gbase = 0, unit = 0;
   for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
     const UnitSpan u = unit_span<M, NT>(p, cur, ps);
     if (t == 0) prefetch_unit_q(p, u);  // its load waits for the previous unit's last S
-    // Sub-page of this thread's token of tile i.
-    auto subpage = [&](int i) { return token_subpage(u, ps, i, u.tok_lo + i * NT + tk); };
-    // Raw bytes of tile i (zeros past tok_hi).
-    auto read = [&](int i, int sp) {
-      const int j = u.tok_lo + i * NT + tk;
-      const bool ok = j < u.tok_hi;
-      const uint8_t* src = token_row<kDim>(p, ps, sp, j);
+    // Sub-pages of this thread's two tokens of tile i.
+    auto subpages = [&](int i, int (&sp)[2]) {
 #pragma unroll
-      for (int k = 0; k < kDim / 32; ++k)
-        raw[k] = ok ? __ldg(reinterpret_cast<const uint4*>(src + fp8_chunk(k) * 16)) : make_uint4(0u, 0u, 0u, 0u);
+      for (int h = 0; h < 2; ++h) sp[h] = token_subpage(u, ps, i, u.tok_lo + i * NT + tk + 32 * h);
     };
-    if (u.ntiles > 0) read(0, subpage(0));
-    else wgmma_load_unit_q(p, u, unit, sh, t);
-    int sp_next = subpage(1);
+    // Raw bytes of tile i (zeros past tok_hi).
+    auto read = [&](int i, const int (&sp)[2]) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int j = u.tok_lo + i * NT + tk + 32 * h;
+        const bool ok = j < u.tok_hi;
+        const uint8_t* src = token_row<kDim>(p, ps, sp[h], j);
+#pragma unroll
+        for (int k = 0; k < PIECES; ++k)
+          raw[h][k] = ok ? ldg_no_l1(src + (4 * k + q) * 16) : make_uint4(0u, 0u, 0u, 0u);
+      }
+    };
+    int sp[2];
+    if (u.ntiles > 0) {
+      subpages(0, sp);
+      read(0, sp);
+    } else {
+      wgmma_load_unit_q(p, u, unit, sh, t);
+    }
+    subpages(1, sp);
     for (int i = 0; i < u.ntiles; ++i) {
       const uint32_t gt = gbase + uint32_t(i), s = gt & 1u, n = gt >> 1;
       if (n > 0) mbar_wait(bar_a + 8 * (kMbarEmpty0 + s), (n - 1) & 1u);
-      // fp8 chunk f into bf16 chunks 2 f, 2 f + 1 of the row (above); each part is fenced for the
+      // Piece k into bf16 chunks 2 q, 2 q + 1 of column block k; each part is fenced for the
       // async proxy (wgmma reads it) and arrived.
 #pragma unroll
-      for (int k = 0; k < kDim / 32; ++k) {
-        uint32_t v[8];
-        fp8x16_to_bf16x16(raw[k], E5M2, v);
-        const int f = fp8_chunk(k);
+      for (int k = 0; k < PIECES; ++k) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e)
-          *reinterpret_cast<uint4*>(sh.kv[s] + swz128(tk, f >> 2, 2 * (f & 3) + e, NT * 128)) =
-              make_uint4(v[4 * e], v[4 * e + 1], v[4 * e + 2], v[4 * e + 3]);
-        if ((k + 1) % (2 * C::BLOCKS_PER_PART) == 0) {
+        for (int h = 0; h < 2; ++h) {
+          uint32_t v[8];
+          fp8x16_to_bf16x16(raw[h][k], E5M2, v);
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            *reinterpret_cast<uint4*>(sh.kv[s] + swz128(tk + 32 * h, k, 2 * q + e, NT * 128)) =
+                make_uint4(v[4 * e], v[4 * e + 1], v[4 * e + 2], v[4 * e + 3]);
+        }
+        if ((k + 1) % C::BLOCKS_PER_PART == 0) {
           fence_proxy_async();
-          mbar_arrive(bar_a + 8 * full_bar<true>(s, k / (2 * C::BLOCKS_PER_PART)));
+          mbar_arrive(bar_a + 8 * full_bar<true>(s, k / C::BLOCKS_PER_PART));
         }
       }
       if (i + 1 < u.ntiles) {
-        read(i + 1, sp_next);
-        sp_next = subpage(i + 2);
+        read(i + 1, sp);
+        subpages(i + 2, sp);
       }
       // The unit's Q behind its first tile (as stream_bf16_tiles' on_unit), the next tile's
       // bytes in flight meanwhile.

@@ -131,6 +131,15 @@ __device__ __forceinline__ uint32_t fp8x2_to_bf16x2(uint16_t v) {
   return pack_bf16x2(f.x, f.y);
 }
 
+// A read-only 16-byte load that does not allocate in L1 (its bytes are used once).
+__device__ __forceinline__ uint4 ldg_no_l1(const void* src) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(src));
+  return v;
+}
+
 // One stored 16-byte chunk (16 fp8 values, lowest first) -> 8 bf16 pairs, exactly.
 __device__ __forceinline__ void fp8x16_to_bf16x16(uint4 v, bool e5m2, uint32_t (&out)[8]) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
