@@ -16,9 +16,13 @@
 //   pv_ss256  P V of one warpgroup's half of O: 4 x m64n256k16, P and V (MN-major) from
 //             shared memory (the wgmma kernel's WG1)
 //   pv_rs256  the same with P from registers (its WG0)
-// with 1 or 2 warpgroups issuing at once (each its own K / V tile, one Q), and with or
-// without a warp streaming cp.async from global memory into shared memory beside them (a
-// producer's traffic, as fast as one warp's copies go). One CTA on every SM. Needs an sm_90a GPU.
+// with 1 or 2 warpgroups issuing at once (each its own K / V tile, one Q), and beside them
+// (the stream column): nothing; a warp streaming cp.async from global memory into shared
+// memory, 8 KiB a round trip ("warp"); or, with one issuer, a producer warpgroup that copies
+// one 72 KiB tile (64 tokens of 576 bf16, from DRAM, by the 64-row kernel's copy pattern) as
+// each chain starts, back to back when a fill outlasts a chain ("tile": the shared-memory
+// writes the kernel's fill makes beside its S).
+// One CTA on every SM. Needs an sm_90a GPU.
 // `dcpmla_wgmma_probe --help`; --json writes the rows with their metadata.
 #include <algorithm>
 #include <cstdio>
@@ -30,6 +34,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "attention/swizzle.cuh"
 #include "attention/wgmma.cuh"
 #include "common/resources.h"
 #include "common/utils.cuh"
@@ -44,8 +49,17 @@ constexpr const char* kFormNames[] = {"s_ss64", "s_rs64", "s_ss128", "pv_ss256",
 
 constexpr int kDim = 576;
 constexpr int kQBytes = 64 * kDim * 2;  // Q (64, 576) bf16; P V forms read P from its first 8 KiB
-constexpr int kScratchBytes = 8192;     // the streaming warpgroup's landing area
+constexpr int kTileFillBytes = 64 * kDim * 2;  // a bf16 KV tile: the tile fill's landing area
 constexpr double kPeakMacPerClk = 2048.0;
+
+// What runs beside the issuers: nothing, a warp's cp.async stream (8 KiB a round trip, into an
+// 8 KiB area), or a warpgroup's tile fill (one 72 KiB tile as each chain starts).
+enum Stream : int { kNoStream, kWarpStream, kTileFill };
+constexpr const char* kStreamNames[] = {"no", "warp", "tile"};
+constexpr int stream_threads(int stream) { return stream == kWarpStream ? 32 : stream == kTileFill ? 128 : 0; }
+constexpr int stream_bytes(int stream) {
+  return stream == kWarpStream ? 8192 : stream == kTileFill ? kTileFillBytes : 0;
+}
 
 // KV tokens of a form's tile (P V forms: 64).
 __host__ __device__ constexpr int tile_tokens(int form) { return form == kSss128 ? 128 : form == kSss32 ? 32 : 64; }
@@ -54,7 +68,9 @@ __host__ __device__ constexpr int tile_bytes(int form) { return tile_tokens(form
 constexpr double macs_per_chain(int form) {
   return form == kPVss256 || form == kPVrs256 ? 64.0 * 256 * 64 : 64.0 * tile_tokens(form) * kDim;
 }
-constexpr int smem_bytes(int form, int issuers) { return kQBytes + issuers * tile_bytes(form) + kScratchBytes + 1024; }
+constexpr int smem_bytes(int form, int issuers, int stream) {
+  return kQBytes + issuers * tile_bytes(form) + stream_bytes(stream) + 1024;
+}
 
 using cd::check;
 
@@ -98,17 +114,18 @@ __device__ __forceinline__ float chain(uint32_t sQ_a, uint32_t sK_a, const uint3
   }
 }
 
-template <int FORM, int ISSUERS, bool STREAM>
-__global__ void __launch_bounds__(128 * ISSUERS + 32 * STREAM, 1)
+template <int FORM, int ISSUERS, int STREAM>
+__global__ void __launch_bounds__(128 * ISSUERS + stream_threads(STREAM), 1)
     probe_kernel(int iters, const uint4* __restrict__ src, size_t src_chunks, long long* cycles, float* sink) {
+  static_assert(STREAM != kTileFill || ISSUERS == 1, "a tile fill fits beside one issuer's tile");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  __shared__ int issuers_done;
+  __shared__ int issuers_done, chains_started;
   uint8_t* base = smem_raw + ((1024u - (cd::smem_addr(smem_raw) & 1023u)) & 1023u);
   const int tid = threadIdx.x, wg = tid >> 7, t = tid & 127;
   const int used = kQBytes + ISSUERS * tile_bytes(FORM);
   // Small bf16 values (2^-7) so that the accumulators stay finite.
   for (int i = tid; i < used / 4; i += blockDim.x) reinterpret_cast<uint32_t*>(base)[i] = 0x3C003C00u;
-  if (tid == 0) issuers_done = 0;
+  if (tid == 0) issuers_done = chains_started = 0;
   cd::fence_proxy_async();
   __syncthreads();
 
@@ -119,14 +136,42 @@ __global__ void __launch_bounds__(128 * ISSUERS + 32 * STREAM, 1)
     float s = 0.0f;
     const long long t0 = clock64();
 #pragma unroll 1
-    for (int it = 0; it < iters; ++it) s += chain<FORM>(sQ_a, sK_a, a);
+    for (int it = 0; it < iters; ++it) {
+      if (STREAM == kTileFill && t == 0) *static_cast<volatile int*>(&chains_started) = it + 1;
+      s += chain<FORM>(sQ_a, sK_a, a);
+    }
     const long long t1 = clock64();
     if (t == 0) {
       cycles[blockIdx.x * ISSUERS + wg] = t1 - t0;
       atomicAdd(&issuers_done, 1);
     }
     if (s == 1234.5f) sink[0] = s;  // keeps the chains
-  } else if constexpr (STREAM) {
+  } else if constexpr (STREAM == kTileFill) {
+    // One tile per chain started, as the kernel's producer refills a stage while S runs: eight
+    // threads a token, 128 contiguous bytes a copy, into the 128-byte swizzled layout; each
+    // CTA walks its own tiles through the source (far more than L2 holds: from DRAM).
+    const uint32_t dst = sQ_a + used;
+    const int lt = t >> 3, lc = t & 7;
+    constexpr size_t kTileChunks = kTileFillBytes / 16;
+    size_t tile = blockIdx.x;
+    for (int filled = 0;; ++filled) {
+      while (*static_cast<volatile int*>(&chains_started) <= filled &&
+             *static_cast<volatile int*>(&issuers_done) < ISSUERS) {
+      }
+      if (*static_cast<volatile int*>(&issuers_done) == ISSUERS) break;
+      const size_t base = (tile * kTileChunks) % (src_chunks - kTileChunks + 1);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int tok = lt + 16 * j;
+#pragma unroll
+        for (int m = 0; m < kDim / 64; ++m)
+          cd::cp_async_16(dst + cd::swz128(tok, m, lc, 64 * 128), src + base + tok * (kDim / 8) + lc + 8 * m, 16);
+      }
+      asm volatile("cp.async.commit_group;\n" ::: "memory");
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+      tile += gridDim.x;
+    }
+  } else if constexpr (STREAM == kWarpStream) {
     // One warp (the issuers keep the registers): 8 KiB a round, 16 bytes per copy, from
     // anywhere in the source buffer.
     const uint32_t dst = sQ_a + used;
@@ -146,18 +191,18 @@ __global__ void __launch_bounds__(128 * ISSUERS + 32 * STREAM, 1)
 struct Row {
   std::string form;
   int issuers;
-  bool stream;
+  std::string stream;
   double cycles_per_chain, mac_per_clk, peak_ratio, tflops, clock_mhz;
 };
 
-template <int FORM, int ISSUERS, bool STREAM>
+template <int FORM, int ISSUERS, int STREAM>
 Row run(int sms, const uint4* src, size_t src_chunks, long long* d_cycles, float* d_sink) {
   auto kernel = probe_kernel<FORM, ISSUERS, STREAM>;
-  const int smem = smem_bytes(FORM, ISSUERS);
+  const int smem = smem_bytes(FORM, ISSUERS, STREAM);
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "cudaFuncSetAttribute");
   // About 10^10 MACs per warpgroup: several milliseconds per launch.
   const int iters = int(1e10 / macs_per_chain(FORM));
-  const int threads = 128 * ISSUERS + 32 * STREAM;
+  const int threads = 128 * ISSUERS + stream_threads(STREAM);
   kernel<<<sms, threads, smem>>>(iters / 10, src, src_chunks, d_cycles, d_sink);  // warm-up
   check(cudaGetLastError(), "probe launch");
   const cd::Event e0("cudaEventCreate(probe)", cudaEventDefault), e1("cudaEventCreate(probe)", cudaEventDefault);
@@ -173,7 +218,7 @@ Row run(int sms, const uint4* src, size_t src_chunks, long long* d_cycles, float
   const double per_chain = double(cyc[cyc.size() / 2]) / iters;
   const double mac_clk = ISSUERS * macs_per_chain(FORM) / per_chain;
   const double total_macs = double(sms) * ISSUERS * iters * macs_per_chain(FORM);
-  return Row{kFormNames[FORM], ISSUERS, STREAM, per_chain, mac_clk, mac_clk / kPeakMacPerClk,
+  return Row{kFormNames[FORM], ISSUERS, kStreamNames[STREAM], per_chain, mac_clk, mac_clk / kPeakMacPerClk,
              2.0 * total_macs / (ms * 1e-3) / 1e12, double(cyc[cyc.size() / 2]) / (ms * 1e3)};
 }
 
@@ -182,7 +227,8 @@ Row run(int sms, const uint4* src, size_t src_chunks, long long* d_cycles, float
 int main(int argc, char** argv) {
   CLI::App app{"dcpmla_wgmma_probe: SM cycles per chain and bf16 MACs per SM cycle of the wgmma forms the "
                "attention kernels chain (S and P V, operands from shared memory or registers), with one or two "
-               "warpgroups issuing and with or without a cp.async stream beside them. Needs an sm_90a GPU."};
+               "warpgroups issuing, beside nothing, a warp's cp.async stream, or (one issuer) a 72 KiB tile fill "
+               "as each chain starts. Needs an sm_90a GPU."};
   std::string json_path;
   app.add_option("--json", json_path, "Also write the rows and their metadata as JSON to this file");
   CLI11_PARSE(app, argc, argv);
@@ -202,8 +248,10 @@ int main(int argc, char** argv) {
     const size_t chunks = src_bytes / sizeof(uint4);
     std::vector<Row> rows;
     auto both = [&]<int FORM, int ISSUERS>() {
-      rows.push_back(run<FORM, ISSUERS, false>(sms, src, chunks, d_cycles, d_sink));
-      rows.push_back(run<FORM, ISSUERS, true>(sms, src, chunks, d_cycles, d_sink));
+      rows.push_back(run<FORM, ISSUERS, kNoStream>(sms, src, chunks, d_cycles, d_sink));
+      rows.push_back(run<FORM, ISSUERS, kWarpStream>(sms, src, chunks, d_cycles, d_sink));
+      if constexpr (ISSUERS == 1 && FORM != kSss128)
+        rows.push_back(run<FORM, ISSUERS, kTileFill>(sms, src, chunks, d_cycles, d_sink));
     };
     both.template operator()<kSss64, 1>();
     both.template operator()<kSss64, 2>();
@@ -212,19 +260,19 @@ int main(int argc, char** argv) {
     both.template operator()<kSrs64, 1>();
     // Two register-form issuers and the streaming warp: 9 warps put 3 on one SM sub-partition,
     // 168 registers each, too few for the chain's in-flight A fragments (ptxas serialises it).
-    rows.push_back(run<kSrs64, 2, false>(sms, src, chunks, d_cycles, d_sink));
+    rows.push_back(run<kSrs64, 2, kNoStream>(sms, src, chunks, d_cycles, d_sink));
     both.template operator()<kSss128, 1>();
     both.template operator()<kPVss256, 1>();
     both.template operator()<kPVss256, 2>();
     both.template operator()<kPVrs256, 1>();
-    rows.push_back(run<kPVrs256, 2, false>(sms, src, chunks, d_cycles, d_sink));
+    rows.push_back(run<kPVrs256, 2, kNoStream>(sms, src, chunks, d_cycles, d_sink));
 
     std::printf("device: %s, %d SMs; peak %g bf16 MACs per SM cycle\n", prop.name, sms, kPeakMacPerClk);
     std::printf("%-10s %7s %7s %14s %12s %8s %9s %9s\n", "form", "issuers", "stream", "cycles/chain", "MAC/clk/SM",
                 "xpeak", "TFLOP/s", "SM MHz");
     nlohmann::json jrows = nlohmann::json::array();
     for (const Row& r : rows) {
-      std::printf("%-10s %7d %7s %14.1f %12.1f %8.3f %9.1f %9.0f\n", r.form.c_str(), r.issuers, r.stream ? "yes" : "no",
+      std::printf("%-10s %7d %7s %14.1f %12.1f %8.3f %9.1f %9.0f\n", r.form.c_str(), r.issuers, r.stream.c_str(),
                   r.cycles_per_chain, r.mac_per_clk, r.peak_ratio, r.tflops, r.clock_mhz);
       jrows.push_back({{"form", r.form},
                        {"issuers", r.issuers},
