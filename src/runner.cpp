@@ -323,7 +323,7 @@ void check_memory(const Inputs& in, const AttentionOptions& o, int ranks_here, b
                                double(in.tokens) * in.dim) +
                         12.0 * double(in.tokens) + 4.0 * double(in.batch) * double(in.width) + 4.0 * double(in.num_blocks);
   const double total = shared + per_rank * ranks_here;
-  require(total <= double(kMaxInProcessBytes), "host memory of the inputs' copies and, per rank, cache + workspace + merge buffers",
+  require(total <= double(kMaxInProcessBytes), "host memory (input copies; per rank: cache, workspace, merge buffers)",
           fmt::format("{:.3g} GiB for {} rank(s) here", total / double(1 << 30), ranks_here),
           fmt::format("<= {} GiB in one process (lower world_size, block_size, heads or the batch)",
                       kMaxInProcessBytes >> 30));

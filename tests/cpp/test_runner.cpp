@@ -169,7 +169,7 @@ TEST(Runner, EntryPointRefusesHostileSizesAndEnumsBeforeAllocating) {
   const int64_t max_len = int64_t(8) << 20;
   const std::span<const float> huge(tiny.data(), size_t(max_len) * 576);
   expect_error([&] { mla_attention(q, huge, one, 1, 1, 1, max_len, 576, AttentionOptions{}); },
-               "'host memory of the inputs' copies");
+               "'host memory (input copies; per rank: cache, workspace, merge buffers)' = ");
   // One rank of many in this process has the same bound (it had none: 36 GiB of blocks were
   // left to the allocator; PagedCache's own cap would refuse later, naming num_blocks).
   AttentionOptions big;
@@ -180,7 +180,7 @@ TEST(Runner, EntryPointRefusesHostileSizesAndEnumsBeforeAllocating) {
   const std::vector<float> kv512(size_t(512) * 576);
   run_ranks(1, [&](int, Communicator& comm) {
     expect_error([&] { mla_attention_on_rank(q512, kv512, lens, 512, 1, 1, 1, 576, big, comm); },
-                 "'host memory of the inputs' copies");
+                 "'host memory (input copies; per rank: cache, workspace, merge buffers)' = ");
   });
 }
 
