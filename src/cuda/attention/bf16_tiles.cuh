@@ -18,6 +18,7 @@
 #include "common/utils.cuh"
 #include "config.h"
 #include "swizzle.cuh"
+#include "tile_maps.h"
 #include "unit.cuh"
 #include "wgmma.cuh"
 
@@ -48,33 +49,34 @@ __device__ __forceinline__ void produce_unit_q(const AttentionParams& p, const U
 
 // Thread t (< 128) of the producer warpgroup of CTAs of M rows; ring: stage 0's shared
 // address (stage 1 follows kBf16TileBytes later); full, empty: the mbarriers of stage 0 (stage
-// 1's 8 bytes later). Eight threads per token (chunks lc + 8 m, m < 9: one 128-byte row of each
-// column block), tokens lt + 16 j (j < 4): a warp's copy reads 4 tokens x 128 contiguous
+// 1's 8 bytes later). Eight threads per token (Bf16TileMap: chunk lc of every column block m,
+// one 128-byte row of it), four tokens a thread: a warp's copy reads 4 tokens x 128 contiguous
 // bytes. The next tile's sub-pages are looked up while this tile's copies are in flight.
 template <int M, typename OnUnit>
 __device__ __forceinline__ void stream_bf16_tiles(const AttentionParams& p, const PlanScalars& ps, uint32_t ring,
                                                   uint32_t full, uint32_t empty, int t, OnUnit on_unit) {
   constexpr int NT = kBf16TileTokens;
-  const int lt = t >> 3, lc = t & 7;
+  using Map = Bf16TileMap;
+  const int lc = Map::chunk(t);
   uint32_t gbase = 0, unit = 0;
   for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
     const UnitSpan u = unit_span<M, NT>(p, cur, ps);
     if (t == 0) prefetch_unit_q(p, u);  // on_unit's Q load may wait for the consumers
     if (u.ntiles == 0) on_unit(u, unit);
     // The sub-pages of this thread's four tokens of tile i (0 past the end: never dereferenced).
-    auto subpages = [&](int i, int (&sp)[4]) {
+    auto subpages = [&](int i, int (&sp)[Map::kTokens]) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) sp[j] = token_subpage(u, ps, i, u.tok_lo + i * NT + lt + 16 * j);
+      for (int j = 0; j < Map::kTokens; ++j) sp[j] = token_subpage(u, ps, i, u.tok_lo + i * NT + Map::token(t, j));
     };
-    int sp[4];
+    int sp[Map::kTokens];
     if (u.ntiles > 0) subpages(0, sp);
     for (int i = 0; i < u.ntiles; ++i) {
       const uint32_t gt = gbase + uint32_t(i), s = gt & 1u, n = gt >> 1;
       if (n > 0) mbar_wait(empty + 8 * s, (n - 1) & 1u);
       const uint32_t dst = ring + s * kBf16TileBytes;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int tok = lt + 16 * j, jt = u.tok_lo + i * NT + tok;
+      for (int j = 0; j < Map::kTokens; ++j) {
+        const int tok = Map::token(t, j), jt = u.tok_lo + i * NT + tok;
         const bool ok = jt < u.tok_hi;  // past it: zero-filled, never read
         const uint8_t* src = ok ? token_row<kDim * 2>(p, ps, sp[j], jt) : p.kv;
 #pragma unroll

@@ -48,6 +48,7 @@
 #include "config.h"
 #include "softmax.cuh"
 #include "swizzle.cuh"
+#include "tile_maps.h"
 #include "unit.cuh"
 #include "wgmma.cuh"
 
@@ -139,9 +140,9 @@ __device__ __forceinline__ void wgmma_load_unit_q(const AttentionParams& p, cons
 }
 
 // fp8 producer warpgroup (thread t of 128): streams the raw bytes of each tile into
-// registers one tile ahead (four threads per token, two tokens a thread: thread q of a token
-// holds fp8 chunk 4 j + q of every 64-byte piece j of its row), waits until both consumers
-// have released the tile's stage, dequantises into it (exact: every e4m3 / e5m2 value is a
+// registers one tile ahead (Fp8TileMap: four threads per token, two tokens a thread, thread
+// q of a token holding fp8 chunk 4 j + q of every 64-byte piece j of its row), waits until
+// both consumers have released the tile's stage, dequantises into it (exact: every e4m3 / e5m2 value is a
 // bf16 value; kv_scale is applied outside), fences the stores for the async proxy and
 // arrives on the stage's full barrier.
 // One body per format: a run-time choice per chunk keeps both conversions' registers live.
@@ -152,7 +153,7 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
   constexpr int M = C::M, NT = C::NT;
   constexpr int PIECES = kDim / 64;  // 64-byte pieces of a stored row: one bf16 column block each
   const uint32_t bar_a = smem_addr(sh.bar);
-  const int tk = t >> 2, q = t & 3;  // tokens tk and tk + 32 of a tile
+  using Map = Fp8TileMap;
   // fp8 chunk 4 j + q of each token: a warp's load instruction reads 64 contiguous bytes of
   // each of eight tokens, whole sectors that no other load reads (so they skip L1), and the
   // thread holds bf16 chunks 2 q + e (e < 2) of column block j: the eight 16-byte stores of a
@@ -160,29 +161,29 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
   // distinct bank groups. (Two threads a token, each one 32-byte half of every piece, touched
   // 16 lines a load instruction and read every sector twice, the second time from L1: 2-5 %
   // slower on the fp8 64-row rows; bench/NOTES.md, fifteenth session.)
-  uint4 raw[2][PIECES];
+  uint4 raw[Map::kTokens][PIECES];
   uint32_t gbase = 0, unit = 0;
   for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
     const UnitSpan u = unit_span<M, NT>(p, cur, ps);
     if (t == 0) prefetch_unit_q(p, u);  // its load waits for the previous unit's last S
     // Sub-pages of this thread's two tokens of tile i.
-    auto subpages = [&](int i, int (&sp)[2]) {
+    auto subpages = [&](int i, int (&sp)[Map::kTokens]) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) sp[h] = token_subpage(u, ps, i, u.tok_lo + i * NT + tk + 32 * h);
+      for (int h = 0; h < Map::kTokens; ++h) sp[h] = token_subpage(u, ps, i, u.tok_lo + i * NT + Map::token(t, h));
     };
     // Raw bytes of tile i (zeros past tok_hi).
-    auto read = [&](int i, const int (&sp)[2]) {
+    auto read = [&](int i, const int (&sp)[Map::kTokens]) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int j = u.tok_lo + i * NT + tk + 32 * h;
+      for (int h = 0; h < Map::kTokens; ++h) {
+        const int j = u.tok_lo + i * NT + Map::token(t, h);
         const bool ok = j < u.tok_hi;
         const uint8_t* src = token_row<kDim>(p, ps, sp[h], j);
 #pragma unroll
         for (int k = 0; k < PIECES; ++k)
-          raw[h][k] = ok ? ldg_no_l1(src + (4 * k + q) * 16) : make_uint4(0u, 0u, 0u, 0u);
+          raw[h][k] = ok ? ldg_no_l1(src + Map::fp8_chunk(t, k) * 16) : make_uint4(0u, 0u, 0u, 0u);
       }
     };
-    int sp[2];
+    int sp[Map::kTokens];
     if (u.ntiles > 0) {
       subpages(0, sp);
       read(0, sp);
@@ -193,17 +194,17 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
     for (int i = 0; i < u.ntiles; ++i) {
       const uint32_t gt = gbase + uint32_t(i), s = gt & 1u, n = gt >> 1;
       if (n > 0) mbar_wait(bar_a + 8 * (kMbarEmpty0 + s), (n - 1) & 1u);
-      // Piece k into bf16 chunks 2 q, 2 q + 1 of column block k; each part is fenced for the
-      // async proxy (wgmma reads it) and arrived.
+      // Piece k into its bf16 chunks of column block k; each part is fenced for the async proxy
+      // (wgmma reads it) and arrived.
 #pragma unroll
       for (int k = 0; k < PIECES; ++k) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+        for (int h = 0; h < Map::kTokens; ++h) {
           uint32_t v[8];
           fp8x16_to_bf16x16(raw[h][k], E5M2, v);
 #pragma unroll
           for (int e = 0; e < 2; ++e)
-            *reinterpret_cast<uint4*>(sh.kv[s] + swz128(tk + 32 * h, k, 2 * q + e, NT * 128)) =
+            *reinterpret_cast<uint4*>(sh.kv[s] + swz128(Map::token(t, h), k, Map::bf16_chunk(t, e), NT * 128)) =
                 make_uint4(v[4 * e], v[4 * e + 1], v[4 * e + 2], v[4 * e + 3]);
         }
         if ((k + 1) % C::BLOCKS_PER_PART == 0) {

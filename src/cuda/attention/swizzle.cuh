@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include <cuda_runtime_api.h>  // __host__ __device__ under a host compiler too
+
 #include "config.h"
 
 namespace dcpmla::cuda_detail {
@@ -27,7 +29,8 @@ __device__ __forceinline__ uint32_t swz_p(int row, int chunk) {
 // column blocks of 128-byte rows, `block_bytes` apart (each on a 1024-byte boundary); chunk
 // c (< 8) of a row of block `block` sits at chunk c ^ (row % 8). Callers pass the block and
 // the chunk within it: split from a flat chunk index at run time they cost registers.
-__device__ __forceinline__ uint32_t swz128(int row, int block, int chunk, int block_bytes) {
+// Host-callable for the producers' map test (tile_maps.h).
+__host__ __device__ __forceinline__ uint32_t swz128(int row, int block, int chunk, int block_bytes) {
   return uint32_t(block * block_bytes + row * 128 + ((chunk ^ (row & 7)) << 4));
 }
 
