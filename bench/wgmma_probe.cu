@@ -35,6 +35,7 @@
 #include <nlohmann/json.hpp>
 
 #include "attention/swizzle.cuh"
+#include "attention/tile_maps.h"
 #include "attention/wgmma.cuh"
 #include "common/resources.h"
 #include "common/utils.cuh"
@@ -147,11 +148,12 @@ __global__ void __launch_bounds__(128 * ISSUERS + stream_threads(STREAM), 1)
     }
     if (s == 1234.5f) sink[0] = s;  // keeps the chains
   } else if constexpr (STREAM == kTileFill) {
-    // One tile per chain started, as the kernel's producer refills a stage while S runs: eight
-    // threads a token, 128 contiguous bytes a copy, into the 128-byte swizzled layout; each
-    // CTA walks its own tiles through the source (far more than L2 holds: from DRAM).
+    // One tile per chain started, as the kernel's producer refills a stage while S runs, by its
+    // map (Bf16TileMap) into the 128-byte swizzled layout; each CTA walks its own tiles through
+    // the source (far more than L2 holds: from DRAM).
+    using Map = cd::Bf16TileMap;
     const uint32_t dst = sQ_a + used;
-    const int lt = t >> 3, lc = t & 7;
+    const int lc = Map::chunk(t);
     constexpr size_t kTileChunks = kTileFillBytes / 16;
     size_t tile = blockIdx.x;
     for (int filled = 0;; ++filled) {
@@ -161,8 +163,8 @@ __global__ void __launch_bounds__(128 * ISSUERS + stream_threads(STREAM), 1)
       if (*static_cast<volatile int*>(&issuers_done) == ISSUERS) break;
       const size_t base = (tile * kTileChunks) % (src_chunks - kTileChunks + 1);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int tok = lt + 16 * j;
+      for (int j = 0; j < Map::kTokens; ++j) {
+        const int tok = Map::token(t, j);
 #pragma unroll
         for (int m = 0; m < kDim / 64; ++m)
           cd::cp_async_16(dst + cd::swz128(tok, m, lc, 64 * 128), src + base + tok * (kDim / 8) + lc + 8 * m, 16);

@@ -22,7 +22,11 @@ struct Bf16TileMap {
 // fp8 tiles dequantised by the 64-row kernel's producer (wgmma_fp8_producer): thread t loads
 // fp8 chunk fp8_chunk(t, k) (16 values) of piece k (64 bytes: column block k) of tokens
 // token(t, h) (h < 2), four threads a token, and stores its values as bf16 chunks
-// bf16_chunk(t, e) (e < 2) of block k.
+// bf16_chunk(t, e) (e < 2) of block k. A warp's load instruction reads 64 contiguous bytes of
+// each of eight tokens; a quarter warp's stores are two tokens whose swizzles differ in the
+// lowest chunk bit. (Two threads a token, each one 32-byte half of every piece, touched 16
+// lines a load instruction and read every sector twice: 1.5-5.5 % slower on the fp8 64-row
+// rows; bench/NOTES.md, fifteenth session.)
 struct Fp8TileMap {
   static constexpr int kTokens = 2;  // per thread
   __host__ __device__ static constexpr int token(int t, int h) { return (t >> 2) + 32 * h; }
