@@ -19,9 +19,12 @@
 // with 1 or 2 warpgroups issuing at once (each its own K / V tile, one Q), and beside them
 // (the stream column): nothing; a warp streaming cp.async from global memory into shared
 // memory, 8 KiB a round trip ("warp"); or, with one issuer, a producer warpgroup that copies
-// one 72 KiB tile (64 tokens of 576 bf16, from DRAM, by the 64-row kernel's copy pattern) as
-// each chain starts, back to back when a fill outlasts a chain ("tile": the shared-memory
-// writes the kernel's fill makes beside its S).
+// one 72 KiB tile (64 tokens of 576 bf16, by the 64-row kernel's copy pattern) as each chain
+// starts, back to back when a fill outlasts a chain, from DRAM ("tile": the shared-memory
+// writes the kernel's fill makes beside its S) or from tiles that stay in L2 ("tile_l2": the
+// second row group's CTA of a 128-head request reads its tiles there). The tile rows also give
+// the SM cycles per fill (fill_cycles: a fill's own time when fills run back to back, i.e.
+// when it exceeds the chain's), what one SM's tile stream takes when every SM streams at once.
 // One CTA on every SM. Needs an sm_90a GPU.
 // `dcpmla_wgmma_probe --help`; --json writes the rows with their metadata.
 #include <algorithm>
@@ -54,12 +57,14 @@ constexpr int kTileFillBytes = 64 * kDim * 2;  // a bf16 KV tile: the tile fill'
 constexpr double kPeakMacPerClk = 2048.0;
 
 // What runs beside the issuers: nothing, a warp's cp.async stream (8 KiB a round trip, into an
-// 8 KiB area), or a warpgroup's tile fill (one 72 KiB tile as each chain starts).
-enum Stream : int { kNoStream, kWarpStream, kTileFill };
-constexpr const char* kStreamNames[] = {"no", "warp", "tile"};
-constexpr int stream_threads(int stream) { return stream == kWarpStream ? 32 : stream == kTileFill ? 128 : 0; }
+// 8 KiB area), or a warpgroup's tile fill (one 72 KiB tile as each chain starts) from DRAM or
+// from L2 (two tiles per CTA, read again and again).
+enum Stream : int { kNoStream, kWarpStream, kTileFill, kTileFillL2 };
+constexpr const char* kStreamNames[] = {"no", "warp", "tile", "tile_l2"};
+__host__ __device__ constexpr bool is_tile_fill(int stream) { return stream == kTileFill || stream == kTileFillL2; }
+constexpr int stream_threads(int stream) { return stream == kWarpStream ? 32 : is_tile_fill(stream) ? 128 : 0; }
 constexpr int stream_bytes(int stream) {
-  return stream == kWarpStream ? 8192 : stream == kTileFill ? kTileFillBytes : 0;
+  return stream == kWarpStream ? 8192 : is_tile_fill(stream) ? kTileFillBytes : 0;
 }
 
 // KV tokens of a form's tile (P V forms: 64).
@@ -117,8 +122,9 @@ __device__ __forceinline__ float chain(uint32_t sQ_a, uint32_t sK_a, const uint3
 
 template <int FORM, int ISSUERS, int STREAM>
 __global__ void __launch_bounds__(128 * ISSUERS + stream_threads(STREAM), 1)
-    probe_kernel(int iters, const uint4* __restrict__ src, size_t src_chunks, long long* cycles, float* sink) {
-  static_assert(STREAM != kTileFill || ISSUERS == 1, "a tile fill fits beside one issuer's tile");
+    probe_kernel(int iters, const uint4* __restrict__ src, size_t src_chunks, long long* cycles,
+                 long long* fill_cycles, float* sink) {
+  static_assert(!is_tile_fill(STREAM) || ISSUERS == 1, "a tile fill fits beside one issuer's tile");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ int issuers_done, chains_started;
   uint8_t* base = smem_raw + ((1024u - (cd::smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -138,7 +144,7 @@ __global__ void __launch_bounds__(128 * ISSUERS + stream_threads(STREAM), 1)
     const long long t0 = clock64();
 #pragma unroll 1
     for (int it = 0; it < iters; ++it) {
-      if (STREAM == kTileFill && t == 0) *static_cast<volatile int*>(&chains_started) = it + 1;
+      if (is_tile_fill(STREAM) && t == 0) *static_cast<volatile int*>(&chains_started) = it + 1;
       s += chain<FORM>(sQ_a, sK_a, a);
     }
     const long long t1 = clock64();
@@ -147,21 +153,25 @@ __global__ void __launch_bounds__(128 * ISSUERS + stream_threads(STREAM), 1)
       atomicAdd(&issuers_done, 1);
     }
     if (s == 1234.5f) sink[0] = s;  // keeps the chains
-  } else if constexpr (STREAM == kTileFill) {
+  } else if constexpr (is_tile_fill(STREAM)) {
     // One tile per chain started, as the kernel's producer refills a stage while S runs, by its
     // map (Bf16TileMap) into the 128-byte swizzled layout; each CTA walks its own tiles through
-    // the source (far more than L2 holds: from DRAM).
+    // the source: all of it (far more than L2 holds: from DRAM), or two tiles per CTA (L2).
     using Map = cd::Bf16TileMap;
     const uint32_t dst = sQ_a + used;
     const int lc = Map::chunk(t);
     constexpr size_t kTileChunks = kTileFillBytes / 16;
+    const size_t window = STREAM == kTileFillL2 ? 2 * gridDim.x * kTileChunks : src_chunks;
     size_t tile = blockIdx.x;
-    for (int filled = 0;; ++filled) {
+    long long f0 = 0;
+    int filled = 0;
+    for (;; ++filled) {
       while (*static_cast<volatile int*>(&chains_started) <= filled &&
              *static_cast<volatile int*>(&issuers_done) < ISSUERS) {
       }
       if (*static_cast<volatile int*>(&issuers_done) == ISSUERS) break;
-      const size_t base = (tile * kTileChunks) % (src_chunks - kTileChunks + 1);
+      if (filled == 0) f0 = clock64();
+      const size_t base = (tile * kTileChunks) % (window - kTileChunks + 1);
 #pragma unroll
       for (int j = 0; j < Map::kTokens; ++j) {
         const int tok = Map::token(t, j);
@@ -173,6 +183,8 @@ __global__ void __launch_bounds__(128 * ISSUERS + stream_threads(STREAM), 1)
       asm volatile("cp.async.wait_group 0;\n" ::: "memory");
       tile += gridDim.x;
     }
+    // Cycles per fill (the last one is cut short by the issuer's end: counted whole).
+    if (t == 0) fill_cycles[blockIdx.x] = filled > 0 ? (clock64() - f0) / filled : 0;
   } else if constexpr (STREAM == kWarpStream) {
     // One warp (the issuers keep the registers): 8 KiB a round, 16 bytes per copy, from
     // anywhere in the source buffer.
@@ -194,34 +206,46 @@ struct Row {
   std::string form;
   int issuers;
   std::string stream;
-  double cycles_per_chain, mac_per_clk, peak_ratio, tflops, clock_mhz;
+  double cycles_per_chain, mac_per_clk, peak_ratio, tflops, clock_mhz, fill_cycles;
 };
 
+// The median of a CTA's counts.
+double median(std::vector<long long> v) {
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return double(v[v.size() / 2]);
+}
+
 template <int FORM, int ISSUERS, int STREAM>
-Row run(int sms, const uint4* src, size_t src_chunks, long long* d_cycles, float* d_sink) {
+Row run(int sms, const uint4* src, size_t src_chunks, long long* d_cycles, long long* d_fill, float* d_sink) {
   auto kernel = probe_kernel<FORM, ISSUERS, STREAM>;
   const int smem = smem_bytes(FORM, ISSUERS, STREAM);
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "cudaFuncSetAttribute");
   // About 10^10 MACs per warpgroup: several milliseconds per launch.
   const int iters = int(1e10 / macs_per_chain(FORM));
   const int threads = 128 * ISSUERS + stream_threads(STREAM);
-  kernel<<<sms, threads, smem>>>(iters / 10, src, src_chunks, d_cycles, d_sink);  // warm-up
+  kernel<<<sms, threads, smem>>>(iters / 10, src, src_chunks, d_cycles, d_fill, d_sink);  // warm-up
   check(cudaGetLastError(), "probe launch");
   const cd::Event e0("cudaEventCreate(probe)", cudaEventDefault), e1("cudaEventCreate(probe)", cudaEventDefault);
   check(cudaEventRecord(e0.get()), "cudaEventRecord");
-  kernel<<<sms, threads, smem>>>(iters, src, src_chunks, d_cycles, d_sink);
+  kernel<<<sms, threads, smem>>>(iters, src, src_chunks, d_cycles, d_fill, d_sink);
   check(cudaEventRecord(e1.get()), "cudaEventRecord");
   check(cudaEventSynchronize(e1.get()), "probe run");
   float ms = 0.0f;
   check(cudaEventElapsedTime(&ms, e0.get(), e1.get()), "cudaEventElapsedTime");
   std::vector<long long> cyc(size_t(sms) * ISSUERS);
   check(cudaMemcpy(cyc.data(), d_cycles, cyc.size() * sizeof(long long), cudaMemcpyDeviceToHost), "cudaMemcpy");
-  std::nth_element(cyc.begin(), cyc.begin() + cyc.size() / 2, cyc.end());
-  const double per_chain = double(cyc[cyc.size() / 2]) / iters;
+  const double chain_cycles = median(cyc);
+  const double per_chain = chain_cycles / iters;
+  double fill = 0.0;
+  if constexpr (is_tile_fill(STREAM)) {
+    std::vector<long long> fc(static_cast<size_t>(sms));
+    check(cudaMemcpy(fc.data(), d_fill, fc.size() * sizeof(long long), cudaMemcpyDeviceToHost), "cudaMemcpy");
+    fill = median(fc);
+  }
   const double mac_clk = ISSUERS * macs_per_chain(FORM) / per_chain;
   const double total_macs = double(sms) * ISSUERS * iters * macs_per_chain(FORM);
   return Row{kFormNames[FORM], ISSUERS, kStreamNames[STREAM], per_chain, mac_clk, mac_clk / kPeakMacPerClk,
-             2.0 * total_macs / (ms * 1e-3) / 1e12, double(cyc[cyc.size() / 2]) / (ms * 1e3)};
+             2.0 * total_macs / (ms * 1e-3) / 1e12, chain_cycles / (ms * 1e3), fill};
 }
 
 }  // namespace
@@ -230,7 +254,7 @@ int main(int argc, char** argv) {
   CLI::App app{"dcpmla_wgmma_probe: SM cycles per chain and bf16 MACs per SM cycle of the wgmma forms the "
                "attention kernels chain (S and P V, operands from shared memory or registers), with one or two "
                "warpgroups issuing, beside nothing, a warp's cp.async stream, or (one issuer) a 72 KiB tile fill "
-               "as each chain starts. Needs an sm_90a GPU."};
+               "from DRAM or L2 as each chain starts. Needs an sm_90a GPU."};
   std::string json_path;
   app.add_option("--json", json_path, "Also write the rows and their metadata as JSON to this file");
   CLI11_PARSE(app, argc, argv);
@@ -241,19 +265,23 @@ int main(int argc, char** argv) {
     const size_t src_bytes = size_t(1) << 30;
     const cd::DeviceBuffer src_buf(src_bytes, "cudaMalloc(probe source)");
     const cd::DeviceBuffer cycles_buf(sizeof(long long) * prop.multiProcessorCount * 2, "cudaMalloc(probe cycles)");
+    const cd::DeviceBuffer fill_buf(sizeof(long long) * prop.multiProcessorCount, "cudaMalloc(probe fill cycles)");
     const cd::DeviceBuffer sink_buf(sizeof(float), "cudaMalloc(probe sink)");
     check(cudaMemset(src_buf.get(), 0, src_bytes), "cudaMemset");
     const uint4* src = src_buf.as<const uint4>();
     long long* d_cycles = cycles_buf.as<long long>();
+    long long* d_fill = fill_buf.as<long long>();
     float* d_sink = sink_buf.as<float>();
     const int sms = prop.multiProcessorCount;
     const size_t chunks = src_bytes / sizeof(uint4);
     std::vector<Row> rows;
     auto both = [&]<int FORM, int ISSUERS>() {
-      rows.push_back(run<FORM, ISSUERS, kNoStream>(sms, src, chunks, d_cycles, d_sink));
-      rows.push_back(run<FORM, ISSUERS, kWarpStream>(sms, src, chunks, d_cycles, d_sink));
-      if constexpr (ISSUERS == 1 && FORM != kSss128)
-        rows.push_back(run<FORM, ISSUERS, kTileFill>(sms, src, chunks, d_cycles, d_sink));
+      rows.push_back(run<FORM, ISSUERS, kNoStream>(sms, src, chunks, d_cycles, d_fill, d_sink));
+      rows.push_back(run<FORM, ISSUERS, kWarpStream>(sms, src, chunks, d_cycles, d_fill, d_sink));
+      if constexpr (ISSUERS == 1 && FORM != kSss128) {
+        rows.push_back(run<FORM, ISSUERS, kTileFill>(sms, src, chunks, d_cycles, d_fill, d_sink));
+        rows.push_back(run<FORM, ISSUERS, kTileFillL2>(sms, src, chunks, d_cycles, d_fill, d_sink));
+      }
     };
     both.template operator()<kSss64, 1>();
     both.template operator()<kSss64, 2>();
@@ -262,20 +290,21 @@ int main(int argc, char** argv) {
     both.template operator()<kSrs64, 1>();
     // Two register-form issuers and the streaming warp: 9 warps put 3 on one SM sub-partition,
     // 168 registers each, too few for the chain's in-flight A fragments (ptxas serialises it).
-    rows.push_back(run<kSrs64, 2, kNoStream>(sms, src, chunks, d_cycles, d_sink));
+    rows.push_back(run<kSrs64, 2, kNoStream>(sms, src, chunks, d_cycles, d_fill, d_sink));
     both.template operator()<kSss128, 1>();
     both.template operator()<kPVss256, 1>();
     both.template operator()<kPVss256, 2>();
     both.template operator()<kPVrs256, 1>();
-    rows.push_back(run<kPVrs256, 2, kNoStream>(sms, src, chunks, d_cycles, d_sink));
+    rows.push_back(run<kPVrs256, 2, kNoStream>(sms, src, chunks, d_cycles, d_fill, d_sink));
 
     std::printf("device: %s, %d SMs; peak %g bf16 MACs per SM cycle\n", prop.name, sms, kPeakMacPerClk);
-    std::printf("%-10s %7s %7s %14s %12s %8s %9s %9s\n", "form", "issuers", "stream", "cycles/chain", "MAC/clk/SM",
-                "xpeak", "TFLOP/s", "SM MHz");
+    std::printf("%-10s %7s %7s %14s %12s %8s %9s %9s %12s\n", "form", "issuers", "stream", "cycles/chain",
+                "MAC/clk/SM", "xpeak", "TFLOP/s", "SM MHz", "cycles/fill");
     nlohmann::json jrows = nlohmann::json::array();
     for (const Row& r : rows) {
-      std::printf("%-10s %7d %7s %14.1f %12.1f %8.3f %9.1f %9.0f\n", r.form.c_str(), r.issuers, r.stream.c_str(),
-                  r.cycles_per_chain, r.mac_per_clk, r.peak_ratio, r.tflops, r.clock_mhz);
+      std::printf("%-10s %7d %7s %14.1f %12.1f %8.3f %9.1f %9.0f %12.0f\n", r.form.c_str(), r.issuers,
+                  r.stream.c_str(), r.cycles_per_chain, r.mac_per_clk, r.peak_ratio, r.tflops, r.clock_mhz,
+                  r.fill_cycles);
       jrows.push_back({{"form", r.form},
                        {"issuers", r.issuers},
                        {"stream", r.stream},
@@ -283,7 +312,8 @@ int main(int argc, char** argv) {
                        {"mac_per_clk_sm", r.mac_per_clk},
                        {"peak_ratio", r.peak_ratio},
                        {"TFLOPs", r.tflops},
-                       {"sm_clock_mhz", r.clock_mhz}});
+                       {"sm_clock_mhz", r.clock_mhz},
+                       {"fill_cycles", r.fill_cycles}});
     }
     if (!json_path.empty()) dcpmla::results::write(json_path, dcpmla::results::metadata(0, argc, argv), jrows);
   } catch (const std::exception& e) {
