@@ -25,6 +25,14 @@
 // second row group's CTA of a 128-head request reads its tiles there). The tile rows also give
 // the SM cycles per fill (fill_cycles: a fill's own time when fills run back to back, i.e.
 // when it exceeds the chain's), what one SM's tile stream takes when every SM streams at once.
+// Then the tile stream alone (form fill_cp_async / fill_bulk): one CTA per SM streams 72 KiB
+// tiles into shared memory with 1, 2 or 3 tiles in flight, by 128 threads' cp.async (the
+// kernels' producers) or by one thread's bulk copies (cp.async.bulk, 8 KiB each, the TMA unit),
+// from DRAM or from L2 (stream "dram" / "l2"): SM cycles per tile and the bytes per second
+// landed in all SMs together. More tiles in flight going faster means a stream bound by latency
+// (deeper pipelines pay); the same rate, by bandwidth. fill_bulk_mc: clusters of two CTAs that
+// land the same tiles (the two row groups of a 128-head request), each CTA issuing half of
+// every tile's blocks multicast to both, so L2 sends each tile once per pair.
 // One CTA on every SM. Needs an sm_90a GPU.
 // `dcpmla_wgmma_probe --help`; --json writes the rows with their metadata.
 #include <algorithm>
@@ -202,6 +210,131 @@ __global__ void __launch_bounds__(128 * ISSUERS + stream_threads(STREAM), 1)
   }
 }
 
+// The tile stream alone: tiles of the CTA's walk through the source (all of it: DRAM; or two
+// tiles per CTA: L2) into INFLIGHT areas of 72 KiB, a tile in flight per area.
+// MC: a cluster of two CTAs (launched so) lands the same tiles, each CTA's bulk copies
+// multicast to both.
+template <int INFLIGHT, bool BULK, bool L2, bool MC = false>
+__global__ void __launch_bounds__(128, 1)
+    fill_kernel(int tiles, const uint4* __restrict__ src, size_t src_chunks, long long* cycles) {
+  static_assert(!MC || BULK);
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t bars[INFLIGHT];
+  uint8_t* base = smem_raw + ((1024u - (cd::smem_addr(smem_raw) & 1023u)) & 1023u);
+  const uint32_t area0 = cd::smem_addr(base), bar0 = cd::smem_addr(bars);
+  const int t = threadIdx.x;
+  constexpr size_t kTileChunks = kTileFillBytes / 16;
+  // The tile walk: per CTA, or per pair (MC).
+  const size_t walker = MC ? blockIdx.x / 2 : blockIdx.x, walkers = MC ? gridDim.x / 2 : gridDim.x;
+  const size_t window = L2 ? 2 * walkers * kTileChunks : src_chunks;
+  auto tile_src = [&](int k) {
+    return src + ((walker + size_t(k) * walkers) * kTileChunks) % (window - kTileChunks + 1);
+  };
+  if (BULK && t == 0)
+    for (int a = 0; a < INFLIGHT; ++a) cd::mbar_init(bar0 + 8 * a, 1);
+  if constexpr (MC) {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    cd::cluster_sync();
+  }
+  __syncthreads();
+  const long long c0 = clock64();
+  if constexpr (MC) {
+    // Rank r issues blocks [5 r, 5 r + 5) of each tile (the last 4 for rank 1) to both CTAs. An
+    // area is reissued once both CTAs have landed its previous tile (cluster barrier).
+    const uint32_t rank = cd::cluster_ctarank();
+    for (int k = 0; k < tiles; ++k) {
+      const int a = k % INFLIGHT;
+      if (k >= INFLIGHT) {
+        if (t == 0) cd::mbar_wait(bar0 + 8 * a, uint32_t((k / INFLIGHT - 1) & 1));
+        cd::cluster_sync();
+      }
+      if (t == 0) {
+        cd::mbar_arrive_expect_tx(bar0 + 8 * a, kTileFillBytes);
+        const uint4* from = tile_src(k);
+        for (int b = 5 * int(rank); b < min(5 * int(rank) + 5, kDim / 64); ++b)
+          cd::bulk_copy_g2s_multicast(area0 + a * kTileFillBytes + b * 8192, from + b * 512, 8192, bar0 + 8 * a,
+                                      uint16_t(3));
+      }
+    }
+    if (t == 0)
+      for (int k = tiles; k < tiles + INFLIGHT; ++k)
+        if (k >= INFLIGHT) cd::mbar_wait(bar0 + 8 * (k % INFLIGHT), uint32_t((k / INFLIGHT - 1) & 1));
+    cd::cluster_sync();  // no CTA exits while its peer's copies may still land in it
+  } else if constexpr (BULK) {
+    if (t == 0) {
+      for (int k = 0; k < tiles; ++k) {
+        const int a = k % INFLIGHT;
+        if (k >= INFLIGHT) cd::mbar_wait(bar0 + 8 * a, uint32_t((k / INFLIGHT - 1) & 1));
+        cd::mbar_arrive_expect_tx(bar0 + 8 * a, kTileFillBytes);
+        const uint4* from = tile_src(k);
+#pragma unroll
+        for (int b = 0; b < kDim / 64; ++b)
+          cd::bulk_copy_g2s(area0 + a * kTileFillBytes + b * 8192, from + b * 512, 8192, bar0 + 8 * a);
+      }
+      for (int k = tiles; k < tiles + INFLIGHT; ++k)
+        if (k >= INFLIGHT) cd::mbar_wait(bar0 + 8 * (k % INFLIGHT), uint32_t((k / INFLIGHT - 1) & 1));
+    }
+  } else {
+    using Map = cd::Bf16TileMap;
+    const int lc = Map::chunk(t);
+    for (int k = 0; k < tiles; ++k) {
+      const uint32_t dst = area0 + (k % INFLIGHT) * kTileFillBytes;
+      const uint4* from = tile_src(k);
+#pragma unroll
+      for (int j = 0; j < Map::kTokens; ++j) {
+        const int tok = Map::token(t, j);
+#pragma unroll
+        for (int m = 0; m < kDim / 64; ++m)
+          cd::cp_async_16(dst + cd::swz128(tok, m, lc, 64 * 128), from + tok * (kDim / 8) + lc + 8 * m, 16);
+      }
+      asm volatile("cp.async.commit_group;\n" ::: "memory");
+      asm volatile("cp.async.wait_group %0;\n" ::"n"(INFLIGHT - 1) : "memory");
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  }
+  if (t == 0) cycles[blockIdx.x] = (clock64() - c0) / tiles;
+}
+
+struct FillRow {
+  std::string copier, source;
+  int inflight;
+  double cycles_per_tile, gbps;
+};
+
+template <int INFLIGHT, bool BULK, bool L2, bool MC = false>
+FillRow run_fill(int sms, const uint4* src, size_t src_chunks, long long* d_cycles) {
+  auto kernel = fill_kernel<INFLIGHT, BULK, L2, MC>;
+  const int smem = INFLIGHT * kTileFillBytes + 1024;
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "cudaFuncSetAttribute");
+  const int tiles = 2000;  // 132 SMs x 2000 x 72 KiB = 19 GB: several milliseconds
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = MC ? 2 : 1;
+  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(MC ? sms / 2 * 2 : sms));
+  cfg.blockDim = dim3(128);
+  cfg.dynamicSmemBytes = size_t(smem);
+  cfg.attrs = &cluster;
+  cfg.numAttrs = 1;
+  auto launch = [&](int n) {
+    check(cudaLaunchKernelEx(&cfg, kernel, n, src, src_chunks, d_cycles), "fill probe launch");
+  };
+  launch(tiles / 10);  // warm-up
+  const cd::Event e0("cudaEventCreate(fill)", cudaEventDefault), e1("cudaEventCreate(fill)", cudaEventDefault);
+  check(cudaEventRecord(e0.get()), "cudaEventRecord");
+  launch(tiles);
+  check(cudaEventRecord(e1.get()), "cudaEventRecord");
+  check(cudaEventSynchronize(e1.get()), "fill probe run");
+  float ms = 0.0f;
+  check(cudaEventElapsedTime(&ms, e0.get(), e1.get()), "cudaEventElapsedTime");
+  std::vector<long long> cyc(static_cast<size_t>(sms));
+  check(cudaMemcpy(cyc.data(), d_cycles, cyc.size() * sizeof(long long), cudaMemcpyDeviceToHost), "cudaMemcpy");
+  std::nth_element(cyc.begin(), cyc.begin() + cyc.size() / 2, cyc.end());
+  return FillRow{MC ? "fill_bulk_mc" : BULK ? "fill_bulk" : "fill_cp_async", L2 ? "l2" : "dram", INFLIGHT,
+                 double(cyc[cyc.size() / 2]), double(cfg.gridDim.x) * tiles * kTileFillBytes / (ms * 1e-3) / 1e9};
+}
+
 struct Row {
   std::string form;
   int issuers;
@@ -297,6 +430,21 @@ int main(int argc, char** argv) {
     both.template operator()<kPVrs256, 1>();
     rows.push_back(run<kPVrs256, 2, kNoStream>(sms, src, chunks, d_cycles, d_fill, d_sink));
 
+    std::vector<FillRow> fills;
+    auto fill_rows = [&]<int INFLIGHT>() {
+      fills.push_back(run_fill<INFLIGHT, false, false>(sms, src, chunks, d_cycles));
+      fills.push_back(run_fill<INFLIGHT, false, true>(sms, src, chunks, d_cycles));
+      fills.push_back(run_fill<INFLIGHT, true, false>(sms, src, chunks, d_cycles));
+      fills.push_back(run_fill<INFLIGHT, true, true>(sms, src, chunks, d_cycles));
+      if constexpr (INFLIGHT > 1) {
+        fills.push_back(run_fill<INFLIGHT, true, false, true>(sms, src, chunks, d_cycles));
+        fills.push_back(run_fill<INFLIGHT, true, true, true>(sms, src, chunks, d_cycles));
+      }
+    };
+    fill_rows.template operator()<1>();
+    fill_rows.template operator()<2>();
+    fill_rows.template operator()<3>();
+
     std::printf("device: %s, %d SMs; peak %g bf16 MACs per SM cycle\n", prop.name, sms, kPeakMacPerClk);
     std::printf("%-10s %7s %7s %14s %12s %8s %9s %9s %12s\n", "form", "issuers", "stream", "cycles/chain",
                 "MAC/clk/SM", "xpeak", "TFLOP/s", "SM MHz", "cycles/fill");
@@ -314,6 +462,16 @@ int main(int argc, char** argv) {
                        {"TFLOPs", r.tflops},
                        {"sm_clock_mhz", r.clock_mhz},
                        {"fill_cycles", r.fill_cycles}});
+    }
+    std::printf("\n%-14s %7s %9s %16s %9s\n", "form", "source", "inflight", "cycles/tile/SM", "GB/s");
+    for (const FillRow& f : fills) {
+      std::printf("%-14s %7s %9d %16.0f %9.0f\n", f.copier.c_str(), f.source.c_str(), f.inflight, f.cycles_per_tile,
+                  f.gbps);
+      jrows.push_back({{"form", f.copier},
+                       {"stream", f.source},
+                       {"inflight", f.inflight},
+                       {"cycles_per_tile", f.cycles_per_tile},
+                       {"GBps", f.gbps}});
     }
     if (!json_path.empty()) dcpmla::results::write(json_path, dcpmla::results::metadata(0, argc, argv), jrows);
   } catch (const std::exception& e) {
