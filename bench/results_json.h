@@ -66,7 +66,12 @@ inline nlohmann::json metadata(int device, int argc, char** argv) {
            {{"sm_max_mhz", cuda_attribute_mhz(cudaDevAttrClockRate, device)},
             {"mem_max_mhz", cuda_attribute_mhz(cudaDevAttrMemoryClockRate, device)},
             {"sm_at_start_mhz", sm_clock_now_mhz(device)}}},
-          {"command", command}};
+          {"command", command},
+#ifdef DCPMLA_PROBE_NO_FILL
+          // A measuring build: the bf16 tile streams loaded nothing (cmake/cuda.cmake).
+          {"probe_no_fill", true},
+#endif
+  };
 }
 
 inline void write(const std::string& path, const nlohmann::json& meta, const nlohmann::json& rows) {

@@ -23,6 +23,8 @@
 # sit in). NCU_CACHE=none keeps the caches between the profiled kernels (Nsight flushes them
 # by default: a kernel that reads what the one before wrote, such as the combine, is then
 # timed from DRAM).
+# NOFILL=1 builds with DCPMLA_PROBE_NO_FILL (bench and ab only; build-device-nofill): the bf16
+# tile streams load nothing, so the times are the consumers' alone (wrong results).
 # Logs and JSON go to $OUT (default build-device/out). What the GPU image lacks (libfmt-dev,
 # googletest, CLI11, nlohmann-json, nccl.h) is taken from .devdeps/.
 set -uo pipefail
@@ -34,7 +36,7 @@ case "$MODE" in
   all | test | bench | ab | deps) ;;
   *) echo "usage: scripts/device.sh [all|test|bench|ab|deps] (got '$MODE')" >&2; exit 2 ;;
 esac
-BUILD="${BUILD_DIR:-$ROOT/build-device}"
+BUILD="${BUILD_DIR:-$ROOT/build-device$([[ "${NOFILL:-0}" == 1 ]] && echo -nofill)}"
 OUT="${OUT:-$BUILD/out}"
 JOBS="${JOBS:-$(nproc)}"
 BENCH_ARGS="${BENCH_ARGS:-}"
@@ -157,6 +159,14 @@ if [[ -f "$BUILD/.sources" ]]; then
   fi
 fi
 EXTRA=()
+# NOFILL=1: a measuring build (DCPMLA_PROBE_NO_FILL, cmake/cuda.cmake) of every tree, in its own
+# build directories: the bf16 tile streams load nothing, so bench and ab time the consumers
+# alone (trees older than the option build normally: compare trees that have it). Its results
+# are wrong: mode test refuses it.
+if [[ "${NOFILL:-0}" == 1 ]]; then
+  [[ "$MODE" == test || "$MODE" == all ]] && { say "NOFILL=1 builds give wrong results: bench or ab only"; exit 2; }
+  EXTRA+=(-DDCPMLA_PROBE_NO_FILL=ON)
+fi
 [[ -f /usr/local/cuda/include/nccl.h || ! -d .devdeps/nccl ]] || EXTRA+=("-DNCCL_ROOT=$ROOT/.devdeps/nccl")
 if NB_DIR="$(python3 -m nanobind --cmake_dir 2>/dev/null)"; then
   EXTRA+=(-DDCPMLA_PYTHON=ON "-Dnanobind_DIR=$NB_DIR" "-DPython_EXECUTABLE=$(command -v python3)")

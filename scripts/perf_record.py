@@ -35,6 +35,8 @@ def load():
             continue
         if data["rows"] and "tree" in data["rows"][0]:  # an ab of several trees (device.sh ab): NOTES
             continue
+        if data["meta"].get("probe_no_fill"):  # a measuring build with no loads: wrong results, NOTES
+            continue
         runs.append((path, data["meta"], data["rows"]))
     runs.sort(key=lambda run: (run[1]["date"], run[0].name))
     dcp = [run for run in runs if run[2] and "attention_us" in run[2][0]]

@@ -24,6 +24,14 @@
 
 namespace dcpmla::cuda_detail {
 
+// DCPMLA_PROBE_NO_FILL (the CMake option of a measuring build): no copy is issued, each stage
+// is released to the consumers at once (wrong results: their pace alone).
+#ifdef DCPMLA_PROBE_NO_FILL
+inline constexpr bool kProbeNoFill = true;
+#else
+inline constexpr bool kProbeNoFill = false;
+#endif
+
 inline constexpr int kBf16TileTokens = 64;
 inline constexpr int kBf16TileBytes = kBf16TileTokens * kDim * 2;  // (64, 576) bf16: 72 KiB
 
@@ -79,9 +87,10 @@ __device__ __forceinline__ void stream_bf16_tiles(const AttentionParams& p, cons
         const int tok = Map::token(t, j), jt = u.tok_lo + i * NT + tok;
         const bool ok = jt < u.tok_hi;  // past it: zero-filled, never read
         const uint8_t* src = ok ? token_row<kDim * 2>(p, ps, sp[j], jt) : p.kv;
+        if constexpr (!kProbeNoFill)
 #pragma unroll
-        for (int m = 0; m < kDim / 64; ++m)
-          cp_async_16(dst + swz128(tok, m, lc, NT * 128), src + (lc + 8 * m) * 16, ok ? 16 : 0);
+          for (int m = 0; m < kDim / 64; ++m)
+            cp_async_16(dst + swz128(tok, m, lc, NT * 128), src + (lc + 8 * m) * 16, ok ? 16 : 0);
       }
       cp_async_mbar_arrive(full + 8 * s);
       if (i == 0) on_unit(u, unit);
