@@ -82,11 +82,6 @@ separate_arguments(_dcpmla_gencode UNIX_COMMAND "${DCPMLA_CUDA_GENCODE}")
 target_compile_options(dcpmla_cuda PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:${_dcpmla_gencode} -lineinfo --expt-relaxed-constexpr -Xcompiler=-Wall>
   $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra>)
-# Register spills (checked when the kernels are compiled, also on machines without a GPU):
-# ptxas reports spills and local memory, and for every kernel the library runs by default
-# they are errors, so that a change that spills fails the build. The opt-in variants listed
-# here spill a few bytes today (two CTAs per SM cap them at 128 registers; the mma.sync
-# kernel at 64 rows x 64 tokens): their warnings stay warnings (docs/reliability.md).
 # A measuring build (bench/NOTES.md, sixteenth session): the bf16 producers that stream tiles
 # (stream_bf16_tiles: the 64-row wgmma kernel, the bf16 swap kernel) issue no copy and release
 # each stage at once, so the bench times the consumers' own pace with every tile in place. Its
@@ -97,6 +92,11 @@ if(DCPMLA_PROBE_NO_FILL)
   message(WARNING "dcpmla: DCPMLA_PROBE_NO_FILL is on: the bf16 kernels skip their KV loads, results are wrong")
   target_compile_definitions(dcpmla_cuda PUBLIC DCPMLA_PROBE_NO_FILL=1)
 endif()
+# Register spills (checked when the kernels are compiled, also on machines without a GPU):
+# ptxas reports spills and local memory, and for every kernel the library runs by default
+# they are errors, so that a change that spills fails the build. The opt-in variants listed
+# here spill a few bytes today (two CTAs per SM cap them at 128 registers; the mma.sync
+# kernel at 64 rows x 64 tokens): their warnings stay warnings (docs/reliability.md).
 option(DCPMLA_SPILL_CHECK "Fail the build when a default CUDA kernel spills registers" ON)
 target_compile_options(dcpmla_cuda PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:-Xptxas=--warn-on-spills,--warn-on-local-memory-usage>)

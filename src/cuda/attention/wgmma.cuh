@@ -1,7 +1,8 @@
 // Thin wrappers over the sm_90a instructions of the wgmma attention kernels: warpgroup MMA
 // (wgmma.mma_async with its fence / commit / wait), shared-memory matrix descriptors,
-// mbarriers, named barriers, register reallocation and the generic -> async proxy fence.
-// No CUTLASS/CuTe.
+// mbarriers, named barriers, register reallocation and the generic -> async proxy fence; and
+// the TMA unit's bulk copies with their byte-counting mbarrier arrivals, multicast and the
+// cluster barrier (the wgmma probe's tile streams, bench/wgmma_probe.cu). No CUTLASS/CuTe.
 //
 // wgmma m64nNk16 (PTX ISA 9.7.15): a warpgroup (4 consecutive warps, the first warp index
 // a multiple of 4) computes D (64 x N) += A (64 x 16) B (16 x N). Warp w of the group owns
