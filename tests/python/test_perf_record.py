@@ -32,3 +32,18 @@ def test_results_files_are_strict_json_with_metadata(path):
     assert set(data) == {"meta", "rows"} and data["rows"]
     for key in ("date", "commit", "gpu", "clocks", "command"):
         assert key in data["meta"], key
+
+
+def test_measuring_builds_stay_out_of_the_record(tmp_path, monkeypatch):
+    """A DCPMLA_PROBE_NO_FILL build's records (meta.probe_no_fill) time kernels that load
+    nothing: the record must never take them for a run."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import perf_record
+
+    meta = {"date": "2026-12-03T00:00:00Z", "commit": "0", "gpu": "H200", "clocks": {}, "command": "dcpmla_bench"}
+    (tmp_path / "run.json").write_text(json.dumps({"meta": meta, "rows": [{"name": "decode128", "us": 264.0}]}))
+    (tmp_path / "nofill.json").write_text(
+        json.dumps({"meta": {**meta, "probe_no_fill": True}, "rows": [{"name": "decode128", "us": 240.0}]}))
+    monkeypatch.setattr(perf_record, "RESULTS", tmp_path)
+    runs, dcp = perf_record.load()
+    assert [path.name for path, _, _ in runs] == ["run.json"] and dcp == []
