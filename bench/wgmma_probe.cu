@@ -128,6 +128,21 @@ __device__ __forceinline__ float chain(uint32_t sQ_a, uint32_t sK_a, const uint3
   }
 }
 
+// Thread t (< 128) of a warpgroup's cp.async copy of the 72 KiB tile at `from` (64 rows of 576
+// bf16) into the 128-byte swizzled layout at dst, by the kernels' producer map (Bf16TileMap);
+// not committed.
+__device__ __forceinline__ void copy_tile_cp_async(uint32_t dst, const uint4* from, int t) {
+  using Map = cd::Bf16TileMap;
+  const int lc = Map::chunk(t);
+#pragma unroll
+  for (int j = 0; j < Map::kTokens; ++j) {
+    const int tok = Map::token(t, j);
+#pragma unroll
+    for (int m = 0; m < kDim / 64; ++m)
+      cd::cp_async_16(dst + cd::swz128(tok, m, lc, 64 * 128), from + tok * (kDim / 8) + lc + 8 * m, 16);
+  }
+}
+
 template <int FORM, int ISSUERS, int STREAM>
 __global__ void __launch_bounds__(128 * ISSUERS + stream_threads(STREAM), 1)
     probe_kernel(int iters, const uint4* __restrict__ src, size_t src_chunks, long long* cycles,
@@ -135,7 +150,7 @@ __global__ void __launch_bounds__(128 * ISSUERS + stream_threads(STREAM), 1)
   static_assert(!is_tile_fill(STREAM) || ISSUERS == 1, "a tile fill fits beside one issuer's tile");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ int issuers_done, chains_started;
-  uint8_t* base = smem_raw + ((1024u - (cd::smem_addr(smem_raw) & 1023u)) & 1023u);
+  uint8_t* base = &cd::aligned_shared<uint8_t>(smem_raw);
   const int tid = threadIdx.x, wg = tid >> 7, t = tid & 127;
   const int used = kQBytes + ISSUERS * tile_bytes(FORM);
   // Small bf16 values (2^-7) so that the accumulators stay finite.
@@ -165,9 +180,7 @@ __global__ void __launch_bounds__(128 * ISSUERS + stream_threads(STREAM), 1)
     // One tile per chain started, as the kernel's producer refills a stage while S runs, by its
     // map (Bf16TileMap) into the 128-byte swizzled layout; each CTA walks its own tiles through
     // the source: all of it (far more than L2 holds: from DRAM), or two tiles per CTA (L2).
-    using Map = cd::Bf16TileMap;
     const uint32_t dst = sQ_a + used;
-    const int lc = Map::chunk(t);
     constexpr size_t kTileChunks = kTileFillBytes / 16;
     const size_t window = STREAM == kTileFillL2 ? 2 * gridDim.x * kTileChunks : src_chunks;
     size_t tile = blockIdx.x;
@@ -179,14 +192,7 @@ __global__ void __launch_bounds__(128 * ISSUERS + stream_threads(STREAM), 1)
       }
       if (*static_cast<volatile int*>(&issuers_done) == ISSUERS) break;
       if (filled == 0) f0 = clock64();
-      const size_t base = (tile * kTileChunks) % (window - kTileChunks + 1);
-#pragma unroll
-      for (int j = 0; j < Map::kTokens; ++j) {
-        const int tok = Map::token(t, j);
-#pragma unroll
-        for (int m = 0; m < kDim / 64; ++m)
-          cd::cp_async_16(dst + cd::swz128(tok, m, lc, 64 * 128), src + base + tok * (kDim / 8) + lc + 8 * m, 16);
-      }
+      copy_tile_cp_async(dst, src + (tile * kTileChunks) % (window - kTileChunks + 1), t);
       asm volatile("cp.async.commit_group;\n" ::: "memory");
       asm volatile("cp.async.wait_group 0;\n" ::: "memory");
       tile += gridDim.x;
@@ -220,7 +226,7 @@ __global__ void __launch_bounds__(128, 1)
   static_assert(!MC || BULK);
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t bars[INFLIGHT];
-  uint8_t* base = smem_raw + ((1024u - (cd::smem_addr(smem_raw) & 1023u)) & 1023u);
+  uint8_t* base = &cd::aligned_shared<uint8_t>(smem_raw);
   const uint32_t area0 = cd::smem_addr(base), bar0 = cd::smem_addr(bars);
   const int t = threadIdx.x;
   constexpr size_t kTileChunks = kTileFillBytes / 16;
@@ -238,61 +244,45 @@ __global__ void __launch_bounds__(128, 1)
   }
   __syncthreads();
   const long long c0 = clock64();
-  if constexpr (MC) {
-    // Rank r issues blocks [5 r, 5 r + 5) of each tile (the last 4 for rank 1) to both CTAs. An
-    // area is reissued once both CTAs have landed its previous tile (cluster barrier).
-    const uint32_t rank = cd::cluster_ctarank();
+  if constexpr (BULK) {
+    // Thread 0 copies each tile's nine 8 KiB blocks, or with MC, cluster rank r blocks
+    // [5 r, 5 r + 5) multicast to both CTAs. An area is reissued once its previous tile has
+    // landed (with MC, in both CTAs: cluster barrier).
+    const int b0 = MC ? 5 * int(cd::cluster_ctarank()) : 0, b1 = min(b0 + (MC ? 5 : kDim / 64), kDim / 64);
+    auto landed = [&](int k) {  // tile k's area is free again (k >= INFLIGHT: tile k - INFLIGHT landed)
+      if (k >= INFLIGHT && t == 0) cd::mbar_wait(bar0 + 8 * (k % INFLIGHT), uint32_t((k / INFLIGHT - 1) & 1));
+      if (MC) cd::cluster_sync();
+    };
     for (int k = 0; k < tiles; ++k) {
       const int a = k % INFLIGHT;
-      if (k >= INFLIGHT) {
-        if (t == 0) cd::mbar_wait(bar0 + 8 * a, uint32_t((k / INFLIGHT - 1) & 1));
-        cd::cluster_sync();
-      }
+      if (k >= INFLIGHT) landed(k);
       if (t == 0) {
         cd::mbar_arrive_expect_tx(bar0 + 8 * a, kTileFillBytes);
         const uint4* from = tile_src(k);
-        for (int b = 5 * int(rank); b < min(5 * int(rank) + 5, kDim / 64); ++b)
-          cd::bulk_copy_g2s_multicast(area0 + a * kTileFillBytes + b * 8192, from + b * 512, 8192, bar0 + 8 * a,
-                                      uint16_t(3));
+        for (int b = b0; b < b1; ++b) {
+          const uint32_t dst = area0 + a * kTileFillBytes + b * 8192;
+          if constexpr (MC) cd::bulk_copy_g2s_multicast(dst, from + b * 512, 8192, bar0 + 8 * a, uint16_t(3));
+          else cd::bulk_copy_g2s(dst, from + b * 512, 8192, bar0 + 8 * a);
+        }
       }
     }
-    if (t == 0)
-      for (int k = tiles; k < tiles + INFLIGHT; ++k)
-        if (k >= INFLIGHT) cd::mbar_wait(bar0 + 8 * (k % INFLIGHT), uint32_t((k / INFLIGHT - 1) & 1));
-    cd::cluster_sync();  // no CTA exits while its peer's copies may still land in it
-  } else if constexpr (BULK) {
-    if (t == 0) {
-      for (int k = 0; k < tiles; ++k) {
-        const int a = k % INFLIGHT;
-        if (k >= INFLIGHT) cd::mbar_wait(bar0 + 8 * a, uint32_t((k / INFLIGHT - 1) & 1));
-        cd::mbar_arrive_expect_tx(bar0 + 8 * a, kTileFillBytes);
-        const uint4* from = tile_src(k);
-#pragma unroll
-        for (int b = 0; b < kDim / 64; ++b)
-          cd::bulk_copy_g2s(area0 + a * kTileFillBytes + b * 8192, from + b * 512, 8192, bar0 + 8 * a);
-      }
-      for (int k = tiles; k < tiles + INFLIGHT; ++k)
-        if (k >= INFLIGHT) cd::mbar_wait(bar0 + 8 * (k % INFLIGHT), uint32_t((k / INFLIGHT - 1) & 1));
-    }
+    // The last INFLIGHT tiles (with MC: no CTA exits while its peer's copies may still land in it).
+    for (int k = max(tiles, INFLIGHT); k < tiles + INFLIGHT; ++k) landed(k);
   } else {
-    using Map = cd::Bf16TileMap;
-    const int lc = Map::chunk(t);
     for (int k = 0; k < tiles; ++k) {
-      const uint32_t dst = area0 + (k % INFLIGHT) * kTileFillBytes;
-      const uint4* from = tile_src(k);
-#pragma unroll
-      for (int j = 0; j < Map::kTokens; ++j) {
-        const int tok = Map::token(t, j);
-#pragma unroll
-        for (int m = 0; m < kDim / 64; ++m)
-          cd::cp_async_16(dst + cd::swz128(tok, m, lc, 64 * 128), from + tok * (kDim / 8) + lc + 8 * m, 16);
-      }
+      copy_tile_cp_async(area0 + (k % INFLIGHT) * kTileFillBytes, tile_src(k), t);
       asm volatile("cp.async.commit_group;\n" ::: "memory");
       asm volatile("cp.async.wait_group %0;\n" ::"n"(INFLIGHT - 1) : "memory");
     }
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
   }
   if (t == 0) cycles[blockIdx.x] = (clock64() - c0) / tiles;
+}
+
+// The median of the CTAs' counts.
+double median(std::vector<long long> v) {
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return double(v[v.size() / 2]);
 }
 
 struct FillRow {
@@ -328,11 +318,10 @@ FillRow run_fill(int sms, const uint4* src, size_t src_chunks, long long* d_cycl
   check(cudaEventSynchronize(e1.get()), "fill probe run");
   float ms = 0.0f;
   check(cudaEventElapsedTime(&ms, e0.get(), e1.get()), "cudaEventElapsedTime");
-  std::vector<long long> cyc(static_cast<size_t>(sms));
+  std::vector<long long> cyc(cfg.gridDim.x);
   check(cudaMemcpy(cyc.data(), d_cycles, cyc.size() * sizeof(long long), cudaMemcpyDeviceToHost), "cudaMemcpy");
-  std::nth_element(cyc.begin(), cyc.begin() + cyc.size() / 2, cyc.end());
   return FillRow{MC ? "fill_bulk_mc" : BULK ? "fill_bulk" : "fill_cp_async", L2 ? "l2" : "dram", INFLIGHT,
-                 double(cyc[cyc.size() / 2]), double(cfg.gridDim.x) * tiles * kTileFillBytes / (ms * 1e-3) / 1e9};
+                 median(cyc), double(cfg.gridDim.x) * tiles * kTileFillBytes / (ms * 1e-3) / 1e9};
 }
 
 struct Row {
@@ -341,12 +330,6 @@ struct Row {
   std::string stream;
   double cycles_per_chain, mac_per_clk, peak_ratio, tflops, clock_mhz, fill_cycles;
 };
-
-// The median of a CTA's counts.
-double median(std::vector<long long> v) {
-  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-  return double(v[v.size() / 2]);
-}
 
 template <int FORM, int ISSUERS, int STREAM>
 Row run(int sms, const uint4* src, size_t src_chunks, long long* d_cycles, long long* d_fill, float* d_sink) {

@@ -161,10 +161,16 @@ fi
 EXTRA=()
 # NOFILL=1: a measuring build (DCPMLA_PROBE_NO_FILL, cmake/cuda.cmake) of every tree, in its own
 # build directories: the bf16 tile streams load nothing, so bench and ab time the consumers
-# alone (trees older than the option build normally: compare trees that have it). Its results
-# are wrong: mode test refuses it.
+# alone. Its results are wrong: mode test refuses it, and mode ab refuses a tree older than the
+# option (it would build normally and be compared with the measuring build).
 if [[ "${NOFILL:-0}" == 1 ]]; then
   [[ "$MODE" == test || "$MODE" == all ]] && { say "NOFILL=1 builds give wrong results: bench or ab only"; exit 2; }
+  if [[ "$MODE" == ab ]]; then
+    for d in .devdeps/ab/*/; do
+      grep -q DCPMLA_PROBE_NO_FILL "$d/cmake/cuda.cmake" 2>/dev/null ||
+        { say "NOFILL=1: other tree $(cat "$d/.commit" 2>/dev/null) has no DCPMLA_PROBE_NO_FILL"; exit 2; }
+    done
+  fi
   EXTRA+=(-DDCPMLA_PROBE_NO_FILL=ON)
 fi
 [[ -f /usr/local/cuda/include/nccl.h || ! -d .devdeps/nccl ]] || EXTRA+=("-DNCCL_ROOT=$ROOT/.devdeps/nccl")

@@ -37,7 +37,7 @@ def test_results_files_are_strict_json_with_metadata(path):
 def test_measuring_builds_stay_out_of_the_record(tmp_path, monkeypatch):
     """A DCPMLA_PROBE_NO_FILL build's records (meta.probe_no_fill) time kernels that load
     nothing: the record must never take them for a run."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import perf_record
 
     meta = {"date": "2026-12-03T00:00:00Z", "commit": "0", "gpu": "H200", "clocks": {}, "command": "dcpmla_bench"}
