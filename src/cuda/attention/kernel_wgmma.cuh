@@ -123,6 +123,7 @@ struct WgShared {
   alignas(1024) uint8_t kv[C::STAGES][C::TILE_BYTES];  // K for S (K-major B) and V for P V (MN-major B)
   alignas(1024) uint8_t p[C::P_BYTES];                 // A of WG1's P V
   float alpha[C::M], l[C::M], m[C::M];
+  float qscale[C::M];  // fp8: 2^-a of each row, whose Q entered as f16 times 2^a
   int len[C::M];
   uint64_t bar[kMbarCount];
 };
@@ -196,7 +197,7 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
 #pragma unroll
         for (int h = 0; h < Map::kTokens; ++h) {
           uint32_t v[8];
-          fp8x16_to_bf16x16(raw[h][k], E5M2, v);
+          fp8x16_to_f16x16(raw[h][k], E5M2, v);
 #pragma unroll
           for (int e = 0; e < 2; ++e)
             *reinterpret_cast<uint4*>(sh.kv[s] + swz128(Map::token(t, h), k, Map::bf16_chunk(t, e), NT * 128)) =
@@ -264,12 +265,18 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
   }
   setmaxnreg_inc<C::CONSUMER_REGS>();
   auto consumers_sync = [] { named_sync(kBarConsumers, C::CONSUMERS); };
+  uint32_t phase = 0;  // bit k: parity of the next completion of mbarrier k this thread waits for
+  // The unit's Q and lengths, loaded by the producer (no proxy fence: cp.async bytes arrived
+  // through the mbarrier). Q is released after the unit's last S.
+  auto wait_q_full = [&] {
+    mbar_wait(bar_a + 8 * kMbarQFull, (phase >> kMbarQFull) & 1u);
+    phase ^= 1u << kMbarQFull;
+  };
 
   const float kv_scale = FP8 ? kv_scale_of(p) : 1.0f;
   const float sl2 = p.softmax_scale * kv_scale * kLog2e;
   const float out_scale = kv_scale;  // v = stored * kv_scale
 
-  uint32_t phase = 0;  // bit k: parity of the next completion of mbarrier k this thread waits for
   uint32_t gbase = 0;  // the unit's first tile, numbered across the CTA's units
 
   float o[128];  // (64, 256) slice of O: this warpgroup's columns [256 wg, 256 wg + 256)
@@ -294,15 +301,52 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
 #pragma unroll
     for (int k = 0; k < 128; ++k) o[k] = 0.0f;
     float m_run[2] = {kNegInf, kNegInf}, l_run[2] = {0.0f, 0.0f};
+    if constexpr (FP8) {
+      // The unit's Q to f16 in place, by both consumers (four threads a row), each row scaled
+      // by the power of two 2^a that puts its largest element in [2^14, 2^15): exact for
+      // every element down to 2^-28 of the row's largest, below it within 2^-40 of it. A row
+      // with an infinite element has no such scale and is poisoned with NaN.
+      wait_q_full();
+      const int ct = wg * 128 + t, r = ct >> 2, q = ct & 3;
+      auto chunk = [&](int m) {
+        const int ch = q + 4 * m;
+        return reinterpret_cast<uint4*>(sh.q + swz128(r, ch >> 3, ch & 7, M * 128));
+      };
+      constexpr int CHUNKS = kDim / 8 / 4;  // of the row's 72, this thread's
+      float amax = 0.0f;
+#pragma unroll
+      for (int m = 0; m < CHUNKS; ++m) {
+        const uint4 v = *chunk(m);
+        for (const uint32_t w : {v.x, v.y, v.z, v.w})
+          amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(w << 16)), fabsf(__uint_as_float(w & 0xffff0000u))));
+      }
+#pragma unroll
+      for (int d = 1; d <= 2; d <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+      int ex = 0;
+      frexpf(amax, &ex);
+      const int a = amax > 0.0f ? min(15 - ex, 126) : 0;  // amax in [2^(ex - 1), 2^ex)
+      const float up = __int_as_float((127 + a) << 23);
+      const bool poison = isinf(amax);
+#pragma unroll
+      for (int m = 0; m < CHUNKS; ++m) {
+        uint4 v = *chunk(m);
+        for (uint32_t* w : {&v.x, &v.y, &v.z, &v.w})
+          *w = poison ? 0x7e007e00u
+                      : pack_f16x2(__uint_as_float(*w << 16) * up, __uint_as_float(*w & 0xffff0000u) * up);
+        *chunk(m) = v;
+      }
+      if (q == 0) sh.qscale[r] = __int_as_float((127 - a) << 23);
+      fence_proxy_async();  // the f16 Q is read by wgmma (async proxy)
+      consumers_sync();
+    }
 
     // The softmax role (WG0): S, the online softmax, P and alpha to WG1, O[:, 0:256] += P V;
     // then the row statistics for the epilogue.
     auto softmax_role = [&] {
-      // The unit's Q and lengths, loaded by the producer (no proxy fence: cp.async bytes
-      // arrived through the mbarrier). Q is released after the unit's last S.
-      mbar_wait(bar_a + 8 * kMbarQFull, (phase >> kMbarQFull) & 1u);
-      phase ^= 1u << kMbarQFull;
+      if constexpr (!FP8) wait_q_full();  // (fp8: both consumers waited, to convert it)
       const int lim0 = min(sLen[r0], tok_hi), lim1 = min(sLen[r1], tok_hi);
+      // Each row's score scale (fp8: times the 2^-a its Q was scaled by).
+      const float sl2r0 = FP8 ? sl2 * sh.qscale[r0] : sl2, sl2r1 = FP8 ? sl2 * sh.qscale[r1] : sl2;
       if (ntiles == 0) mbar_arrive(bar_a + 8 * kMbarQEmpty);
       for (int i = 0; i < ntiles; ++i) {
         const int s = (gbase + i) & 1;
@@ -330,7 +374,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
           for (int kq = 0; kq < 4 * C::BLOCKS_PER_PART; ++kq) {
             const int ks = q * 4 * C::BLOCKS_PER_PART + kq;
             const uint32_t off = uint32_t((ks >> 2) * (M * 128) + (ks & 3) * 32);
-            wgmma_m64n64k16_ss<0>(sc, dq.at(off), dk.at(off), ks > 0);
+            wgmma_m64n64k16_ss<0, 0, FP8>(sc, dq.at(off), dk.at(off), ks > 0);
           }
           wgmma_commit();
         }
@@ -361,18 +405,18 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
           mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, d));
           mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, d));
         }
-        const SoftmaxStep st0 = softmax_step(m_run[0], mx0 * sl2), st1 = softmax_step(m_run[1], mx1 * sl2);  // sl2 > 0
+        const SoftmaxStep st0 = softmax_step(m_run[0], mx0 * sl2r0), st1 = softmax_step(m_run[1], mx1 * sl2r1);  // > 0
         const float mu0 = st0.mu, mu1 = st1.mu, al0 = st0.alpha, al1 = st1.alpha;
         float sum0 = 0.0f, sum1 = 0.0f;
         uint32_t pa[4][4];  // A fragments of P V, k16 step kk = tokens [16 kk, 16 kk + 16)
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float p0 = fast_exp2(fmaf(x(j, 0), sl2, -mu0)), p1 = fast_exp2(fmaf(x(j, 1), sl2, -mu0));
-          const float p2 = fast_exp2(fmaf(x(j, 2), sl2, -mu1)), p3 = fast_exp2(fmaf(x(j, 3), sl2, -mu1));
+          const float p0 = fast_exp2(fmaf(x(j, 0), sl2r0, -mu0)), p1 = fast_exp2(fmaf(x(j, 1), sl2r0, -mu0));
+          const float p2 = fast_exp2(fmaf(x(j, 2), sl2r1, -mu1)), p3 = fast_exp2(fmaf(x(j, 3), sl2r1, -mu1));
           sum0 += p0 + p1;
           sum1 += p2 + p3;
-          pa[j >> 1][(j & 1) * 2] = pack_bf16x2(p0, p1);
-          pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16x2(p2, p3);
+          pa[j >> 1][(j & 1) * 2] = FP8 ? pack_f16x2(p0, p1) : pack_bf16x2(p0, p1);
+          pa[j >> 1][(j & 1) * 2 + 1] = FP8 ? pack_f16x2(p2, p3) : pack_bf16x2(p2, p3);
         }
         l_run[0] = l_run[0] * al0 + sum0;
         l_run[1] = l_run[1] * al1 + sum1;
@@ -406,7 +450,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         const SmemDesc dv(sK, NT * 128, 1024);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_rs<1>(o, pa[kk], dv.at(kk * 2048), 1);
+        for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_rs<1, FP8>(o, pa[kk], dv.at(kk * 2048), 1);
         wgmma_commit();
         fence_proxy_async();
         named_arrive(kBarPReady, 256);
@@ -441,7 +485,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         const SmemDesc dp(sP_a, 16, 1024), dv(sK + 4 * (NT * 128), NT * 128, 1024);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_ss<1>(o, dp.at(kk * 32), dv.at(kk * 2048), 1);
+        for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_ss<1, 0, FP8>(o, dp.at(kk * 32), dv.at(kk * 2048), 1);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(o);

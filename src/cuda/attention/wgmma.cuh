@@ -148,7 +148,7 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   } while (!done);
 }
 
-// ---- wgmma.mma_async, bf16 operands, f32 accumulators ---------------------------------------
+// ---- wgmma.mma_async, bf16 (or f16) operands, f32 accumulators ---------------------------------------
 // _ss: A and B from shared memory (descriptors); _rs: A from registers (see the layout above).
 // TRANS_B = 1: B is MN-major (N contiguous in shared memory); TRANS_A = 1 (_ss only): A is
 // MN-major (M contiguous). scale_d = 0: D = A B (the accumulators' old values are ignored).
@@ -192,26 +192,34 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   C(d[120]), C(d[121]), C(d[122]), C(d[123]), C(d[124]), C(d[125]), C(d[126]), C(d[127])
 
 // The _ss (A and B from shared memory) and _rs (A from registers) forms of m64nNk16 with
-// NACC = N / 2 accumulators per thread; the operand numbers after the accumulators are
-// spelled out, since the instruction text must be a literal.
+// NACC = N / 2 accumulators per thread, for bf16 operands or (F16) f16 ones; the operand
+// numbers after the accumulators are spelled out, since the instruction text must be a literal.
+#define DCPMLA_WGMMA_16BIT_ASM(N, NACC, TYPE, OPS, SCALE, ...)                                                    \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\n"                                                \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " {" DCPMLA_WGMMA_D##NACC##_TEXT  \
+               "}, " OPS ";\n}\n"                                                                               \
+               : DCPMLA_WGMMA_D##NACC("+f", d)                                                                \
+               : __VA_ARGS__)
 #define DCPMLA_WGMMA_BF16_FORMS(N, NACC, SS_OPS, SS_SCALE, RS_OPS, RS_SCALE)                                       \
-  template <int TRANS_B, int TRANS_A = 0>                                                                          \
+  template <int TRANS_B, int TRANS_A = 0, bool F16 = false>                                                        \
   __device__ __forceinline__ void wgmma_m64n##N##k16_ss(float(&d)[NACC], uint64_t desc_a, uint64_t desc_b,         \
                                                         int scale_d) {                                             \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_SCALE ", 0;\n"                                              \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" DCPMLA_WGMMA_D##NACC##_TEXT "}, " SS_OPS \
-                 ";\n}\n"                                                                                          \
-                 : DCPMLA_WGMMA_D##NACC("+f", d)                                                              \
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));                            \
+    if constexpr (F16)                                                                                             \
+      DCPMLA_WGMMA_16BIT_ASM(N, NACC, "f16", SS_OPS, SS_SCALE, "l"(desc_a), "l"(desc_b), "r"(scale_d),            \
+                             "n"(TRANS_B), "n"(TRANS_A));                                                          \
+    else                                                                                                           \
+      DCPMLA_WGMMA_16BIT_ASM(N, NACC, "bf16", SS_OPS, SS_SCALE, "l"(desc_a), "l"(desc_b), "r"(scale_d),           \
+                             "n"(TRANS_B), "n"(TRANS_A));                                                          \
   }                                                                                                                \
-  template <int TRANS_B>                                                                                           \
+  template <int TRANS_B, bool F16 = false>                                                                         \
   __device__ __forceinline__ void wgmma_m64n##N##k16_rs(float(&d)[NACC], const uint32_t(&a)[4], uint64_t desc_b,   \
                                                         int scale_d) {                                             \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " RS_SCALE ", 0;\n"                                              \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" DCPMLA_WGMMA_D##NACC##_TEXT "}, " RS_OPS \
-                 ";\n}\n"                                                                                          \
-                 : DCPMLA_WGMMA_D##NACC("+f", d)                                                              \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));           \
+    if constexpr (F16)                                                                                             \
+      DCPMLA_WGMMA_16BIT_ASM(N, NACC, "f16", RS_OPS, RS_SCALE, "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]),        \
+                             "l"(desc_b), "r"(scale_d), "n"(TRANS_B));                                             \
+    else                                                                                                           \
+      DCPMLA_WGMMA_16BIT_ASM(N, NACC, "bf16", RS_OPS, RS_SCALE, "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]),       \
+                             "l"(desc_b), "r"(scale_d), "n"(TRANS_B));                                             \
   }
 
 DCPMLA_WGMMA_BF16_FORMS(16, 8, "%8, %9, p, 1, 1, %12, %11", "%10", "{%8, %9, %10, %11}, %12, p, 1, 1, %14", "%13")

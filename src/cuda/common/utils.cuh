@@ -122,6 +122,11 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
 // Two stored fp8 values (low byte first) -> two bf16 of the same value (exact: every e4m3
 // and e5m2 value is a bf16 value). The cache scale is applied outside.
 template <bool E5M2>
@@ -151,6 +156,26 @@ __device__ __forceinline__ void fp8x16_to_bf16x16(uint4 v, bool e5m2, uint32_t (
     } else {
       out[2 * q] = fp8x2_to_bf16x2<false>(uint16_t(w[q] & 0xffffu));
       out[2 * q + 1] = fp8x2_to_bf16x2<false>(uint16_t(w[q] >> 16));
+    }
+  }
+}
+
+// One stored 16-byte chunk (16 fp8 values, lowest first) -> 8 f16 pairs, exactly (every e4m3
+// and e5m2 value is an f16 value): e4m3 by the hardware unpack, one instruction a pair; e5m2
+// is an f16's upper byte, a byte permute a pair.
+__device__ __forceinline__ void fp8x16_to_f16x16(uint4 v, bool e5m2, uint32_t (&out)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    if (e5m2) {
+      out[2 * q] = __byte_perm(w[q], 0u, 0x1404u);
+      out[2 * q + 1] = __byte_perm(w[q], 0u, 0x3424u);
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w[q] >> (16 * h)), __NV_E4M3);
+        out[2 * q + h] = uint32_t(r.x) | (uint32_t(r.y) << 16);
+      }
     }
   }
 }
