@@ -27,17 +27,20 @@
 //     the stage's full barrier when they land (stream_bf16_tiles, bf16_tiles.cuh, shared with
 //     the bf16 swap kernel). 40 registers; the consumers take 232.
 //   fp8: the raw bytes of the next tile wait in registers (four threads a token, whole
-//     sectors a load, not kept in L1), are dequantised (exact; kv_scale folded into the
+//     sectors a load, not kept in L1), are unpacked to f16 (exact: every e4m3 and e5m2 value
+//     is an f16 value; one instruction a pair, where bf16 took four; kv_scale folded into the
 //     softmax and output scales) into the stage, fenced for the async proxy, then arrived, a
 //     third of the columns at a time (S starts on the first third). 104 registers; the
-//     consumers take 200.
+//     consumers take 200. The tensor cores then run f16: the consumers turn each unit's Q
+//     into f16 in place, each row scaled by a power of two (its score scale undoes it), and
+//     P enters P V as f16 (11 significant bits, where the bf16 kernel rounds it to 8).
 //
 // Shared memory (WgShared, from a 1024-byte aligned base; every buffer is a stack of (rows, 64)
 // column blocks of 128-byte rows, the 16-byte chunk c of row r at chunk c ^ (r & 7)):
-//   sQ   (64, 576) bf16      9 blocks of (64, 64)
-//   sKV  2 x (64, 576) bf16  K for S (K-major B) and V for P V (MN-major B) alike
-//   sP   (64, 64) bf16       A of WG1's P V
-//   sAlpha, sL, sM (64) f32, sLen (64) i32, mbarriers (WgMbarrier)
+//   sQ   (64, 576) bf16      9 blocks of (64, 64) (fp8: f16 once converted)
+//   sKV  2 x (64, 576) bf16  K for S (K-major B) and V for P V (MN-major B) alike (fp8: f16)
+//   sP   (64, 64) bf16       A of WG1's P V (fp8: f16)
+//   sAlpha, sL, sM, sQscale (64) f32, sLen (64) i32, mbarriers (WgMbarrier)
 #pragma once
 
 #include <cstdint>
@@ -118,7 +121,7 @@ static_assert(full_bar<false>(1, 0) == full_bar<false>(0, 0) + 1 && kMbarEmpty1 
 
 // The kernel's shared memory (from a 1024-byte aligned base; the operands on swizzle atoms).
 struct WgShared {
-  using C = WgConfig<false>;  // the layout is the same for both caches (fp8 is dequantised into bf16 stages)
+  using C = WgConfig<false>;  // the layout is the same for both caches (fp8's stages hold f16)
   alignas(1024) uint8_t q[C::Q_BYTES];
   alignas(1024) uint8_t kv[C::STAGES][C::TILE_BYTES];  // K for S (K-major B) and V for P V (MN-major B)
   alignas(1024) uint8_t p[C::P_BYTES];                 // A of WG1's P V
@@ -142,8 +145,8 @@ __device__ __forceinline__ void wgmma_load_unit_q(const AttentionParams& p, cons
 
 // fp8 producer warpgroup (thread t of 128): streams the raw bytes of each tile into
 // registers one tile ahead (Fp8TileMap: four threads per token, two tokens a thread), waits
-// until both consumers have released the tile's stage, dequantises into it (exact: every
-// e4m3 / e5m2 value is a bf16 value; kv_scale is applied outside), fences the stores for the
+// until both consumers have released the tile's stage, unpacks it there as f16 (exact: every
+// e4m3 / e5m2 value is an f16 value; kv_scale is applied outside), fences the stores for the
 // async proxy and arrives on the stage's full barrier.
 // One body per format: a run-time choice per chunk keeps both conversions' registers live.
 template <bool E5M2>
@@ -424,7 +427,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         m_run[1] = st1.m;
         rescale_o(al0, al1);
 
-        // Hand P (bf16, K-major swizzled (64, 64)) and alpha to WG1.
+        // Hand P (bf16, fp8: f16; K-major swizzled (64, 64)) and alpha to WG1.
         if (i > 0) {
           mbar_wait(bar_a + 8 * kMbarPFree, (phase >> kMbarPFree) & 1u);
           phase ^= 1u << kMbarPFree;
