@@ -1,7 +1,9 @@
-// The device's fp8 -> bf16 decode (fp8x16_to_bf16x16: the fp8 producers of the wgmma and
-// mma.sync kernels) against the host decoder, for every pair of stored bytes of both formats:
-// bit-exact for every number (subnormals, zeros of both signs, e5m2's infinities), NaN for
-// every NaN code. A scenario's random cache never holds most of these codes.
+// The device's fp8 decodes, to bf16 (fp8x16_to_bf16x16: the mma.sync kernels) and to f16
+// (fp8x16_to_f16x16: the wgmma kernel's fp8 producer), against the host decoder, for every
+// pair of stored bytes of both formats: bit-exact for every number (subnormals, zeros of both
+// signs, e5m2's infinities), NaN for every NaN code. A scenario's random cache never holds
+// most of these codes.
+#include <cuda_fp16.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -14,22 +16,32 @@
 
 namespace {
 
-// Thread i decodes the 16 bytes 16 i .. 16 i + 15 of `in` into out[8 i .. 8 i + 7] (bf16 pairs).
+// Thread i decodes the 16 bytes 16 i .. 16 i + 15 of `in` into out[8 i .. 8 i + 7] (bf16 or,
+// F16, f16 pairs).
+template <bool F16>
 __global__ void decode_kernel(const uint4* in, uint32_t* out, int n, bool e5m2) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   uint32_t v[8];
-  dcpmla::cuda_detail::fp8x16_to_bf16x16(in[i], e5m2, v);
+  if constexpr (F16) dcpmla::cuda_detail::fp8x16_to_f16x16(in[i], e5m2, v);
+  else dcpmla::cuda_detail::fp8x16_to_bf16x16(in[i], e5m2, v);
   for (int k = 0; k < 8; ++k) out[8 * i + k] = v[k];
 }
 
-float bf16_bits_to_float(uint16_t b) {
+template <bool F16>
+float bits_to_float(uint16_t b) {
+  if constexpr (F16) {
+    __half_raw h;
+    h.x = b;
+    return __half2float(__half(h));
+  }
   const uint32_t u = uint32_t(b) << 16;
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
 
+template <bool F16>
 void check_format(dcpmla::KvDtype d) {
   using dcpmla::testing::DeviceBuffer;
   // Every 16-bit pattern as one pair: 65536 pairs, 8 pairs a 16-byte chunk.
@@ -44,7 +56,7 @@ void check_format(dcpmla::KvDtype d) {
   DeviceBuffer<uint4> in(packed);
   DeviceBuffer<uint32_t> out(size_t(chunks) * 8);
   out.poison();
-  decode_kernel<<<(chunks + 127) / 128, 128>>>(in.get(), out.get(), chunks, d == dcpmla::KvDtype::fp8_e5m2);
+  decode_kernel<F16><<<(chunks + 127) / 128, 128>>>(in.get(), out.get(), chunks, d == dcpmla::KvDtype::fp8_e5m2);
   dcpmla::testing::cuda_ok(cudaGetLastError(), "decode_kernel launch");
   dcpmla::testing::cuda_ok(cudaDeviceSynchronize(), "decode_kernel");
   const std::vector<uint32_t> got = out.download();
@@ -52,23 +64,33 @@ void check_format(dcpmla::KvDtype d) {
   for (size_t k = 0; k < bytes.size(); ++k) {
     const uint16_t b = uint16_t(got[k / 2] >> (16 * (k % 2)));
     const float want = dcpmla::fp8_to_float(bytes[k], d);
-    const float have = bf16_bits_to_float(b);
+    const float have = bits_to_float<F16>(b);
     const bool ok = std::isnan(want) ? std::isnan(have) : std::memcmp(&want, &have, sizeof want) == 0;
     if (!ok && ++bad <= 5)
       ADD_FAILURE() << "byte 0x" << std::hex << int(bytes[k]) << " (pair position " << std::dec << k % 2
-                    << "): want " << want << ", got bf16 0x" << std::hex << b;
+                    << "): want " << want << ", got " << (F16 ? "f16" : "bf16") << " 0x" << std::hex << b;
   }
   EXPECT_EQ(bad, 0);
 }
 
-TEST(CudaFp8Decode, EveryE4m3PairIsExact) {
+TEST(CudaFp8Decode, EveryE4m3PairIsExactInBf16) {
   DCPMLA_REQUIRE_GPU();
-  check_format(dcpmla::KvDtype::fp8_e4m3);
+  check_format<false>(dcpmla::KvDtype::fp8_e4m3);
 }
 
-TEST(CudaFp8Decode, EveryE5m2PairIsExact) {
+TEST(CudaFp8Decode, EveryE5m2PairIsExactInBf16) {
   DCPMLA_REQUIRE_GPU();
-  check_format(dcpmla::KvDtype::fp8_e5m2);
+  check_format<false>(dcpmla::KvDtype::fp8_e5m2);
+}
+
+TEST(CudaFp8Decode, EveryE4m3PairIsExactInF16) {
+  DCPMLA_REQUIRE_GPU();
+  check_format<true>(dcpmla::KvDtype::fp8_e4m3);
+}
+
+TEST(CudaFp8Decode, EveryE5m2PairIsExactInF16) {
+  DCPMLA_REQUIRE_GPU();
+  check_format<true>(dcpmla::KvDtype::fp8_e5m2);
 }
 
 }  // namespace

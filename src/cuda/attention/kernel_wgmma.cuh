@@ -30,8 +30,8 @@
 //     sectors a load, not kept in L1), are unpacked to f16 (exact: every e4m3 and e5m2 value
 //     is an f16 value; one instruction a pair, where bf16 took four; kv_scale folded into the
 //     softmax and output scales) into the stage, fenced for the async proxy, then arrived, a
-//     third of the columns at a time (S starts on the first third). 104 registers; the
-//     consumers take 200. The tensor cores then run f16: the consumers turn each unit's Q
+//     third of the columns at a time (S starts on the first third). 120 registers; the
+//     consumers take 192. The tensor cores then run f16: WG0 turns each unit's Q
 //     into f16 in place, each row scaled by a power of two (its score scale undoes it), and
 //     P enters P V as f16 (11 significant bits, where the bf16 kernel rounds it to 8).
 //
@@ -66,7 +66,7 @@ struct WgConfig {
   static constexpr int CONSUMERS = 256;
   // The register split (168 per thread at launch, 3 x 168 in all): fp8's producer holds a tile
   // of raw bytes, bf16's only issues copies.
-  static constexpr int PRODUCER_REGS = FP8 ? 104 : 40, CONSUMER_REGS = FP8 ? 200 : 232;
+  static constexpr int PRODUCER_REGS = FP8 ? 120 : 40, CONSUMER_REGS = FP8 ? 192 : 232;
   static_assert(fits_launch_registers(THREADS, PRODUCER_REGS, CONSUMER_REGS));
   static constexpr int STAGES = 2;
   // fp8: a stage arrives in PARTS parts of BLOCKS_PER_PART 64-column blocks, each with its own
@@ -89,6 +89,7 @@ struct WgConfig {
 enum WgBarrier : int {
   kBarPReady = 1,     // P(i) and alpha(i) are in shared memory
   kBarConsumers = 4,  // both consumers
+  kBarSoftmax = 5,    // WG0 alone (128 threads; fp8: its f16 Q is in place)
 };
 // The mbarriers (WgShared::bar): full[s][q] at full_bar(s, q) ("part q of stage s holds its
 // columns of the tile"; one arrival per producer thread, after its copies or stores of parts
@@ -224,6 +225,43 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
   }
 }
 
+// fp8: row r of the unit's Q (bf16, in sQ's swizzled blocks) to f16 in place, times the power
+// of two 2^a that puts its largest magnitude in [2^14, 2^15): exact for every element down to
+// 2^-28 of the row's largest, below it within 2^-40 of it. Returns 2^-a, which the row's score
+// scale undoes. A row with an infinite element has no such scale and is poisoned with NaN.
+// LANES adjacent lanes share the row, lane l of them taking every LANES-th 16-byte chunk from l.
+template <int LANES>
+__device__ __forceinline__ float q_row_to_f16(uint8_t* q, int r, int l) {
+  constexpr int M = WgShared::C::M, CHUNKS = kDim / 8 / LANES;  // of the row's 72 chunks, this lane's
+  static_assert(CHUNKS * LANES * 8 == kDim && (LANES & (LANES - 1)) == 0);
+  auto chunk = [&](int m) {
+    const int ch = l + LANES * m;
+    return reinterpret_cast<uint4*>(q + swz128(r, ch >> 3, ch & 7, M * 128));
+  };
+  float amax = 0.0f;
+#pragma unroll
+  for (int m = 0; m < CHUNKS; ++m) {
+    const uint4 v = *chunk(m);
+    for (const uint32_t w : {v.x, v.y, v.z, v.w})
+      amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(w << 16)), fabsf(__uint_as_float(w & 0xffff0000u))));
+  }
+#pragma unroll
+  for (int d = 1; d < LANES; d <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+  int ex = 0;
+  frexpf(amax, &ex);
+  const int a = amax > 0.0f ? min(15 - ex, 126) : 0;  // amax in [2^(ex - 1), 2^ex)
+  const float up = __int_as_float((127 + a) << 23);
+  const bool poison = isinf(amax);
+#pragma unroll
+  for (int m = 0; m < CHUNKS; ++m) {
+    uint4 v = *chunk(m);
+    for (uint32_t* w : {&v.x, &v.y, &v.z, &v.w})
+      *w = poison ? 0x7e007e00u : pack_f16x2(__uint_as_float(*w << 16) * up, __uint_as_float(*w & 0xffff0000u) * up);
+    *chunk(m) = v;
+  }
+  return __int_as_float((127 - a) << 23);
+}
+
 template <bool FP8>
 __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
     attention_wgmma_kernel(const __grid_constant__ AttentionParams p) {
@@ -304,49 +342,20 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
 #pragma unroll
     for (int k = 0; k < 128; ++k) o[k] = 0.0f;
     float m_run[2] = {kNegInf, kNegInf}, l_run[2] = {0.0f, 0.0f};
-    if constexpr (FP8) {
-      // The unit's Q to f16 in place, by both consumers (four threads a row), each row scaled
-      // by the power of two 2^a that puts its largest element in [2^14, 2^15): exact for
-      // every element down to 2^-28 of the row's largest, below it within 2^-40 of it. A row
-      // with an infinite element has no such scale and is poisoned with NaN.
-      wait_q_full();
-      const int ct = wg * 128 + t, r = ct >> 2, q = ct & 3;
-      auto chunk = [&](int m) {
-        const int ch = q + 4 * m;
-        return reinterpret_cast<uint4*>(sh.q + swz128(r, ch >> 3, ch & 7, M * 128));
-      };
-      constexpr int CHUNKS = kDim / 8 / 4;  // of the row's 72, this thread's
-      float amax = 0.0f;
-#pragma unroll
-      for (int m = 0; m < CHUNKS; ++m) {
-        const uint4 v = *chunk(m);
-        for (const uint32_t w : {v.x, v.y, v.z, v.w})
-          amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(w << 16)), fabsf(__uint_as_float(w & 0xffff0000u))));
-      }
-#pragma unroll
-      for (int d = 1; d <= 2; d <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
-      int ex = 0;
-      frexpf(amax, &ex);
-      const int a = amax > 0.0f ? min(15 - ex, 126) : 0;  // amax in [2^(ex - 1), 2^ex)
-      const float up = __int_as_float((127 + a) << 23);
-      const bool poison = isinf(amax);
-#pragma unroll
-      for (int m = 0; m < CHUNKS; ++m) {
-        uint4 v = *chunk(m);
-        for (uint32_t* w : {&v.x, &v.y, &v.z, &v.w})
-          *w = poison ? 0x7e007e00u
-                      : pack_f16x2(__uint_as_float(*w << 16) * up, __uint_as_float(*w & 0xffff0000u) * up);
-        *chunk(m) = v;
-      }
-      if (q == 0) sh.qscale[r] = __int_as_float((127 - a) << 23);
-      fence_proxy_async();  // the f16 Q is read by wgmma (async proxy)
-      consumers_sync();
-    }
 
     // The softmax role (WG0): S, the online softmax, P and alpha to WG1, O[:, 0:256] += P V;
     // then the row statistics for the epilogue.
     auto softmax_role = [&] {
-      if constexpr (!FP8) wait_q_full();  // (fp8: both consumers waited, to convert it)
+      wait_q_full();
+      // fp8: WG0 turns the unit's Q into f16 in place (two threads a row) and puts each
+      // row's scale beside it. Only WG0 touches Q, so the producer's next load of it waits
+      // for WG0 alone, and WG1 never sees Q or the scales.
+      if constexpr (FP8) {
+        const float qs = q_row_to_f16<2>(sh.q, t >> 1, t & 1);
+        if ((t & 1) == 0) sh.qscale[t >> 1] = qs;
+        fence_proxy_async();  // the f16 Q is read by wgmma (async proxy)
+        named_sync(kBarSoftmax, 128);
+      }
       const int lim0 = min(sLen[r0], tok_hi), lim1 = min(sLen[r1], tok_hi);
       // Each row's score scale (fp8: times the 2^-a its Q was scaled by).
       const float sl2r0 = FP8 ? sl2 * sh.qscale[r0] : sl2, sl2r1 = FP8 ? sl2 * sh.qscale[r1] : sl2;
