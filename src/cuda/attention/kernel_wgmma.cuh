@@ -90,6 +90,7 @@ enum WgBarrier : int {
   kBarPReady = 1,     // P(i) and alpha(i) are in shared memory
   kBarConsumers = 4,  // both consumers
   kBarSoftmax = 5,    // WG0 alone (128 threads; fp8: its f16 Q is in place)
+  kBarPv = 6,         // WG1 alone (fp8: passed once a unit, as WG0 passes kBarSoftmax)
 };
 // The mbarriers (WgShared::bar): full[s][q] at full_bar(s, q) ("part q of stage s holds its
 // columns of the tile"; one arrival per producer thread, after its copies or stores of parts
@@ -485,6 +486,9 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
     };
     // The P V role (WG1): O[:, 256:512] += P V with P from shared memory.
     auto pv_role = [&] {
+      // Nothing waits for this barrier: it keeps both consumers' barrier counts equal, which
+      // racecheck's bookkeeping needs (as in the fp8 swap kernel).
+      if constexpr (FP8) named_sync(kBarPv, 128);
       for (int i = 0; i < ntiles; ++i) {
         const int s = (gbase + i) & 1;
         named_sync(kBarPReady, 256);
