@@ -84,8 +84,8 @@ struct WgConfig {
   static_assert(Q_BYTES % 1024 == 0 && TILE_BYTES % 1024 == 0 && P_BYTES % 1024 == 0);
 };
 
-// Named barriers, 256 threads each time: from WG0 (bar.arrive) to WG1 (bar.sync), and the
-// two consumer warpgroups together.
+// Named barriers: 256 threads from WG0 (bar.arrive) to WG1 (bar.sync) and the two consumer
+// warpgroups together; 128 for one warpgroup alone.
 enum WgBarrier : int {
   kBarPReady = 1,     // P(i) and alpha(i) are in shared memory
   kBarConsumers = 4,  // both consumers
