@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/utils.cuh"
@@ -73,24 +75,22 @@ void check_format(dcpmla::KvDtype d) {
   EXPECT_EQ(bad, 0);
 }
 
-TEST(CudaFp8Decode, EveryE4m3PairIsExactInBf16) {
+// (format, target): every pair of both formats to bf16 and to f16.
+class CudaFp8Decode : public ::testing::TestWithParam<std::tuple<dcpmla::KvDtype, bool>> {};
+
+TEST_P(CudaFp8Decode, EveryPairIsExact) {
   DCPMLA_REQUIRE_GPU();
-  check_format<false>(dcpmla::KvDtype::fp8_e4m3);
+  const auto [d, f16] = GetParam();
+  if (f16) check_format<true>(d);
+  else check_format<false>(d);
 }
 
-TEST(CudaFp8Decode, EveryE5m2PairIsExactInBf16) {
-  DCPMLA_REQUIRE_GPU();
-  check_format<false>(dcpmla::KvDtype::fp8_e5m2);
-}
-
-TEST(CudaFp8Decode, EveryE4m3PairIsExactInF16) {
-  DCPMLA_REQUIRE_GPU();
-  check_format<true>(dcpmla::KvDtype::fp8_e4m3);
-}
-
-TEST(CudaFp8Decode, EveryE5m2PairIsExactInF16) {
-  DCPMLA_REQUIRE_GPU();
-  check_format<true>(dcpmla::KvDtype::fp8_e5m2);
-}
+INSTANTIATE_TEST_SUITE_P(Formats, CudaFp8Decode,
+                         ::testing::Combine(::testing::Values(dcpmla::KvDtype::fp8_e4m3, dcpmla::KvDtype::fp8_e5m2),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param) == dcpmla::KvDtype::fp8_e5m2 ? "e5m2" : "e4m3") +
+                                  (std::get<1>(info.param) ? "_to_f16" : "_to_bf16");
+                         });
 
 }  // namespace
