@@ -254,21 +254,19 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
         const uint32_t v[4] = {raw[m].x, raw[m].y, raw[m].z, raw[m].w};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          amax = fmaxf(amax, fabsf(__uint_as_float(v[e] << 16)));
-          amax = fmaxf(amax, fabsf(__uint_as_float(v[e] & 0xffff0000u)));
+          const float2 x = bf16x2_to_float2(v[e]);
+          amax = fmaxf(amax, fabsf(x.x));
+          amax = fmaxf(amax, fabsf(x.y));
         }
       }
 #pragma unroll
       for (int d = 1; d < T; d <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
-      // Largest element to [128, 256): x = q 2^a, exact (a power of two). An infinite element
-      // has no such scale; its row is poisoned with NaN (the product would be inf or NaN).
-      int ex = 0;
-      frexpf(amax, &ex);
-      const int a = amax > 0.0f ? min(8 - ex, 126) : 0;
-      const float up = __int_as_float((127 + a) << 23);
-      const bool poison = isinf(amax);
+      // Largest element to [128, 256); an infinite element poisons its row with NaN.
+      const RowScale sc = pow2_row_scale(amax, 8);
+      const float up = sc.up;
+      const bool poison = sc.poison;
       if (q == 0) {
-        sQscale[r] = __int_as_float((127 - a) << 23);
+        sQscale[r] = sc.down;
         sLen[r] = r < nr ? us.lens[(row0 + r) / p.heads] : 0;
       }
       uint8_t* qblk = sh.q[r / QB];
@@ -282,7 +280,8 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           uint16_t h, l;
-          split_e4m3x2(__uint_as_float(v[e] << 16) * up, __uint_as_float(v[e] & 0xffff0000u) * up, h, l);
+          const float2 x = bf16x2_to_float2(v[e]);
+          split_e4m3x2(x.x * up, x.y * up, h, l);
           if (poison) h = 0x7f7fu;
           if (e & 1) {
             hi[e >> 1] |= uint32_t(h) << 16;

@@ -226,41 +226,38 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
   }
 }
 
-// fp8: row r of the unit's Q (bf16, in sQ's swizzled blocks) to f16 in place, times the power
-// of two 2^a that puts its largest magnitude in [2^14, 2^15): exact for every element down to
-// 2^-28 of the row's largest, below it within 2^-40 of it. Returns 2^-a, which the row's score
-// scale undoes. A row with an infinite element has no such scale and is poisoned with NaN.
-// LANES adjacent lanes share the row, lane l of them taking every LANES-th 16-byte chunk from l.
-template <int LANES>
+// fp8: row r of the unit's Q (bf16, in sQ's swizzled blocks) to f16 in place, times the
+// power of two that puts its largest magnitude in [2^14, 2^15) (pow2_row_scale): exact for
+// every element down to 2^-28 of the row's largest, below it within 2^-40 of it. Returns the
+// 2^-a that the row's score scale takes. A row with an infinite element is poisoned with NaN.
+// Two adjacent lanes share the row, lane l (0, 1) taking its chunks l, l + 2, ..
 __device__ __forceinline__ float q_row_to_f16(uint8_t* q, int r, int l) {
-  constexpr int M = WgShared::C::M, CHUNKS = kDim / 8 / LANES;  // of the row's 72 chunks, this lane's
-  static_assert(CHUNKS * LANES * 8 == kDim && (LANES & (LANES - 1)) == 0);
+  constexpr int M = WgShared::C::M, CHUNKS = kDim / 8 / 2;  // of the row's 72 chunks, this lane's
   auto chunk = [&](int m) {
-    const int ch = l + LANES * m;
+    const int ch = l + 2 * m;
     return reinterpret_cast<uint4*>(q + swz128(r, ch >> 3, ch & 7, M * 128));
   };
   float amax = 0.0f;
 #pragma unroll
   for (int m = 0; m < CHUNKS; ++m) {
     const uint4 v = *chunk(m);
-    for (const uint32_t w : {v.x, v.y, v.z, v.w})
-      amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(w << 16)), fabsf(__uint_as_float(w & 0xffff0000u))));
+    for (const uint32_t w : {v.x, v.y, v.z, v.w}) {
+      const float2 x = bf16x2_to_float2(w);
+      amax = fmaxf(amax, fmaxf(fabsf(x.x), fabsf(x.y)));
+    }
   }
-#pragma unroll
-  for (int d = 1; d < LANES; d <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
-  int ex = 0;
-  frexpf(amax, &ex);
-  const int a = amax > 0.0f ? min(15 - ex, 126) : 0;  // amax in [2^(ex - 1), 2^ex)
-  const float up = __int_as_float((127 + a) << 23);
-  const bool poison = isinf(amax);
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  const RowScale sc = pow2_row_scale(amax, 15);
 #pragma unroll
   for (int m = 0; m < CHUNKS; ++m) {
     uint4 v = *chunk(m);
-    for (uint32_t* w : {&v.x, &v.y, &v.z, &v.w})
-      *w = poison ? 0x7e007e00u : pack_f16x2(__uint_as_float(*w << 16) * up, __uint_as_float(*w & 0xffff0000u) * up);
+    for (uint32_t* w : {&v.x, &v.y, &v.z, &v.w}) {
+      const float2 x = bf16x2_to_float2(*w);
+      *w = sc.poison ? 0x7e007e00u : pack_f16x2(x.x * sc.up, x.y * sc.up);
+    }
     *chunk(m) = v;
   }
-  return __int_as_float((127 - a) << 23);
+  return sc.down;
 }
 
 template <bool FP8>
@@ -307,18 +304,12 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
   }
   setmaxnreg_inc<C::CONSUMER_REGS>();
   auto consumers_sync = [] { named_sync(kBarConsumers, C::CONSUMERS); };
-  uint32_t phase = 0;  // bit k: parity of the next completion of mbarrier k this thread waits for
-  // The unit's Q and lengths, loaded by the producer (no proxy fence: cp.async bytes arrived
-  // through the mbarrier). Q is released after the unit's last S.
-  auto wait_q_full = [&] {
-    mbar_wait(bar_a + 8 * kMbarQFull, (phase >> kMbarQFull) & 1u);
-    phase ^= 1u << kMbarQFull;
-  };
 
   const float kv_scale = FP8 ? kv_scale_of(p) : 1.0f;
   const float sl2 = p.softmax_scale * kv_scale * kLog2e;
   const float out_scale = kv_scale;  // v = stored * kv_scale
 
+  uint32_t phase = 0;  // bit k: parity of the next completion of mbarrier k this thread waits for
   uint32_t gbase = 0;  // the unit's first tile, numbered across the CTA's units
 
   float o[128];  // (64, 256) slice of O: this warpgroup's columns [256 wg, 256 wg + 256)
@@ -347,12 +338,15 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
     // The softmax role (WG0): S, the online softmax, P and alpha to WG1, O[:, 0:256] += P V;
     // then the row statistics for the epilogue.
     auto softmax_role = [&] {
-      wait_q_full();
+      // The unit's Q and lengths, loaded by the producer (no proxy fence: cp.async bytes
+      // arrived through the mbarrier). Q is released after the unit's last S.
+      mbar_wait(bar_a + 8 * kMbarQFull, (phase >> kMbarQFull) & 1u);
+      phase ^= 1u << kMbarQFull;
       // fp8: WG0 turns the unit's Q into f16 in place (two threads a row) and puts each
       // row's scale beside it. Only WG0 touches Q, so the producer's next load of it waits
       // for WG0 alone, and WG1 never sees Q or the scales.
       if constexpr (FP8) {
-        const float qs = q_row_to_f16<2>(sh.q, t >> 1, t & 1);
+        const float qs = q_row_to_f16(sh.q, t >> 1, t & 1);
         if ((t & 1) == 0) sh.qscale[t >> 1] = qs;
         fence_proxy_async();  // the f16 Q is read by wgmma (async proxy)
         named_sync(kBarSoftmax, 128);

@@ -148,7 +148,7 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   } while (!done);
 }
 
-// ---- wgmma.mma_async, bf16 (or f16) operands, f32 accumulators ---------------------------------------
+// ---- wgmma.mma_async, bf16 or f16 operands, f32 accumulators --------------------------------
 // _ss: A and B from shared memory (descriptors); _rs: A from registers (see the layout above).
 // TRANS_B = 1: B is MN-major (N contiguous in shared memory); TRANS_A = 1 (_ss only): A is
 // MN-major (M contiguous). scale_d = 0: D = A B (the accumulators' old values are ignored).
@@ -200,7 +200,7 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
                "}, " OPS ";\n}\n"                                                                               \
                : DCPMLA_WGMMA_D##NACC("+f", d)                                                                \
                : __VA_ARGS__)
-#define DCPMLA_WGMMA_BF16_FORMS(N, NACC, SS_OPS, SS_SCALE, RS_OPS, RS_SCALE)                                       \
+#define DCPMLA_WGMMA_16BIT_FORMS(N, NACC, SS_OPS, SS_SCALE, RS_OPS, RS_SCALE)                                       \
   template <int TRANS_B, int TRANS_A = 0, bool F16 = false>                                                        \
   __device__ __forceinline__ void wgmma_m64n##N##k16_ss(float(&d)[NACC], uint64_t desc_a, uint64_t desc_b,         \
                                                         int scale_d) {                                             \
@@ -222,11 +222,11 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
                              "l"(desc_b), "r"(scale_d), "n"(TRANS_B));                                             \
   }
 
-DCPMLA_WGMMA_BF16_FORMS(16, 8, "%8, %9, p, 1, 1, %12, %11", "%10", "{%8, %9, %10, %11}, %12, p, 1, 1, %14", "%13")
-DCPMLA_WGMMA_BF16_FORMS(32, 16, "%16, %17, p, 1, 1, %20, %19", "%18", "{%16, %17, %18, %19}, %20, p, 1, 1, %22", "%21")
-DCPMLA_WGMMA_BF16_FORMS(64, 32, "%32, %33, p, 1, 1, %36, %35", "%34", "{%32, %33, %34, %35}, %36, p, 1, 1, %38", "%37")
-DCPMLA_WGMMA_BF16_FORMS(128, 64, "%64, %65, p, 1, 1, %68, %67", "%66", "{%64, %65, %66, %67}, %68, p, 1, 1, %70", "%69")
-DCPMLA_WGMMA_BF16_FORMS(256, 128, "%128, %129, p, 1, 1, %132, %131", "%130",
+DCPMLA_WGMMA_16BIT_FORMS(16, 8, "%8, %9, p, 1, 1, %12, %11", "%10", "{%8, %9, %10, %11}, %12, p, 1, 1, %14", "%13")
+DCPMLA_WGMMA_16BIT_FORMS(32, 16, "%16, %17, p, 1, 1, %20, %19", "%18", "{%16, %17, %18, %19}, %20, p, 1, 1, %22", "%21")
+DCPMLA_WGMMA_16BIT_FORMS(64, 32, "%32, %33, p, 1, 1, %36, %35", "%34", "{%32, %33, %34, %35}, %36, p, 1, 1, %38", "%37")
+DCPMLA_WGMMA_16BIT_FORMS(128, 64, "%64, %65, p, 1, 1, %68, %67", "%66", "{%64, %65, %66, %67}, %68, p, 1, 1, %70", "%69")
+DCPMLA_WGMMA_16BIT_FORMS(256, 128, "%128, %129, p, 1, 1, %132, %131", "%130",
                         "{%128, %129, %130, %131}, %132, p, 1, 1, %134", "%133")
 
 // ---- wgmma.mma_async m64n{16,32}k32, fp8 operands, f32 accumulators ---------------------------
@@ -279,7 +279,7 @@ __device__ __forceinline__ void wgmma_m64k32_fp8_rs(float (&d)[N / 2], const uin
 
 #undef DCPMLA_WGMMA_FP8_FORM
 #undef DCPMLA_WGMMA_FP8_ASM
-#undef DCPMLA_WGMMA_BF16_FORMS
+#undef DCPMLA_WGMMA_16BIT_FORMS
 #undef DCPMLA_WGMMA_D8_TEXT
 #undef DCPMLA_WGMMA_D8
 #undef DCPMLA_WGMMA_D16_TEXT

@@ -106,11 +106,11 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// 2^x; ex2.approx(-inf) = +0, which the masked softmax relies on.
 // max that keeps a NaN (fmaxf drops one): the merges take their reference maximum with it,
 // so a NaN partial poisons its row instead of being skipped as empty (merge.h's nan_max).
 __device__ __forceinline__ float nan_max(float a, float b) { return (isnan(a) || isnan(b)) ? a + b : fmaxf(a, b); }
 
+// 2^x; ex2.approx(-inf) = +0, which the masked softmax relies on.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -125,6 +125,27 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
   __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// A bf16 pair (the low half first) as two floats, exactly.
+__device__ __forceinline__ float2 bf16x2_to_float2(uint32_t w) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+
+// The per-row scale of the kernels that feed Q to narrower tensor-core types (the fp8 swap
+// kernel's e4m3 pairs, the wgmma kernel's f16): up = 2^a puts the row's largest magnitude amax
+// in [2^(top - 1), 2^top) (exact on every element: a power of two), down = 2^-a undoes it in
+// the row's score scale. A row with an infinite element has no such scale and is to be
+// poisoned with NaN (its products would be inf or NaN); an all-zero row keeps a = 0.
+struct RowScale {
+  float up, down;
+  bool poison;
+};
+__device__ __forceinline__ RowScale pow2_row_scale(float amax, int top) {
+  int ex = 0;
+  frexpf(amax, &ex);  // amax in [2^(ex - 1), 2^ex)
+  const int a = amax > 0.0f ? min(top - ex, 126) : 0;
+  return {__int_as_float((127 + a) << 23), __int_as_float((127 - a) << 23), isinf(amax)};
 }
 
 // Two stored fp8 values (low byte first) -> two bf16 of the same value (exact: every e4m3
