@@ -80,11 +80,10 @@ TEST(CudaConformance, CudaEnginesMatchCpuEngines) {
   }
 }
 
-// NaN containment (docs/design.md): a NaN in one request's kv and one in another's q reach
-// exactly the cells that read them, on the GPU as on the CPU: the NaN cells of out and lse
-// are the same, and every other cell matches. Every kernel (bf16: 16-row mma.sync and
-// 64-row wgmma; fp8_e4m3: the 16-row fp8 swap kernel and 64-row wgmma), one_stage and
-// split_k (several segments), one rank and three.
+// NaN containment (docs/design.md): a NaN in one request's kv, and a NaN and infinities in
+// q, reach exactly the cells that read them, on the GPU as on the CPU: the NaN cells of out and
+// lse are the same, and every other cell matches. The default kernels at 16 and 64 rows for
+// bf16 and fp8_e4m3 caches, one_stage and split_k (several segments), one rank and three.
 TEST(CudaConformance, NanReachesTheSameCellsAsOnTheCpu) {
   DCPMLA_REQUIRE_GPU();
   const int D = 576;
@@ -104,6 +103,11 @@ TEST(CudaConformance, NanReachesTheSameCellsAsOnTheCpu) {
           kv[(size_t(0) * max_len + 5) * D + 7] = std::numeric_limits<float>::quiet_NaN();  // request 0, position 5
           // request 3, row 0, head 1
           q[((size_t(3) * sh.qlen + 0) * sh.heads + 1) * D] = std::numeric_limits<float>::quiet_NaN();
+          // An infinity in q makes its scores +-inf, and the cell NaN as on the CPU: request 3,
+          // row 0, head 0 (+inf, a nope dim) and request 0, last row, head 2 (-inf, a rope dim).
+          // The fp8 kernels scale q's rows (pow2_row_scale), where an infinity must poison the row.
+          q[((size_t(3) * sh.qlen + 0) * sh.heads + 0) * D + 100] = std::numeric_limits<float>::infinity();
+          q[((size_t(0) * sh.qlen + sh.qlen - 1) * sh.heads + 2) * D + 530] = -std::numeric_limits<float>::infinity();
           AttentionOptions o;
           o.mode = sh.mode;
           o.world_size = world;
