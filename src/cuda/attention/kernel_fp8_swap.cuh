@@ -263,8 +263,6 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
       for (int d = 1; d < T; d <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
       // Largest element to [128, 256); an infinite element poisons its row with NaN.
       const RowScale sc = pow2_row_scale(amax, 8);
-      const float up = sc.up;
-      const bool poison = sc.poison;
       if (q == 0) {
         sQscale[r] = sc.down;
         sLen[r] = r < nr ? us.lens[(row0 + r) / p.heads] : 0;
@@ -281,8 +279,8 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
         for (int e = 0; e < 4; ++e) {
           uint16_t h, l;
           const float2 x = bf16x2_to_float2(v[e]);
-          split_e4m3x2(x.x * up, x.y * up, h, l);
-          if (poison) h = 0x7f7fu;
+          split_e4m3x2(x.x * sc.up, x.y * sc.up, h, l);
+          if (sc.poison) h = 0x7f7fu;
           if (e & 1) {
             hi[e >> 1] |= uint32_t(h) << 16;
             lo[e >> 1] |= uint32_t(l) << 16;
