@@ -231,16 +231,17 @@ struct Shape {
 // first start (after its wait) and last end (none when the plan cut nothing). timer_step_us:
 // the smallest step between two distinct stamps (the global timer's resolution bounds every
 // figure). ctas: every attention CTA's start and time beside the work the plan gave it (its
-// pieces, those of cut requests, and its tiles over them) and the SM it ran on, for fitting
+// pieces, those of cut requests, and its tiles over them), the SM it ran on and that SM's clock
+// over the CTA (its cycles over its ns: a power-limited card runs below its top clock), for fitting
 // the schedule's cost model to what the GPU took (scripts/cta_fit.py) and comparing the SMs'
 // paces (scripts/cta_sm_pace.py); combine: every working combine CTA's start and time.
 struct CtaRecord {
-  double start_us = 0, busy_us = 0;
+  double start_us = 0, busy_us = 0, mhz = 0;  // mhz: its SM cycles over its ns
   int pieces = 0, cut_pieces = 0, tiles = 0, sm = 0;
 };
 struct Trace {
   int attention_ctas = 0, combine_ctas = 0;
-  double last_start = 0, end_p10 = 0, end_p50 = 0, end_last = 0, cta_p50 = 0;
+  double last_start = 0, end_p10 = 0, end_p50 = 0, end_last = 0, cta_p50 = 0, mhz_p50 = 0;
   double combine_first_start = 0, combine_last_end = 0, timer_step_us = 0;
   std::vector<CtaRecord> ctas;
   std::vector<double> combine_start_us, combine_busy_us;  // each working combine CTA's (after its wait)
@@ -276,11 +277,14 @@ Trace summarise_trace(const std::vector<uint64_t>& t) {
   const uint64_t t0 = *std::min_element(starts.begin(), starts.end());
   const auto us = [&](uint64_t v) { return double(v - t0) * 1e-3; };
   // Attention CTAs 0 .. n - 1 (they stamp in order; the tests check it).
-  std::vector<double> busy;
+  std::vector<double> busy, mhz;
   for (size_t b = 0; b < starts.size(); ++b) {
     r.ctas.push_back({us(starts[b]), double(ends[b] - starts[b]) * 1e-3});
     r.ctas.back().sm = int(sms[b]);
+    const uint64_t c0 = t[size_t(kTraceCycles + 2 * b)], c1 = t[size_t(kTraceCycles + 2 * b + 1)];
+    if (ends[b] > starts[b] && c1 > c0) r.ctas.back().mhz = double(c1 - c0) * 1e3 / double(ends[b] - starts[b]);
     busy.push_back(r.ctas.back().busy_us);
+    mhz.push_back(r.ctas.back().mhz);
   }
   std::sort(ends.begin(), ends.end());
   std::sort(busy.begin(), busy.end());
@@ -290,6 +294,8 @@ Trace summarise_trace(const std::vector<uint64_t>& t) {
   r.end_p50 = us(at(ends, 0.5));
   r.end_last = us(ends.back());
   r.cta_p50 = at(busy, 0.5);
+  std::sort(mhz.begin(), mhz.end());
+  r.mhz_p50 = at(mhz, 0.5);
   if (!cstarts.empty()) {
     r.combine_first_start = us(*std::min_element(cstarts.begin(), cstarts.end()));
     r.combine_last_end = us(*std::max_element(cends.begin(), cends.end()));
@@ -334,7 +340,8 @@ void add_cta_work(Trace& tr, const Plan& plan, int heads, int rows, int tile_tok
 nlohmann::json cta_json(const std::vector<CtaRecord>& ctas) {
   nlohmann::json j = {{"start_us", nlohmann::json::array()}, {"busy_us", nlohmann::json::array()},
                       {"pieces", nlohmann::json::array()},   {"cut_pieces", nlohmann::json::array()},
-                      {"tiles", nlohmann::json::array()},    {"sm", nlohmann::json::array()}};
+                      {"tiles", nlohmann::json::array()},    {"sm", nlohmann::json::array()},
+                      {"mhz", nlohmann::json::array()}};
   for (const CtaRecord& c : ctas) {
     j["start_us"].push_back(c.start_us);
     j["busy_us"].push_back(c.busy_us);
@@ -342,6 +349,7 @@ nlohmann::json cta_json(const std::vector<CtaRecord>& ctas) {
     j["cut_pieces"].push_back(c.cut_pieces);
     j["tiles"].push_back(c.tiles);
     j["sm"].push_back(c.sm);
+    j["mhz"].push_back(c.mhz);
   }
   return j;
 }
@@ -729,7 +737,7 @@ int main(int argc, char** argv) {
   app.add_flag("--no-baseline", no_baseline, "Skip the baseline (its columns are null in the JSON)");
   app.add_flag("--sweep", sweep, "Also time every other kernel variant at each shape (on the default variant's plan; @plan<rows> marks a variant with other rows per CTA)");
   app.add_flag("--no-ceilings", no_ceilings, "Skip the ceilings (the ratios to them are null in the JSON)");
-  app.add_flag("--trace", trace, "Also trace one more call of each shape: every CTA's start and end on the GPU's global timer, summarised, with each attention CTA's time beside its pieces, tiles and SM (the JSON's \"trace\", \"trace.ctas\" for scripts/cta_fit.py and \"trace.combine\"; the mma.sync reference kernel does not stamp)");
+  app.add_flag("--trace", trace, "Also trace one more call of each shape: every CTA's start and end on the GPU's global timer, summarised, with each attention CTA's time beside its pieces, tiles, SM and clock (the JSON's \"trace\", \"trace.ctas\" for scripts/cta_fit.py and \"trace.combine\"; the mma.sync reference kernel does not stamp)");
   app.add_option("--only", only, "Run only these shapes (comma-separated names)")->delimiter(',');
   app.add_option("--schedule", schedule, "The schedule's cost model: piece,cut,slack (ScheduleCost; default: each kernel's calibration, calibrated_schedule_cost)")
       ->delimiter(',')
@@ -799,10 +807,10 @@ int main(int argc, char** argv) {
                  r.variant.c_str(), r.sweep.c_str());
     if (r.trace)
       std::fprintf(stderr,
-                   "    trace: %d CTAs, last start %.1f us, ends p10 %.1f p50 %.1f last %.1f (a CTA %.1f); combine %d "
+                   "    trace: %d CTAs, last start %.1f us, ends p10 %.1f p50 %.1f last %.1f (a CTA %.1f at %.0f MHz); combine %d "
                    "CTAs %.1f..%.1f us; timer step %.3f us\n",
                    r.trace->attention_ctas, r.trace->last_start, r.trace->end_p10, r.trace->end_p50, r.trace->end_last,
-                   r.trace->cta_p50, r.trace->combine_ctas, r.trace->combine_first_start, r.trace->combine_last_end,
+                   r.trace->cta_p50, r.trace->mhz_p50, r.trace->combine_ctas, r.trace->combine_first_start, r.trace->combine_last_end,
                    r.trace->timer_step_us);
   }
   cublasDestroy(blas);
@@ -844,6 +852,7 @@ int main(int argc, char** argv) {
                                                             {"end_p50_us", r.trace->end_p50},
                                                             {"end_last_us", r.trace->end_last},
                                                             {"cta_p50_us", r.trace->cta_p50},
+                                                            {"cta_mhz_p50", r.trace->mhz_p50},
                                                             {"combine_ctas", r.trace->combine_ctas},
                                                             {"combine_first_start_us", r.trace->combine_first_start},
                                                             {"combine_last_end_us", r.trace->combine_last_end},

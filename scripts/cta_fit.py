@@ -6,7 +6,8 @@
 from a dcpmla_bench --trace results file (each row's trace.ctas: start_us, busy_us, pieces,
 cut_pieces, tiles). Prints, per shape: the kernel variant, the CTAs' median and largest time,
 the ranges of their tiles and pieces, the fitted costs (a: µs a tile, b: µs a piece, c: µs more
-for a piece of a cut request, d: µs a CTA), the fit's rms and the slowest CTA's work. The
+for a piece of a cut request, d: µs a CTA), the fit's rms, the slowest CTA's work and the SMs' clocks over the CTAs (recorded since the
+twentieth session). The
 schedule's cost model counts a piece in tiles: b / a is the figure to compare with it
 (bench/NOTES.md, eleventh session).
 
@@ -43,6 +44,7 @@ def main():
               f"tiles {int(tiles.min())}-{int(tiles.max())} pieces {int(pieces.min())}-{int(pieces.max())} | "
               f"tile {coef[0]:.2f} piece {coef[1]:.2f} ({coef[1] / per_tile:.1f} tiles) cut {coef[2]:+.2f} "
               f"cta {coef[3]:.1f} rms {rms:.2f} | slowest: {int(tiles[k])} tiles, {int(pieces[k])} pieces"
+              + (f" | clock p50 {np.median(c['mhz']):.0f} MHz ({min(c['mhz']):.0f}-{max(c['mhz']):.0f})" if c.get("mhz") else "")
               + ("" if rank == 4 else " | degenerate (a column is constant or follows the others: the split among them is arbitrary)"))
 
 

@@ -33,7 +33,8 @@ struct AttentionParams {
   // kTraceEntries device uint64 that receive each CTA's start and end on the GPU's global
   // timer (ns): attention CTA b at [2 b, 2 b + 1], combine CTA c at [kTraceCombine + 2 c, + 1],
   // for b, c < kTraceCtas (a combine CTA with no row to merge stamps neither), and the SM
-  // attention CTA b ran on at [kTraceSm + b]. The wgmma and
+  // attention CTA b ran on at [kTraceSm + b], and its SM's cycle counter (clock64) at its
+  // start and end at [kTraceCycles + 2 b, + 1] (over the ns: the clock it ran at). The wgmma and
   // swap kernels and the combine stamp (the mma.sync reference kernel does not: at 255
   // registers its 32-row form spilled); what a CTA does is unchanged, and unwritten entries
   // keep their value.
@@ -42,7 +43,8 @@ struct AttentionParams {
 inline constexpr int kTraceCtas = 1024;
 inline constexpr int kTraceCombine = 2 * kTraceCtas;
 inline constexpr int kTraceSm = 4 * kTraceCtas;
-inline constexpr int kTraceEntries = 5 * kTraceCtas;
+inline constexpr int kTraceCycles = 5 * kTraceCtas;
+inline constexpr int kTraceEntries = 7 * kTraceCtas;
 
 // Runs the plan's route over the sharded cache: one_stage and two_stage's stage A write
 // (out, lse) directly; split_k writes partials and merges them. Rows with no local key

@@ -33,11 +33,12 @@ struct PlanScalars {
 };
 
 // Diagnostics (AttentionParams::trace): attention CTA b's start (end = false, with its SM) or
-// end; one thread of the CTA stamps.
+// end, each on the global timer and the SM's cycle counter; one thread of the CTA stamps.
 __device__ __forceinline__ void trace_cta(const AttentionParams& p, bool end) {
-  if (blockIdx.x < unsigned(kTraceCtas)) {
+  if (blockIdx.x < unsigned(kTraceCtas) && p.trace != nullptr) {
     trace_stamp(p.trace, 2 * int(blockIdx.x) + int(end));
-    if (!end && p.trace != nullptr) p.trace[kTraceSm + blockIdx.x] = sm_id();
+    p.trace[kTraceCycles + 2 * blockIdx.x + int(end)] = uint64_t(clock64());
+    if (!end) p.trace[kTraceSm + blockIdx.x] = sm_id();
   }
 }
 
