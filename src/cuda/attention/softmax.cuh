@@ -13,8 +13,15 @@ namespace dcpmla::cuda_detail {
 struct SoftmaxStep {
   float m, mu, alpha;
 };
+// LAZY (the 64-row kernel): the running maximum moves only when a tile's exceeds it by more
+// than kLazyMaxSlack (base 2), so that O is rescaled a few times a unit instead of at most
+// tiles of a short one (a new maximum in any of a warp's 16 rows); the exponentials are then
+// up to 2^kLazyMaxSlack, which P as bf16 or f16 and float32 l and O hold exactly as well. The
+// fp8 swap kernel cannot: its P x 256 must fit e4m3.
+inline constexpr float kLazyMaxSlack = 8.0f;
+template <bool LAZY = false>
 __device__ __forceinline__ SoftmaxStep softmax_step(float m_run, float tile_max) {
-  const float m = fmaxf(m_run, tile_max);
+  const float m = LAZY ? (tile_max > m_run + kLazyMaxSlack ? tile_max : m_run) : fmaxf(m_run, tile_max);
   const float mu = m == neg_inf() ? 0.0f : m;
   return {m, mu, fast_exp2(m_run - mu)};
 }
