@@ -142,5 +142,72 @@ TEST(CudaConformance, NanReachesTheSameCellsAsOnTheCpu) {
         }
 }
 
+// Scores that rise along the context (docs/design.md, the lazy running maximum): in every
+// request a ramp on q's and kv's first 64 dims lifts the scores by about 38 (base 2) from the
+// first token to the last, so a row's running maximum lags the scores by up to its slack and
+// moves several times a unit; in requests 0 and 1 one token three quarters in scores about 190
+// (base 2) above the ramp, past what float32 holds (2^128), so a maximum that failed to move
+// there turns the row into inf / NaN. GPU against CPU engines, cell by cell, at 16 and 64 rows
+// (the swap kernels keep the exact maximum, the wgmma kernel the lazy one), bf16 and fp8_e4m3,
+// one_stage and split_k, one rank and three.
+TEST(CudaConformance, RisingScoresMatchTheCpu) {
+  DCPMLA_REQUIRE_GPU();
+  const int D = 576, R = 512, kRamp = 64;
+  const std::vector<int32_t> lens{1000, 700, 450, 130};
+  const int B = int(lens.size());
+  const int64_t max_len = 1000;
+  struct Shape {
+    Mode mode;
+    int qlen, heads;
+  };
+  for (const KvDtype dtype : {KvDtype::bf16, KvDtype::fp8_e4m3})
+    for (const Shape sh : {Shape{Mode::decode, 1, 16}, Shape{Mode::verify, 4, 16}, Shape{Mode::decode, 1, 128}})
+      for (Route route : {Route::one_stage, Route::split_k})
+        for (int world : {1, 3}) {
+          auto q = normal(size_t(B) * sh.qlen * sh.heads * D, 11);
+          auto kv = normal(size_t(B) * size_t(max_len) * D, 12);
+          for (size_t row = 0; row < size_t(B) * sh.qlen * sh.heads; ++row)
+            for (int d = 0; d < kRamp; ++d) q[row * D + d] += 2.0f;
+          for (int b = 0; b < B; ++b)
+            for (int t = 0; t < lens[size_t(b)]; ++t) {
+              // The jump's 30 and the ramp's values are exact in e4m3 and bf16 up to rounding
+              // of the noise, which both engines share.
+              const float lift = b < 2 && t == 3 * lens[size_t(b)] / 4 ? 30.0f : 5.0f * float(t) / float(lens[size_t(b)]);
+              for (int d = 0; d < kRamp; ++d) kv[(size_t(b) * max_len + t) * D + d] += lift;
+            }
+          AttentionOptions o;
+          o.mode = sh.mode;
+          o.world_size = world;
+          o.block_size = 64;
+          o.route = route;
+          o.min_segment_tokens = 64;
+          o.seed = 13;
+          o.kv_dtype = dtype;
+          const AttentionResult cpu = mla_attention(q, kv, lens, B, sh.qlen, sh.heads, max_len, D, o);
+          o.backend = Backend::cuda;
+          const AttentionResult gpu =
+              mla_attention(q, kv, lens, B, sh.qlen, sh.heads, max_len, D, o, cuda::rank_engine_factory());
+          const std::string what = std::string(to_string(dtype)) + " " + std::string(to_string(route)) + " N" +
+                                   std::to_string(world) + " H" + std::to_string(sh.heads) + " q" +
+                                   std::to_string(sh.qlen);
+          ASSERT_EQ(cpu.out.size(), gpu.out.size()) << what;
+          int64_t bad = 0;
+          double worst = 0;
+          for (size_t row = 0; row < cpu.lse.size(); ++row) {
+            double num = 0, den = 0;
+            for (int j = 0; j < R; ++j) {
+              const double a = gpu.out[row * R + j], e = cpu.out[row * R + j];
+              num += (a - e) * (a - e);
+              den += e * e;
+            }
+            const double rel = std::sqrt(num / std::max(den, 1e-30));
+            const double lerr = std::fabs(double(gpu.lse[row]) - double(cpu.lse[row]));
+            if (!(rel <= 1e-2) || !(lerr <= 2e-2) || !std::isfinite(cpu.lse[row])) ++bad;
+            if (std::isfinite(rel) && std::isfinite(lerr)) worst = std::max({worst, rel, lerr});
+          }
+          EXPECT_EQ(bad, 0) << what << ": rows off the CPU's (or not finite); worst finite error " << worst;
+        }
+}
+
 }  // namespace
 }  // namespace dcpmla::testing
