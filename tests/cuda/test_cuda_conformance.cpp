@@ -192,7 +192,7 @@ TEST(CudaConformance, RisingScoresMatchTheCpu) {
                                    std::to_string(sh.qlen);
           ASSERT_EQ(cpu.out.size(), gpu.out.size()) << what;
           int64_t bad = 0;
-          double worst = 0;
+          double worst_rel = 0, worst_lse = 0;
           for (size_t row = 0; row < cpu.lse.size(); ++row) {
             double num = 0, den = 0;
             for (int j = 0; j < R; ++j) {
@@ -201,11 +201,20 @@ TEST(CudaConformance, RisingScoresMatchTheCpu) {
               den += e * e;
             }
             const double rel = std::sqrt(num / std::max(den, 1e-30));
+            // lse to 2e-2, and for the fp8 swap kernel (16 rows) to 2^-9 of its size beyond that:
+            // its tensor cores add fp8 products with truncation (docs/design.md), which a
+            // block of 64 large, alike products (the jump's score, about 160) accumulates to
+            // 0.15 (measured on the H200); a maximum that failed to move gives inf or NaN.
+            const double ltol = 2e-2 + (dtype != KvDtype::bf16 && sh.qlen * sh.heads <= 32
+                                            ? std::ldexp(std::fabs(double(cpu.lse[row])), -9)
+                                            : 0.0);
             const double lerr = std::fabs(double(gpu.lse[row]) - double(cpu.lse[row]));
-            if (!(rel <= 1e-2) || !(lerr <= 2e-2) || !std::isfinite(cpu.lse[row])) ++bad;
-            if (std::isfinite(rel) && std::isfinite(lerr)) worst = std::max({worst, rel, lerr});
+            if (!(rel <= 1e-2) || !(lerr <= ltol) || !std::isfinite(cpu.lse[row])) ++bad;
+            if (std::isfinite(rel)) worst_rel = std::max(worst_rel, rel);
+            if (std::isfinite(lerr)) worst_lse = std::max(worst_lse, lerr);
           }
-          EXPECT_EQ(bad, 0) << what << ": rows off the CPU's (or not finite); worst finite error " << worst;
+          EXPECT_EQ(bad, 0) << what << ": rows off the CPU's (or not finite); worst finite out rel L2 " << worst_rel
+                            << ", lse " << worst_lse;
         }
 }
 
