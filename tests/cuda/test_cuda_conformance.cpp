@@ -34,6 +34,54 @@ std::vector<float> normal(size_t n, uint64_t seed) {
   return v;
 }
 
+// A point of the grids of the NaN and rising-scores tests: a cache dtype, a (mode, qlen,
+// heads) shape, a route and a world size.
+struct Shape {
+  Mode mode;
+  int qlen, heads;
+};
+struct GridPoint {
+  KvDtype dtype;
+  Shape sh;
+  Route route;
+  int world;
+  std::string name() const {
+    return std::string(to_string(dtype)) + " " + std::string(to_string(route)) + " N" + std::to_string(world) + " H" +
+           std::to_string(sh.heads) + " q" + std::to_string(sh.qlen);
+  }
+};
+// bf16 and fp8_e4m3, each shape, one_stage and split_k, one rank and three.
+std::vector<GridPoint> grid(std::initializer_list<Shape> shapes) {
+  std::vector<GridPoint> g;
+  for (const KvDtype dtype : {KvDtype::bf16, KvDtype::fp8_e4m3})
+    for (const Shape sh : shapes)
+      for (const Route route : {Route::one_stage, Route::split_k})
+        for (const int world : {1, 3}) g.push_back({dtype, sh, route, world});
+  return g;
+}
+// The same call on the CPU engines and on the CUDA engines.
+struct EnginePair {
+  AttentionResult cpu, gpu;
+};
+EnginePair run_on_both(const GridPoint& g, const std::vector<float>& q, const std::vector<float>& kv,
+                       const std::vector<int32_t>& lens, int64_t max_len, int block_size, int min_segment_tokens,
+                       uint64_t seed) {
+  const int B = int(lens.size()), D = 576;
+  AttentionOptions o;
+  o.mode = g.sh.mode;
+  o.world_size = g.world;
+  o.block_size = block_size;
+  o.route = g.route;
+  o.min_segment_tokens = min_segment_tokens;
+  o.seed = seed;
+  o.kv_dtype = g.dtype;
+  EnginePair r;
+  r.cpu = mla_attention(q, kv, lens, B, g.sh.qlen, g.sh.heads, max_len, D, o);
+  o.backend = Backend::cuda;
+  r.gpu = mla_attention(q, kv, lens, B, g.sh.qlen, g.sh.heads, max_len, D, o, cuda::rank_engine_factory());
+  return r;
+}
+
 TEST(CudaConformance, CudaEnginesMatchCpuEngines) {
   DCPMLA_REQUIRE_GPU();
   const std::vector<ConformanceCase> cases{
@@ -90,56 +138,35 @@ TEST(CudaConformance, NanReachesTheSameCellsAsOnTheCpu) {
   const std::vector<int32_t> lens{900, 4, 0, 300};
   const int B = int(lens.size());
   const int64_t max_len = 900;
-  struct Shape {
-    Mode mode;
-    int qlen, heads;
-  };
-  for (const KvDtype dtype : {KvDtype::bf16, KvDtype::fp8_e4m3})
-    for (const Shape sh : {Shape{Mode::decode, 1, 4}, Shape{Mode::verify, 4, 16}})
-      for (Route route : {Route::one_stage, Route::split_k})
-        for (int world : {1, 3}) {
-          auto q = normal(size_t(B) * sh.qlen * sh.heads * D, 5);
-          auto kv = normal(size_t(B) * size_t(max_len) * D, 6);
-          kv[(size_t(0) * max_len + 5) * D + 7] = std::numeric_limits<float>::quiet_NaN();  // request 0, position 5
-          // request 3, row 0, head 1
-          q[((size_t(3) * sh.qlen + 0) * sh.heads + 1) * D] = std::numeric_limits<float>::quiet_NaN();
-          // An infinity in q makes its scores +-inf, and the cell NaN as on the CPU: request 3,
-          // row 0, head 0 (+inf, a nope dim) and request 0, last row, head 2 (-inf, a rope dim).
-          // The fp8 kernels scale q's rows (pow2_row_scale), where an infinity must poison the row.
-          q[((size_t(3) * sh.qlen + 0) * sh.heads + 0) * D + 100] = std::numeric_limits<float>::infinity();
-          q[((size_t(0) * sh.qlen + sh.qlen - 1) * sh.heads + 2) * D + 530] = -std::numeric_limits<float>::infinity();
-          AttentionOptions o;
-          o.mode = sh.mode;
-          o.world_size = world;
-          o.block_size = 16;
-          o.route = route;
-          o.min_segment_tokens = 32;
-          o.seed = 9;
-          o.kv_dtype = dtype;
-          const AttentionResult cpu = mla_attention(q, kv, lens, B, sh.qlen, sh.heads, max_len, D, o);
-          o.backend = Backend::cuda;
-          const AttentionResult gpu =
-              mla_attention(q, kv, lens, B, sh.qlen, sh.heads, max_len, D, o, cuda::rank_engine_factory());
-          const std::string what = std::string(to_string(dtype)) + " " + std::string(to_string(route)) + " N" +
-                                   std::to_string(world) + " H" + std::to_string(sh.heads) + " q" +
-                                   std::to_string(sh.qlen);
-          int64_t cpu_nan = 0, mismatched = 0, far = 0;
-          for (size_t i = 0; i < cpu.lse.size(); ++i) {
-            cpu_nan += std::isnan(cpu.lse[i]);
-            mismatched += std::isnan(cpu.lse[i]) != std::isnan(gpu.lse[i]);
-            if (!std::isnan(cpu.lse[i]) && std::isfinite(cpu.lse[i]) && std::fabs(cpu.lse[i] - gpu.lse[i]) > 1e-2)
-              ++far;
-          }
-          for (size_t i = 0; i < cpu.out.size(); ++i) {
-            mismatched += std::isnan(cpu.out[i]) != std::isnan(gpu.out[i]);
-            if (!std::isnan(cpu.out[i]) && std::fabs(cpu.out[i] - gpu.out[i]) > 2e-2 * (1.0f + std::fabs(cpu.out[i])))
-              ++far;
-          }
-          EXPECT_GT(cpu_nan, 0) << what << ": the planted NaNs reached no cell";
-          EXPECT_LT(cpu_nan, int64_t(cpu.lse.size()) / 2) << what << ": the NaN spread";
-          EXPECT_EQ(mismatched, 0) << what << ": NaN cells differ from the CPU's";
-          EXPECT_EQ(far, 0) << what << ": clean cells differ";
-        }
+  for (const GridPoint& g : grid({Shape{Mode::decode, 1, 4}, Shape{Mode::verify, 4, 16}})) {
+    const Shape sh = g.sh;
+    auto q = normal(size_t(B) * sh.qlen * sh.heads * D, 5);
+    auto kv = normal(size_t(B) * size_t(max_len) * D, 6);
+    kv[(size_t(0) * max_len + 5) * D + 7] = std::numeric_limits<float>::quiet_NaN();  // request 0, position 5
+    // request 3, row 0, head 1
+    q[((size_t(3) * sh.qlen + 0) * sh.heads + 1) * D] = std::numeric_limits<float>::quiet_NaN();
+    // An infinity in q makes its scores +-inf, and the cell NaN as on the CPU: request 3,
+    // row 0, head 0 (+inf, a nope dim) and request 0, last row, head 2 (-inf, a rope dim).
+    // The fp8 kernels scale q's rows (pow2_row_scale), where an infinity must poison the row.
+    q[((size_t(3) * sh.qlen + 0) * sh.heads + 0) * D + 100] = std::numeric_limits<float>::infinity();
+    q[((size_t(0) * sh.qlen + sh.qlen - 1) * sh.heads + 2) * D + 530] = -std::numeric_limits<float>::infinity();
+    const auto [cpu, gpu] = run_on_both(g, q, kv, lens, max_len, 16, 32, 9);
+    const std::string what = g.name();
+    int64_t cpu_nan = 0, mismatched = 0, far = 0;
+    for (size_t i = 0; i < cpu.lse.size(); ++i) {
+      cpu_nan += std::isnan(cpu.lse[i]);
+      mismatched += std::isnan(cpu.lse[i]) != std::isnan(gpu.lse[i]);
+      if (!std::isnan(cpu.lse[i]) && std::isfinite(cpu.lse[i]) && std::fabs(cpu.lse[i] - gpu.lse[i]) > 1e-2) ++far;
+    }
+    for (size_t i = 0; i < cpu.out.size(); ++i) {
+      mismatched += std::isnan(cpu.out[i]) != std::isnan(gpu.out[i]);
+      if (!std::isnan(cpu.out[i]) && std::fabs(cpu.out[i] - gpu.out[i]) > 2e-2 * (1.0f + std::fabs(cpu.out[i]))) ++far;
+    }
+    EXPECT_GT(cpu_nan, 0) << what << ": the planted NaNs reached no cell";
+    EXPECT_LT(cpu_nan, int64_t(cpu.lse.size()) / 2) << what << ": the NaN spread";
+    EXPECT_EQ(mismatched, 0) << what << ": NaN cells differ from the CPU's";
+    EXPECT_EQ(far, 0) << what << ": clean cells differ";
+  }
 }
 
 // Scores that rise along the context (docs/design.md, the lazy running maximum): in every
@@ -156,66 +183,47 @@ TEST(CudaConformance, RisingScoresMatchTheCpu) {
   const std::vector<int32_t> lens{1000, 700, 450, 130};
   const int B = int(lens.size());
   const int64_t max_len = 1000;
-  struct Shape {
-    Mode mode;
-    int qlen, heads;
-  };
-  for (const KvDtype dtype : {KvDtype::bf16, KvDtype::fp8_e4m3})
-    for (const Shape sh : {Shape{Mode::decode, 1, 16}, Shape{Mode::verify, 4, 16}, Shape{Mode::decode, 1, 128}})
-      for (Route route : {Route::one_stage, Route::split_k})
-        for (int world : {1, 3}) {
-          auto q = normal(size_t(B) * sh.qlen * sh.heads * D, 11);
-          auto kv = normal(size_t(B) * size_t(max_len) * D, 12);
-          for (size_t row = 0; row < size_t(B) * sh.qlen * sh.heads; ++row)
-            for (int d = 0; d < kRamp; ++d) q[row * D + d] += 2.0f;
-          for (int b = 0; b < B; ++b)
-            for (int t = 0; t < lens[size_t(b)]; ++t) {
-              // The jump's 30 and the ramp's values are exact in e4m3 and bf16 up to rounding
-              // of the noise, which both engines share.
-              const float lift = b < 2 && t == 3 * lens[size_t(b)] / 4 ? 30.0f : 5.0f * float(t) / float(lens[size_t(b)]);
-              for (int d = 0; d < kRamp; ++d) kv[(size_t(b) * max_len + t) * D + d] += lift;
-            }
-          AttentionOptions o;
-          o.mode = sh.mode;
-          o.world_size = world;
-          o.block_size = 64;
-          o.route = route;
-          o.min_segment_tokens = 64;
-          o.seed = 13;
-          o.kv_dtype = dtype;
-          const AttentionResult cpu = mla_attention(q, kv, lens, B, sh.qlen, sh.heads, max_len, D, o);
-          o.backend = Backend::cuda;
-          const AttentionResult gpu =
-              mla_attention(q, kv, lens, B, sh.qlen, sh.heads, max_len, D, o, cuda::rank_engine_factory());
-          const std::string what = std::string(to_string(dtype)) + " " + std::string(to_string(route)) + " N" +
-                                   std::to_string(world) + " H" + std::to_string(sh.heads) + " q" +
-                                   std::to_string(sh.qlen);
-          ASSERT_EQ(cpu.out.size(), gpu.out.size()) << what;
-          int64_t bad = 0;
-          double worst_rel = 0, worst_lse = 0;
-          for (size_t row = 0; row < cpu.lse.size(); ++row) {
-            double num = 0, den = 0;
-            for (int j = 0; j < R; ++j) {
-              const double a = gpu.out[row * R + j], e = cpu.out[row * R + j];
-              num += (a - e) * (a - e);
-              den += e * e;
-            }
-            const double rel = std::sqrt(num / std::max(den, 1e-30));
-            // lse to 2e-2, and for the fp8 swap kernel (16 rows) to 2^-9 of its size beyond that:
-            // its tensor cores add fp8 products with truncation (docs/design.md), which a
-            // block of 64 large, alike products (the jump's score, about 160) accumulates to
-            // 0.15 (measured on the H200); a maximum that failed to move gives inf or NaN.
-            const double ltol = 2e-2 + (dtype != KvDtype::bf16 && sh.qlen * sh.heads <= 32
-                                            ? std::ldexp(std::fabs(double(cpu.lse[row])), -9)
-                                            : 0.0);
-            const double lerr = std::fabs(double(gpu.lse[row]) - double(cpu.lse[row]));
-            if (!(rel <= 1e-2) || !(lerr <= ltol) || !std::isfinite(cpu.lse[row])) ++bad;
-            if (std::isfinite(rel)) worst_rel = std::max(worst_rel, rel);
-            if (std::isfinite(lerr)) worst_lse = std::max(worst_lse, lerr);
-          }
-          EXPECT_EQ(bad, 0) << what << ": rows off the CPU's (or not finite); worst finite out rel L2 " << worst_rel
-                            << ", lse " << worst_lse;
-        }
+  for (const GridPoint& g :
+       grid({Shape{Mode::decode, 1, 16}, Shape{Mode::verify, 4, 16}, Shape{Mode::decode, 1, 128}})) {
+    const Shape sh = g.sh;
+    auto q = normal(size_t(B) * sh.qlen * sh.heads * D, 11);
+    auto kv = normal(size_t(B) * size_t(max_len) * D, 12);
+    for (size_t row = 0; row < size_t(B) * sh.qlen * sh.heads; ++row)
+      for (int d = 0; d < kRamp; ++d) q[row * D + d] += 2.0f;
+    for (int b = 0; b < B; ++b)
+      for (int t = 0; t < lens[size_t(b)]; ++t) {
+        // The jump's 30 and the ramp's values are exact in e4m3 and bf16 up to rounding
+        // of the noise, which both engines share.
+        const float lift = b < 2 && t == 3 * lens[size_t(b)] / 4 ? 30.0f : 5.0f * float(t) / float(lens[size_t(b)]);
+        for (int d = 0; d < kRamp; ++d) kv[(size_t(b) * max_len + t) * D + d] += lift;
+      }
+    const auto [cpu, gpu] = run_on_both(g, q, kv, lens, max_len, 64, 64, 13);
+    const std::string what = g.name();
+    ASSERT_EQ(cpu.out.size(), gpu.out.size()) << what;
+    int64_t bad = 0;
+    double worst_rel = 0, worst_lse = 0;
+    for (size_t row = 0; row < cpu.lse.size(); ++row) {
+      double num = 0, den = 0;
+      for (int j = 0; j < R; ++j) {
+        const double a = gpu.out[row * R + j], e = cpu.out[row * R + j];
+        num += (a - e) * (a - e);
+        den += e * e;
+      }
+      const double rel = std::sqrt(num / std::max(den, 1e-30));
+      // lse to 2e-2, and for the fp8 swap kernel (16 rows) to 2^-9 of its size beyond that:
+      // its tensor cores add fp8 products with truncation (docs/design.md), which a
+      // block of 64 large, alike products (the jump's score, about 160) accumulates to
+      // 0.15 (measured on the H200); a maximum that failed to move gives inf or NaN.
+      const bool fp8_swap = g.dtype != KvDtype::bf16 && sh.qlen * sh.heads <= 32;
+      const double ltol = 2e-2 + (fp8_swap ? std::ldexp(std::fabs(double(cpu.lse[row])), -9) : 0.0);
+      const double lerr = std::fabs(double(gpu.lse[row]) - double(cpu.lse[row]));
+      if (!(rel <= 1e-2) || !(lerr <= ltol) || !std::isfinite(cpu.lse[row])) ++bad;
+      if (std::isfinite(rel)) worst_rel = std::max(worst_rel, rel);
+      if (std::isfinite(lerr)) worst_lse = std::max(worst_lse, lerr);
+    }
+    EXPECT_EQ(bad, 0) << what << ": rows off the CPU's (or not finite); worst finite out rel L2 " << worst_rel
+                      << ", lse " << worst_lse;
+  }
 }
 
 }  // namespace
