@@ -6,10 +6,9 @@
 from a dcpmla_bench --trace results file (each row's trace.ctas: start_us, busy_us, pieces,
 cut_pieces, tiles). Prints, per shape: the kernel variant, the CTAs' median and largest time,
 the ranges of their tiles and pieces, the fitted costs (a: µs a tile, b: µs a piece, c: µs more
-for a piece of a cut request, d: µs a CTA), the fit's rms, the slowest CTA's work and the SMs' clocks over the CTAs (recorded since the
-twentieth session). The
-schedule's cost model counts a piece in tiles: b / a is the figure to compare with it
-(bench/NOTES.md, eleventh session).
+for a piece of a cut request, d: µs a CTA), the fit's rms, the slowest CTA's work and the SMs'
+clocks over the CTAs (recorded since the twentieth session). The schedule's cost model counts
+a piece in tiles: b / a is the figure to compare with it (bench/NOTES.md, eleventh session).
 
     scripts/cta_fit.py bench/results/h200_2026-12-02_s11.json [--only NAME ...]
 """

@@ -14,10 +14,11 @@ struct SoftmaxStep {
   float m, mu, alpha;
 };
 // LAZY (the 64-row kernel): the running maximum moves only when a tile's exceeds it by more
-// than kLazyMaxSlack (base 2), so that O is rescaled a few times a unit instead of at most
-// tiles of a short one (a new maximum in any of a warp's 16 rows); the exponentials are then
-// up to 2^kLazyMaxSlack, which P as bf16 or f16 and float32 l and O hold exactly as well. The
-// fp8 swap kernel cannot: its P x 256 must fit e4m3.
+// than kLazyMaxSlack (base 2), so that O is rescaled a few times a unit instead of on about
+// half the tiles of a 64-tile one (a new maximum in any of a warp's 16 rows rescales the
+// warp's O); the exponentials are then up to 2^kLazyMaxSlack, which P as bf16 or f16 and
+// float32 l and O hold as exactly as values up to 1. The fp8 swap kernel cannot (its P x 256
+// must fit e4m3), and the bf16 swap kernel, bound by its loads, keeps the exact maximum.
 inline constexpr float kLazyMaxSlack = 8.0f;
 template <bool LAZY = false>
 __device__ __forceinline__ SoftmaxStep softmax_step(float m_run, float tile_max) {
