@@ -67,14 +67,14 @@ EnginePair run_on_both(const GridPoint& g, const std::vector<float>& q, const st
                        const std::vector<int32_t>& lens, int64_t max_len, int block_size, int min_segment_tokens,
                        uint64_t seed) {
   const int B = int(lens.size()), D = 576;
-  AttentionOptions o;
-  o.mode = g.sh.mode;
-  o.world_size = g.world;
-  o.block_size = block_size;
-  o.route = g.route;
+  const struct {
+    Mode mode;
+    int world, interleave, block_size;
+    KvDtype dtype;
+    Route route;
+  } c{g.sh.mode, g.world, 1, block_size, g.dtype, g.route};
+  AttentionOptions o = testing::case_options(c, 1.0f, seed);
   o.min_segment_tokens = min_segment_tokens;
-  o.seed = seed;
-  o.kv_dtype = g.dtype;
   EnginePair r;
   r.cpu = mla_attention(q, kv, lens, B, g.sh.qlen, g.sh.heads, max_len, D, o);
   o.backend = Backend::cuda;
