@@ -413,6 +413,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
           mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, d));
           mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, d));
         }
+        // (sl2r > 0: the scaled maximum is the maximum of the scaled scores.)
         const SoftmaxStep st0 = softmax_step<true>(m_run[0], mx0 * sl2r0), st1 = softmax_step<true>(m_run[1], mx1 * sl2r1);
         const float mu0 = st0.mu, mu1 = st1.mu, al0 = st0.alpha, al1 = st1.alpha;
         float sum0 = 0.0f, sum1 = 0.0f;
