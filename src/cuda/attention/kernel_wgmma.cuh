@@ -28,7 +28,8 @@
 //     the stage's full barrier when they land (stream_bf16_tiles, bf16_tiles.cuh, shared with
 //     the bf16 swap kernel). 40 registers; the consumers take 232.
 //   fp8: the raw bytes of the next tile wait in registers (four threads a token, whole
-//     sectors a load, not kept in L1), are unpacked to f16 (exact: every e4m3 and e5m2 value
+//     sectors a load, not kept in L1; each piece's registers load the tile after as soon as
+//     the piece is unpacked), are unpacked to f16 (exact: every e4m3 and e5m2 value
 //     is an f16 value; one instruction a pair, where bf16 took four; kv_scale folded into the
 //     softmax and output scales) into the stage, fenced for the async proxy, then arrived, a
 //     third of the columns at a time (S starts on the first third). 120 registers; the
@@ -147,7 +148,8 @@ __device__ __forceinline__ void wgmma_load_unit_q(const AttentionParams& p, cons
 }
 
 // fp8 producer warpgroup (thread t of 128): streams the raw bytes of each tile into
-// registers one tile ahead (Fp8TileMap: four threads per token, two tokens a thread), waits
+// registers one tile ahead (Fp8TileMap: four threads per token, two tokens a thread; a
+// piece's registers reload with the next tile's piece once it is unpacked), waits
 // until both consumers have released the tile's stage, unpacks it there as f16 (exact: every
 // e4m3 / e5m2 value is an f16 value; kv_scale is applied outside), fences the stores for the
 // async proxy and arrives on the stage's full barrier.
@@ -173,31 +175,41 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
 #pragma unroll
       for (int h = 0; h < Map::kTokens; ++h) sp[h] = token_subpage(u, ps, i, u.tok_lo + i * NT + Map::token(t, h));
     };
-    // Raw bytes of tile i (zeros past tok_hi).
-    auto read = [&](int i, const int (&sp)[Map::kTokens]) {
+    // Tile i's rows for this thread's tokens (null past tok_hi: that token's bytes read as zeros).
+    auto rows = [&](int i, const int (&sp)[Map::kTokens], const uint8_t* (&src)[Map::kTokens]) {
 #pragma unroll
       for (int h = 0; h < Map::kTokens; ++h) {
         const int j = u.tok_lo + i * NT + Map::token(t, h);
-        const bool ok = j < u.tok_hi;
-        const uint8_t* src = token_row<kDim>(p, ps, sp[h], j);
-#pragma unroll
-        for (int k = 0; k < PIECES; ++k)
-          raw[h][k] = ok ? ldg_no_l1(src + Map::fp8_chunk(t, k) * 16) : make_uint4(0u, 0u, 0u, 0u);
+        src[h] = j < u.tok_hi ? token_row<kDim>(p, ps, sp[h], j) : nullptr;
       }
     };
+    // Raw bytes of piece k of the tokens at src.
+    auto read_piece = [&](int k, const uint8_t* const (&src)[Map::kTokens]) {
+#pragma unroll
+      for (int h = 0; h < Map::kTokens; ++h)
+        raw[h][k] = src[h] ? ldg_no_l1(src[h] + Map::fp8_chunk(t, k) * 16) : make_uint4(0u, 0u, 0u, 0u);
+    };
     int sp[Map::kTokens];
+    const uint8_t* src[Map::kTokens];
     if (u.ntiles > 0) {
       subpages(0, sp);
-      read(0, sp);
+      rows(0, sp, src);
+#pragma unroll
+      for (int k = 0; k < PIECES; ++k) read_piece(k, src);
     } else {
       wgmma_load_unit_q(p, u, unit, sh, t);
     }
     subpages(1, sp);
     for (int i = 0; i < u.ntiles; ++i) {
       const uint32_t gt = gbase + uint32_t(i), s = gt & 1u, n = gt >> 1;
+      const bool more = i + 1 < u.ntiles;
+      if (more) rows(i + 1, sp, src);
       if (n > 0) mbar_wait(bar_a + 8 * (kMbarEmpty0 + s), (n - 1) & 1u);
-      // Piece k into its bf16 chunks of column block k; each part is fenced for the async proxy
-      // (wgmma reads it) and arrived.
+      // Piece k into its f16 chunks of column block k, then tile i + 1's piece k into the same
+      // registers at once: the registers hold one tile, and with the whole next tile loaded
+      // only after this one was unpacked, its latency sat between the two (the producer waited
+      // on it a third of its time; 4 % at 128 heads: bench/NOTES.md, twenty-first session).
+      // Each part is fenced for the async proxy (wgmma reads it) and arrived.
 #pragma unroll
       for (int k = 0; k < PIECES; ++k) {
 #pragma unroll
@@ -209,15 +221,13 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
             *reinterpret_cast<uint4*>(sh.kv[s] + swz128(Map::token(t, h), k, Map::bf16_chunk(t, e), NT * 128)) =
                 make_uint4(v[4 * e], v[4 * e + 1], v[4 * e + 2], v[4 * e + 3]);
         }
+        if (more) read_piece(k, src);
         if ((k + 1) % C::BLOCKS_PER_PART == 0) {
           fence_proxy_async();
           mbar_arrive(bar_a + 8 * full_bar<true>(s, k / C::BLOCKS_PER_PART));
         }
       }
-      if (i + 1 < u.ntiles) {
-        read(i + 1, sp);
-        subpages(i + 2, sp);
-      }
+      if (more) subpages(i + 2, sp);
       // The unit's Q behind its first tile (as stream_bf16_tiles' on_unit), the next tile's
       // bytes in flight meanwhile.
       if (i == 0) wgmma_load_unit_q(p, u, unit, sh, t);
