@@ -10,6 +10,7 @@
 #include "dcpmla/error.h"
 #include "dcpmla/layout.h"
 #include "dcpmla/numeric.h"
+#include "cpu/parallel.h"
 
 namespace dcpmla {
 namespace {
@@ -68,7 +69,7 @@ ReferenceResult reference_attention(std::span<const float> q, std::span<const fl
   ReferenceResult r;
   r.out.assign(rows.size() * heads * rank_dim, 0.0);
   r.lse.assign(rows.size() * heads, -std::numeric_limits<double>::infinity());
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) if (detail::omp_parallel_allowed())
   for (int64_t bt = 0; bt < int64_t(rows.size()); ++bt) {
     const auto [b, t] = rows[size_t(bt)];
     const int qb = qlens.empty() ? qlen : qlens[size_t(b)];

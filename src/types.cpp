@@ -24,7 +24,10 @@ void fail_member(std::string_view field, int32_t value, std::span<const EnumName
 }
 
 void fail_name(std::string_view field, std::string_view s, std::span<const EnumName> names) {
-  fail(field, fmt::format("'{}'", s), members(names, false));
+  // Escaped ({fmt}'s debug form without its double quotes): a NUL or control byte in the value
+  // would otherwise cut the message, which crosses into Python as a C string, or garble it.
+  const std::string escaped = fmt::format("{:?}", s);
+  fail(field, fmt::format("'{}'", std::string_view(escaped).substr(1, escaped.size() - 2)), members(names, false));
 }
 
 }  // namespace dcpmla::detail

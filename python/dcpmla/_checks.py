@@ -48,6 +48,14 @@ def _scale(field, value, default_hint=""):
 def _str(field, value):
     if not isinstance(value, str):
         raise _error(field, repr(value), "a string")
+    # What the native call could not read whole: a NUL would end its C string (and its error
+    # message), and a lone surrogate has no UTF-8 form (nanobind's TypeError names no field).
+    if "\0" in value:
+        raise _error(field, repr(value), "a string without NUL characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _error(field, ascii(value), "a string with a UTF-8 form (no lone surrogates)") from None
     return value
 
 
@@ -55,6 +63,8 @@ def _host_array(field, x):
     """numpy view of `x`: a numpy array, any object with __dlpack__ on the host, or an array-like."""
     if isinstance(x, np.ndarray):
         return x
+    if x is None:
+        raise _error(field, "None", "an array")
     if hasattr(x, "__dlpack__"):
         try:
             return np.from_dlpack(x)
@@ -77,20 +87,24 @@ def _array(field, x, dtype, ndim, layout):
     if a.ndim != ndim:
         raise _error(f"{field}.ndim", a.ndim, f"{ndim} {layout}")
     if not a.flags.c_contiguous:
-        _too_big_to_copy(field, a, dtype, "copy")
+        # The library's bf16 copy of the values is held beside this one: counted with it.
+        _too_big_to_copy(field, a, dtype, "copy", kept=2)
     return np.ascontiguousarray(a)
 
 
-def _too_big_to_copy(field, a, dtype, what):
+def _too_big_to_copy(field, a, dtype, what, kept=0):
     """Refuses copying (or scanning) `a` into `dtype` beyond the in-process limit, from its shape
     alone: a broadcast view describes petabytes in a few bytes, and copying or
-    reading it would run out of memory, or run for hours, before any value is checked."""
+    reading it would run out of memory, or run for hours, before any value is checked. kept:
+    bytes per value that the library then holds beside the copy (its own check, later, does not
+    see this copy)."""
     limit = _dcpmla.max_in_process_bytes
-    nbytes = a.size * max(a.dtype.itemsize, dtype.itemsize)
+    nbytes = a.size * (max(a.dtype.itemsize, dtype.itemsize) + kept)
     if nbytes > limit:
         kind = "a non-contiguous view" if not a.flags.c_contiguous else "an array"
-        raise _error(field, f"{kind} of shape {a.shape}, dtype {a.dtype} ({nbytes / 2**30:.3g} GiB)",
-                     f"at most {limit / 2**30:.3g} GiB to {what} (pass a C-contiguous {dtype} array)")
+        held = f" and the library's {kept}-byte copy of each value" if kept else ""
+        raise _error(field, f"{kind} of shape {a.shape}, dtype {a.dtype} ({nbytes / 2**30:.3g} GiB with its "
+                     f"{what}{held})", f"at most {limit / 2**30:.3g} GiB (pass a C-contiguous {dtype} array)")
 
 
 def _index(a, flat):

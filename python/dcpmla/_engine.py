@@ -141,6 +141,8 @@ def _kv_scale(kv_scale, stream):
     """(value, tensor) for the native call: a float, or a one-element float32 tensor read when the
     call runs."""
     if hasattr(kv_scale, "__dlpack__"):
+        if getattr(kv_scale, "ndim", None) == 0 and hasattr(kv_scale, "reshape"):
+            kv_scale = kv_scale.reshape(1)  # a 0-d tensor is one element too (a view: same memory)
         return 1.0, _tensor("kv_scale", kv_scale, stream, "float32 (a one-element array)", raw=False)
     return _scale("kv_scale", kv_scale), None
 
@@ -182,7 +184,10 @@ class Attention:
             graph captured once replays correctly for any plan within them.
         softmax_scale: score scale; None means ``D ** -0.5`` (D = kv_lora_rank + 64).
         kv_lora_rank: R, the value width (512 on CUDA).
-        route: ``"auto"``, or force ``"one_stage"``, ``"two_stage"`` or ``"split_k"`` (tests).
+        route: ``"auto"``, or force ``"one_stage"`` or ``"split_k"`` (tests). Not ``"two_stage"``:
+            its stage B reads the verify block's latents, which :meth:`run` does not take, so
+            run() would return stage A alone, not this rank's partial (refused; it runs end to
+            end in :func:`dcpmla.mla_attention` and the C++ DCP step).
         device: ``"cuda"`` (the current device), ``"cuda:N"``, a torch.device, or ``"cpu"``.
 
     On CUDA the object owns the plan (two pinned host copies, one device copy) and the split-K
@@ -197,13 +202,18 @@ class Attention:
             softmax_scale = _scale("softmax_scale", softmax_scale, ", or None for D ** -0.5")
         kv_lora_rank = _int("kv_lora_rank", kv_lora_rank)
         max_batch = _int("max_batch", max_batch)
+        route = _str("route", route)
+        if route == "two_stage":
+            raise _error("route", repr(route), "'auto', 'one_stage' or 'split_k' (two_stage's stage B needs the "
+                         "verify block's latents, which run() does not take: it would return stage A alone; "
+                         "dcpmla.mla_attention runs two_stage end to end)")
         self._native = _dcpmla._Engine(
             heads=_int("heads", heads), kv_dtype=_str("kv_dtype", kv_dtype),
             block_size=_int("block_size", block_size), world_size=_int("world_size", world_size),
             rank=_int("rank", rank), interleave=_int("interleave", interleave),
             max_batch=max_batch, max_qlen=_int("max_qlen", max_qlen),
             max_local_len=_int("max_local_len", max_local_len, 0, _INT64_MAX), softmax_scale=softmax_scale,
-            kv_lora_rank=kv_lora_rank, route=_str("route", route), device=backend,
+            kv_lora_rank=kv_lora_rank, route=route, device=backend,
             device_index=-1 if index is None else index)
         self.heads = heads
         self.kv_dtype = kv_dtype

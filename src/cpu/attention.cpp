@@ -11,6 +11,7 @@
 
 #include "dcpmla/error.h"
 #include "dcpmla/merge.h"
+#include "parallel.h"
 
 namespace dcpmla {
 namespace {
@@ -150,7 +151,7 @@ void attention_cpu(const AttentionParams& p) {
 
   // The pieces in any order (the chunks exist for the GPU's CTAs): a whole request writes
   // out and lse, a piece of a cut request its partial slot.
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) if (detail::omp_parallel_allowed())
   for (int64_t task = 0; task < tasks; ++task) {
     const WorkItem item = plan.work[task / head_blocks];
     const int b = item.request, q0 = plan.q_start[b], qlen = plan.q_start[b + 1] - q0;
@@ -183,7 +184,7 @@ void attention_cpu(const AttentionParams& p) {
 
   // Combine the pieces of each cut request.
   const int64_t rows = int64_t(h.split_requests) * slot_rows;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (detail::omp_parallel_allowed())
   for (int64_t x = 0; x < rows; ++x) {
     const int i = int(x / slot_rows);
     const int64_t in_slot = x % slot_rows;
@@ -199,7 +200,7 @@ void attention_cpu(const AttentionParams& p) {
 void block_attention_cpu(const BlockAttentionParams& p) {
   const int D = p.dim, R = p.rank_dim;
   const int64_t rows = int64_t(p.batch) * p.qlen * p.heads;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (detail::omp_parallel_allowed())
   for (int64_t row = 0; row < rows; ++row) {
     const int b = int(row / (int64_t(p.qlen) * p.heads));
     const int t = int(row / p.heads % p.qlen);

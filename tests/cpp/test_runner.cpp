@@ -112,6 +112,9 @@ TEST(Runner, EntryPointRefusesBadInput) {
   expect_error([] { parse_mode("prefill"); }, "'mode' = 'prefill': expected decode, verify or draft");
   expect_error([] { parse_kv_dtype("fp16"); }, "'kv_dtype' = 'fp16': expected bf16, fp8_e4m3 or fp8_e5m2");
   expect_error([] { parse_backend("tpu"); }, "'device' = 'tpu': expected cpu or cuda");
+  // A NUL or control byte is shown escaped, not cut (the message crosses into Python as a C string).
+  expect_error([] { parse_kv_dtype(std::string_view("fp8_e4m3\0\x01", 10)); },
+               "'kv_dtype' = 'fp8_e4m3\\x00\\x01': expected bf16, fp8_e4m3 or fp8_e5m2");
 }
 
 // Enums cast from any integer (C and Python callers): one check per enum, from its name table.

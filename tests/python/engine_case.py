@@ -108,14 +108,6 @@ def empty_rows(step, rank):
     return np.array(rows) == 0
 
 
-def engine_reference(step, q, kv, ref):
-    """What the engine API returns: for a forced two_stage, stage A (the committed prefix)."""
-    if step.route != "two_stage":
-        return ref
-    prefix = [max(L - step.qlen, 0) for L in step.lengths]
-    return reference_attention(q, kv, prefix, mode="draft", kv_dtype=step.dtype, kv_scale=scale_of(step))
-
-
 def attention_kwargs(step, rank, **extra):
     return dict(heads=step.heads, kv_dtype=step.dtype, block_size=step.block, world_size=step.world, rank=rank,
                 interleave=step.interleave, route=step.route, **extra)

@@ -386,3 +386,92 @@ def test_empty_step_returns_empty_outputs():
     att.plan(np.full(2, 40, np.int32), np.arange(8, dtype=np.int32).reshape(2, 4), 2)
     out, lse = att.run(q, cache)
     assert out.shape == (2, 2, 2, R) and np.isfinite(lse).all()
+
+
+# ---- 8. strings the native call cannot read whole, None, a 0-d scale, a forced two_stage --------
+
+def test_strings_with_nul_or_lone_surrogates_are_named():
+    """A NUL would end the native C string (and cut its error message); a lone surrogate has no
+    UTF-8 form (nanobind's TypeError names no field). Both are refused, naming the field."""
+    q4, kv = np.zeros((1, 1, 1, D), np.float32), np.zeros((1, 4, D), np.float32)
+    with error(r"field 'kv_dtype' = 'fp8_e4m3\\x00': expected a string without NUL characters"):
+        dcpmla.Attention(heads=2, device="cpu", kv_dtype="fp8_e4m3\0")
+    with error(r"field 'route' = '\\ud800': expected a string with a UTF-8 form"):
+        dcpmla.Attention(heads=2, device="cpu", route="\ud800")
+    with error(r"field 'mode' = 'verify\\x00'"):
+        dcpmla.mla_attention(q4, kv, [2], mode="verify\0")
+    with error(r"field 'kv_dtype' = '\\udfff'"):
+        dcpmla.mla_attention(q4, kv, [2], kv_dtype="\udfff")
+    att, q, cache = planned()
+    with error(r"field 'mode' = 'decode\\x00'"):
+        att.plan([40, 40], np.arange(8, dtype=np.int32).reshape(2, 4), 1, mode="decode\0")
+    with error(r"field 'kv_dtype' = 'bf16\\x00'"):
+        dcpmla.write_kv(cache, np.zeros((1, D), np.float32), [0], kv_dtype="bf16\0")
+
+
+def test_none_arrays_are_named_as_none():
+    q4, kv = np.zeros((1, 1, 1, D), np.float32), np.zeros((1, 4, D), np.float32)
+    with error(r"field 'q' = None: expected an array"):
+        dcpmla.mla_attention(None, kv, [2])
+    with error(r"field 'kv' = None: expected an array"):
+        dcpmla.mla_attention(q4, None, [2])
+    att, _, _ = planned()
+    with error(r"field 'seq_lens' = None: expected an array"):
+        att.plan(None, np.zeros((2, 4), np.int32), 1)
+
+
+def test_a_zero_dimensional_scale_tensor_is_one_element():
+    """SPEC §6: kv_scale is a float or a one-element tensor; a 0-d array has one element."""
+    att, q, cache = planned(kv_dtype="fp8_e4m3")
+    out0, lse0 = att.run(q, cache, kv_scale=0.5)
+    out1, lse1 = att.run(q, cache, kv_scale=np.array(0.5, np.float32))
+    assert np.array_equal(out0, out1) and np.array_equal(lse0, lse1)
+    with error(r"field 'kv_scale"):
+        att.run(q, cache, kv_scale=np.zeros((2,), np.float32))
+
+
+def test_two_stage_is_refused_on_the_engine_api():
+    """run() returns this rank's partial over its whole window (SPEC §6: equal to mla_attention's
+    within bf16 rounding); two_stage's stage B needs the verify block's latents, which run() does
+    not take, so a forced two_stage would return stage A alone: refused, not a silent answer."""
+    with error(r"field 'route' = 'two_stage': expected 'auto', 'one_stage' or 'split_k'"):
+        dcpmla.Attention(heads=2, device="cpu", route="two_stage")
+
+
+def test_a_broadcast_copy_counts_the_librarys_own_copy():
+    """A 6 GiB float32 broadcast kv is refused before it is copied: the copy and the library's bf16
+    copy of it (9 GiB together) would not fit the in-process limit (8 GiB)."""
+    kv = np.broadcast_to(np.ones((1, 1, D), np.float32), (1, 2_800_000, D))
+    with error(r"field 'kv' = a non-contiguous view of shape \(1, 2800000, 576\), dtype float32 \(9.01 GiB"):
+        dcpmla.mla_attention(np.zeros((1, 1, 1, D), np.float32), kv, [2_800_000])
+
+
+FORK = """
+    import multiprocessing as mp
+    import numpy as np
+    import dcpmla
+    att = dcpmla.Attention(heads=2, block_size=16, device="cpu", max_batch=2, max_qlen=1, max_local_len=64)
+    att.plan([40], np.arange(4, dtype=np.int32)[None], 1)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 1, 2, 576)).astype(np.float32)
+    cache = (rng.standard_normal((4, 16, 576)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    parent = att.run(q, cache)[0]  # the parent's OpenMP pool now exists
+
+    def child(conn):
+        conn.send(att.run(q, cache)[0])
+
+    a, b = mp.get_context("fork").Pipe()
+    p = mp.get_context("fork").Process(target=child, args=(b,))
+    p.start()
+    assert a.poll(60), "the forked child did not answer"
+    assert np.array_equal(a.recv(), parent)
+    p.join(10)
+    print("fork ok")
+"""
+
+
+def test_a_forked_child_runs_the_cpu_engine():
+    """libgomp's pool does not survive fork(): the CPU kernels run on the calling thread in a
+    forked child (src/cpu/parallel.h) instead of waiting forever for the parent's threads."""
+    rc, output = run_script(FORK, timeout=120)
+    assert rc == 0 and "fork ok" in output, output
