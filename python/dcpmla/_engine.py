@@ -294,10 +294,10 @@ class Attention:
                 cache, one byte per value for fp8 (uint8, or torch.float8_e4m3fn / float8_e5m2).
             kv_scale: the fp8 scale, a float or a one-element float32 tensor on the device (read
                 when the kernels run, so a replayed graph sees its current value); 1.0 for bf16.
-            out: ``[B, qlen, H, kv_lora_rank]`` of q's dtype; lse: ``[B, qlen, H]`` float32 (packed
-                ``[sum(qlens), ...]`` when the plan had qlens). Reused
-                as given; when None, allocated in q's framework on q's device (torch.empty,
-                np.empty): pass both to keep the call allocation-free.
+            out: ``[B, qlen, H, kv_lora_rank]``, bfloat16 (CPU: float32 or bfloat16, whatever q's);
+                lse: ``[B, qlen, H]`` float32 (packed ``[sum(qlens), ...]`` when the plan had qlens).
+                Reused as given; when None, allocated in q's dtype, framework and device
+                (torch.empty, np.empty): pass both to keep the call allocation-free.
             stream: None for the producer's current stream (torch: torch.cuda.current_stream()),
                 an int handle, or a torch.cuda.Stream / cupy stream.
 
