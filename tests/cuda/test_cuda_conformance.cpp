@@ -34,6 +34,18 @@ std::vector<float> normal(size_t n, uint64_t seed) {
   return v;
 }
 
+// Row `row` of out (R values a row): the relative L2 distance of `got` from `want` (absolute
+// where `want` is all zeros); NaN when either holds a NaN.
+double row_rel_l2(const std::vector<float>& got, const std::vector<float>& want, size_t row, int R) {
+  double num = 0, den = 0;
+  for (int j = 0; j < R; ++j) {
+    const double a = got[row * R + j], e = want[row * R + j];
+    num += (a - e) * (a - e);
+    den += e * e;
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
 // A point of the grids of the NaN and rising-scores tests: a cache dtype, a (mode, qlen,
 // heads) shape, a route and a world size.
 struct Shape {
@@ -110,14 +122,8 @@ TEST(CudaConformance, CudaEnginesMatchCpuEngines) {
     int64_t bad = 0, nan = 0;
     double worst = 0;
     for (size_t row = 0; row < cpu.lse.size(); ++row) {
-      double num = 0, den = 0;
-      for (int j = 0; j < R; ++j) {
-        const double a = gpu.out[row * R + j], b = cpu.out[row * R + j];
-        if (std::isnan(a)) ++nan;
-        num += (a - b) * (a - b);
-        den += b * b;
-      }
-      const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+      for (int j = 0; j < R; ++j) nan += std::isnan(gpu.out[row * R + j]);
+      const double rel = row_rel_l2(gpu.out, cpu.out, row, R);
       const float la = gpu.lse[row], lb = cpu.lse[row];
       const double lerr = (std::isinf(la) || std::isinf(lb)) ? (la == lb ? 0.0 : 1e9) : std::fabs(double(la) - lb);
       worst = std::max({worst, rel, lerr});
@@ -203,13 +209,7 @@ TEST(CudaConformance, RisingScoresMatchTheCpu) {
     int64_t bad = 0;
     double worst_rel = 0, worst_lse = 0;
     for (size_t row = 0; row < cpu.lse.size(); ++row) {
-      double num = 0, den = 0;
-      for (int j = 0; j < R; ++j) {
-        const double a = gpu.out[row * R + j], e = cpu.out[row * R + j];
-        num += (a - e) * (a - e);
-        den += e * e;
-      }
-      const double rel = std::sqrt(num / std::max(den, 1e-30));
+      const double rel = row_rel_l2(gpu.out, cpu.out, row, R);
       // lse to 2e-2, and for the fp8 swap kernel (16 rows) to 2^-9 of its size beyond that:
       // its tensor cores add fp8 products with truncation (docs/design.md), which a
       // block of 64 large, alike products (the jump's score, about 160) accumulates to

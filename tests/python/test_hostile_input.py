@@ -461,7 +461,7 @@ FORK = """
         conn.send(att.run(q, cache)[0])
 
     a, b = mp.get_context("fork").Pipe()
-    p = mp.get_context("fork").Process(target=child, args=(b,))
+    p = mp.get_context("fork").Process(target=child, args=(b,), daemon=True)  # a hung child must not hold the exit
     p.start()
     assert a.poll(60), "the forked child did not answer"
     assert np.array_equal(a.recv(), parent)
