@@ -278,7 +278,8 @@ int64_t Planner::validate(const BatchDesc& batch) const {
 
 ScheduleCost calibrated_schedule_cost(int rows_per_unit, KvDtype kv_dtype, int row_groups) {
   ScheduleCost cost;
-  if (rows_per_unit > 16) cost.piece = row_groups == 2 ? 3.0 : 2.0;
+  if (rows_per_unit >= 64 && kv_dtype != KvDtype::bf16) cost.piece = 5.0;
+  else if (rows_per_unit > 16) cost.piece = row_groups == 2 ? 3.0 : 2.0;
   else if (kv_dtype != KvDtype::bf16) cost.piece = 2.0;
   return cost;
 }
