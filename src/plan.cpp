@@ -280,7 +280,7 @@ ScheduleCost calibrated_schedule_cost(int rows_per_unit, KvDtype kv_dtype, int r
   ScheduleCost cost;
   if (rows_per_unit >= 64 && kv_dtype != KvDtype::bf16) cost.piece = 5.0;
   else if (rows_per_unit > 16) cost.piece = row_groups == 2 ? 3.0 : 2.0;
-  else if (kv_dtype != KvDtype::bf16) cost.piece = 2.0;
+  else if (kv_dtype != KvDtype::bf16) cost.piece = 4.0;
   return cost;
 }
 

@@ -40,14 +40,14 @@ struct ScheduleCost {
 
 // The H200 calibration for units of rows_per_unit query rows of a kv_dtype cache, the widest
 // step the planner is sized for (max_qlen x heads) making row_groups groups: a piece costs 1
-// tile at 16 bf16 rows, 2 at 16 fp8 rows or at 32 or more, 3 at 32 or more in exactly two
+// tile at 16 bf16 rows, 4 at 16 fp8 rows, 2 at 32 or more, 3 at 32 or more in exactly two
 // groups (Q, the pipeline's restart and the epilogue grow with the rows, the tile time less;
 // fp8 halves the tile time; the two groups of a chunk share their tiles' reads through L2),
 // and 5 at 64 or more fp8 rows at any group count (that kernel's Q load queues behind its
 // dequantising producer: a piece takes about five of its tiles). Measured, not modelled: the
 // eleventh session's grid of the serving batches and its check on the uniform shapes, where 3
-// lost 1-2 % at four groups and more; the twenty-second session's grid of the fp8 64-row
-// serving batches, where 5 beat 2-3 by 2-9 % (bench/NOTES.md).
+// lost 1-2 % at four groups and more; the twenty-second session's grids of the fp8 serving
+// batches, where 5 beat 2-3 by 2-10 % at 64 rows and 4 beat 2 by 2-4 % at 16 (bench/NOTES.md).
 ScheduleCost calibrated_schedule_cost(int rows_per_unit, KvDtype kv_dtype, int row_groups);
 
 // The row groups of a step of `rows` query rows (qlen x heads) on units of rows_per_unit

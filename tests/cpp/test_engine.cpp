@@ -520,8 +520,8 @@ TEST(ScheduleCostOfAConfig, CalibratedUnlessSet) {
     KvDtype dtype;
     double piece;
   };
-  for (const Case& k : {Case{16, 16, 1, KvDtype::bf16, 1.0}, Case{16, 16, 1, KvDtype::fp8_e4m3, 2.0},
-                        Case{16, 16, 1, KvDtype::fp8_e5m2, 2.0}, Case{32, 16, 2, KvDtype::fp8_e4m3, 2.0},
+  for (const Case& k : {Case{16, 16, 1, KvDtype::bf16, 1.0}, Case{16, 16, 1, KvDtype::fp8_e4m3, 4.0},
+                        Case{16, 16, 1, KvDtype::fp8_e5m2, 4.0}, Case{32, 16, 2, KvDtype::fp8_e4m3, 2.0},
                         Case{64, 16, 2, KvDtype::bf16, 2.0}, Case{64, 16, 4, KvDtype::bf16, 2.0},
                         Case{64, 16, 4, KvDtype::fp8_e4m3, 5.0}, Case{64, 128, 1, KvDtype::bf16, 3.0},
                         Case{64, 16, 8, KvDtype::bf16, 3.0}, Case{32, 16, 4, KvDtype::fp8_e4m3, 3.0},
