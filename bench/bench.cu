@@ -251,6 +251,8 @@ struct Row {
   Shape s;
   std::string route, variant, sweep;
   int work_items = 0, cut_requests = 0;
+  ScheduleCost cost;      // the schedule's cost model this row's plan was dealt with
+  int rows_per_unit = 0;  // query rows a CTA's unit covers (the kernel's)
   double us = 0, graph_us = 0, sync_us = 0, kv_GBps = 0, tflops = 0, base_us = 0, check = -1;
   double kv_bytes = 0, flops = 0;
   std::optional<Trace> trace;
@@ -453,6 +455,8 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, bool trace,
   row.route = std::string(to_string(runner.current_plan().route()));
   row.work_items = runner.current_plan().header().work_count;
   row.cut_requests = runner.current_plan().header().split_requests;
+  row.cost = runner.planner().config().cost;
+  row.rows_per_unit = runner.planner().config().rows_per_unit;
 
   // KV caches rotated: at least 2 copies and 1 GiB in all (the L2 is 60 MB).
   const size_t cache_bytes = size_t(total_blocks) * block * 576 * bytes_per_value(s.dtype);
@@ -832,6 +836,10 @@ int main(int argc, char** argv) {
                          {"variant", r.variant},
                          {"work_items", r.work_items},
                          {"cut_requests", r.cut_requests},
+                         {"cost_model", {{"piece", r.cost.piece},
+                                         {"cut", r.cost.cut},
+                                         {"slack", r.cost.slack},
+                                         {"rows_per_unit", r.rows_per_unit}}},
                          {"mean_context", std::accumulate(r.s.lens.begin(), r.s.lens.end(), 0.0) / r.s.lens.size()},
                          {"us", r.us},
                          {"graph_us", r.graph_us},

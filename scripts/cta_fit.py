@@ -8,7 +8,13 @@ cut_pieces, tiles). Prints, per shape: the kernel variant, the CTAs' median and 
 the ranges of their tiles and pieces, the fitted costs (a: µs a tile, b: µs a piece, c: µs more
 for a piece of a cut request, d: µs a CTA), the fit's rms, the slowest CTA's work and the SMs'
 clocks over the CTAs (recorded since the twentieth session). The schedule's cost model counts
-a piece in tiles: b / a is the figure to compare with it (bench/NOTES.md, eleventh session).
+a piece in tiles: b / a is the figure to compare with it (bench/NOTES.md, eleventh session),
+printed beside the piece the row's plan was dealt with (the row's cost_model, recorded since
+the twenty-second session) and flagged where they differ by more than a tile and a half. A
+flag is a prompt, not a verdict: the piece that times best is what calibrated_schedule_cost
+holds, found with `dcpmla_bench --schedule` (the fp8 64-row kernel's fitted 5 tiles was also
+its best; the bf16 64-row kernel fits 3-4 tiles where 2 to 5 time the same; NOTES,
+twenty-second session).
 
     scripts/cta_fit.py bench/results/h200_2026-12-02_s11.json [--only NAME ...]
 """
@@ -39,10 +45,16 @@ def main():
         rms = float(np.sqrt(np.mean((a @ coef - busy) ** 2)))
         k = int(np.argmax(busy))
         per_tile = coef[0] if coef[0] > 0 else float("nan")
+        fitted = coef[1] / per_tile
+        planned = (r.get("cost_model") or {}).get("piece")
+        schedule = ""
+        if planned is not None and rank == 4:
+            off = abs(fitted - planned) > 1.5
+            schedule = f" | schedule's piece {planned:g} tiles" + (" (differs: grid it with dcpmla_bench --schedule)" if off else "")
         print(f"{r['name']:32s} {r['variant']:9s} busy p50 {np.median(busy):7.1f} max {busy.max():7.1f} | "
               f"tiles {int(tiles.min())}-{int(tiles.max())} pieces {int(pieces.min())}-{int(pieces.max())} | "
-              f"tile {coef[0]:.2f} piece {coef[1]:.2f} ({coef[1] / per_tile:.1f} tiles) cut {coef[2]:+.2f} "
-              f"cta {coef[3]:.1f} rms {rms:.2f} | slowest: {int(tiles[k])} tiles, {int(pieces[k])} pieces"
+              f"tile {coef[0]:.2f} piece {coef[1]:.2f} ({fitted:.1f} tiles) cut {coef[2]:+.2f} "
+              f"cta {coef[3]:.1f} rms {rms:.2f}{schedule} | slowest: {int(tiles[k])} tiles, {int(pieces[k])} pieces"
               + (f" | clock p50 {np.median(c['mhz']):.0f} MHz ({min(c['mhz']):.0f}-{max(c['mhz']):.0f})" if c.get("mhz") else "")
               + ("" if rank == 4 else " | degenerate (a column is constant or follows the others: the split among them is arbitrary)"))
 
