@@ -30,8 +30,8 @@ inline constexpr int kCutTokens = 64;
 // `cut` (its partial write and share of the combine). Under the automatic route a batch of
 // at most one request per chunk is not cut when its longest request is within `slack` of the
 // even share, so that a uniform batch is not cut to win a few percent. The defaults are the
-// 16-row kernels' calibration; calibrated_schedule_cost gives each unit size its own (H200:
-// bench/NOTES.md).
+// 16-row bf16 kernel's calibration; calibrated_schedule_cost gives each unit size and cache
+// dtype its own (H200: bench/NOTES.md).
 struct ScheduleCost {
   double piece = 1.0;
   double cut = 0.5;
@@ -43,8 +43,9 @@ struct ScheduleCost {
 // tile at 16 bf16 rows, 4 at 16 fp8 rows, 2 at 32 or more, 3 at 32 or more in exactly two
 // groups (Q, the pipeline's restart and the epilogue grow with the rows, the tile time less;
 // fp8 halves the tile time; the two groups of a chunk share their tiles' reads through L2),
-// and 5 at 64 or more fp8 rows at any group count (that kernel's Q load queues behind its
-// dequantising producer: a piece takes about five of its tiles). Measured, not modelled: the
+// and 5 at 64 or more fp8 rows at any group count (that kernel's producer starts each unit
+// with a DRAM round trip for its first tile and issues its Q after unpacking that tile: the
+// traced CTAs fit about five of its tiles a piece). Measured, not modelled: the
 // eleventh session's grid of the serving batches and its check on the uniform shapes, where 3
 // lost 1-2 % at four groups and more; the twenty-second session's grids of the fp8 serving
 // batches, where 5 beat 2-3 by 2-10 % at 64 rows and 4 beat 2 by 2-4 % at 16 (bench/NOTES.md).
