@@ -23,10 +23,13 @@ namespace dcpmla::cuda_detail {
 // scan (a walk over the request list with a 64-bit modulo per request cost about 1 us per cut
 // request); the plan is in memory before the attention kernel runs, so the first scan runs
 // before the wait for the partials, beside the attention grid's last CTAs.
-// The combine reads each partial once from L2 and is bound by how many loads are in flight:
-// a warp folds its pieces k, k + G, ... a batch at a time, all loads of a batch issued before
-// any is used, into a running state (online: M = max m_s, l = sum l_s 2^(m_s - M), acc = sum
-// l_s 2^(m_s - M) o_s, rescaled when M grows), so no load waits for another row statistic; a
+// The combine reads each partial once from L2 and a CTA's time is about one round trip of its
+// batch of loads, taken while every CTA loads at once (Nsight: the warps wait on the first use
+// of a batch; half the bytes, more loads in flight through shared memory and an L2 prefetch
+// before the wait did not shorten it: bench/NOTES.md, twenty-third session). So a warp folds
+// its pieces k, k + G, ... a batch at a time, all loads of a batch issued before any is used,
+// into a running state (online: M = max m_s, l = sum l_s 2^(m_s - M), acc = sum l_s
+// 2^(m_s - M) o_s, rescaled when M grows), so no load waits for another row statistic; a
 // group's warps then merge their states in shared memory once (one barrier a task,
 // double-buffered), o = acc / l, lse = (M + log2 l) ln 2. (The tenth session's form, an item
 // per (row, 128-column slice) whatever the piece count, every m_s read before any o and two
