@@ -82,6 +82,9 @@ CFG
   mkdir -p .devdeps/nccl/include && cp /usr/local/cuda/include/nccl.h .devdeps/nccl/include/ || exit 1
   # The commit the copy is of (the GPU machine's copy of .git is not this checkout's).
   git describe --always --dirty --abbrev=12 >.devdeps/commit
+  # And what it holds, checked on the GPU machine before anything is built: a call made after
+  # a checkout without a new deps would label another tree with this commit.
+  git ls-files -z -- CMakeLists.txt cmake include src bench tests python scripts | xargs -0 sha1sum >.devdeps/tree.sha1 || exit 1
   mkdir -p .devdeps/vectors && cp ../shared/vectors/* .devdeps/vectors/ 2>/dev/null || true
   i=0
   for rev in ${AB_REV:-}; do
@@ -95,6 +98,11 @@ CFG
 fi
 mkdir -p "$OUT"
 status=0
+if [[ -f .devdeps/tree.sha1 ]] && ! sha1sum --check --quiet .devdeps/tree.sha1 >"$OUT/tree_check.txt" 2>&1; then
+  say "this tree is not the one .devdeps was made from ($(cat .devdeps/commit)): run scripts/device.sh deps again"
+  head -n 5 "$OUT/tree_check.txt"
+  exit 2
+fi
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,memory.total --format=csv \
   >"$OUT/gpu.txt" 2>&1 || true
