@@ -3,7 +3,8 @@
 #   scripts/device.sh [all|test|bench|ab]   (default all)
 #   scripts/device.sh deps                  here, before the call: fills .devdeps/ (carry it);
 #                                           AB_REV="<rev> [<rev>...]" also puts those commits'
-#                                           trees in it
+#                                           trees in it; it records this tree's sources, and
+#                                           the other modes refuse to run on a different one
 # One configure and build with the machine's own toolchain (nvcc, cmake, g++; mode ab also
 # builds each other tree's bench), then:
 #   test    ctest -L "${LABELS:-gpu}": every GPU test is a CTest test with labels: gpu (all of
