@@ -83,9 +83,12 @@ CFG
   mkdir -p .devdeps/nccl/include && cp /usr/local/cuda/include/nccl.h .devdeps/nccl/include/ || exit 1
   # The commit the copy is of (the GPU machine's copy of .git is not this checkout's).
   git describe --always --dirty --abbrev=12 >.devdeps/commit
-  # And what it holds, checked on the GPU machine before anything is built: a call made after
-  # a checkout without a new deps would label another tree with this commit.
-  git ls-files -z -- CMakeLists.txt cmake include src bench tests python scripts | xargs -0 sha1sum >.devdeps/tree.sha1 || exit 1
+  # And what it builds and runs (what the GPU machine copies: tracked and untracked files
+  # outside .gitignore; records and notes left out, so writing them does not void a deps),
+  # checked there before anything is built: a call made after a checkout without a new deps
+  # would label another tree with this commit.
+  git ls-files -z --cached --others --exclude-standard -- CMakeLists.txt cmake include src bench tests python scripts \
+    ':(exclude)bench/results' ':(exclude)*.md' | xargs -0 sha1sum >.devdeps/tree.sha1 || exit 1
   mkdir -p .devdeps/vectors && cp ../shared/vectors/* .devdeps/vectors/ 2>/dev/null || true
   i=0
   for rev in ${AB_REV:-}; do
