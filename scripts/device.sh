@@ -86,7 +86,8 @@ CFG
   # And what it builds and runs (what the GPU machine copies: tracked and untracked files
   # outside .gitignore; records and notes left out, so writing them does not void a deps),
   # checked there before anything is built: a call made after a checkout without a new deps
-  # would label another tree with this commit.
+  # would label another tree with this commit. (A file added after the deps is not listed,
+  # so it escapes the check: run deps again after adding one.)
   git ls-files -z --cached --others --exclude-standard -- CMakeLists.txt cmake include src bench tests python scripts \
     ':(exclude)bench/results' ':(exclude)*.md' | xargs -0 sha1sum >.devdeps/tree.sha1 || exit 1
   mkdir -p .devdeps/vectors && cp ../shared/vectors/* .devdeps/vectors/ 2>/dev/null || true

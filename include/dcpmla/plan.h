@@ -94,7 +94,9 @@ struct BatchDesc {
 
 // A contiguous run of rank-local tokens [tok_begin, tok_end) of one request (a piece of a
 // chunk). slot < 0: the request is whole here and the piece writes out and lse; else the
-// request is cut and the piece writes split-K partials into `slot`.
+// request is cut and the piece writes split-K partials into `slot`. A request's pieces cover
+// [0, its longest row's local length) exactly, so the backends read no token past that end
+// (it may be unmapped or poisoned) without clipping at the row lengths themselves.
 struct WorkItem {
   int32_t request;
   int32_t tok_begin;

@@ -76,8 +76,7 @@ void attend_range(const AttentionParams& p, const Dequantizer& deq, int b, int h
       float* dst = qf.data() + (size_t(t) * nh + size_t(h - h0)) * D;
       for (int j = 0; j < D; ++j) dst[j] = bf16_to_float(src[j]);
     }
-  // Tiles are whole sub-pages; tokens past the longest row are never read (they may be NaN).
-  tok_end = std::min<int64_t>(tok_end, *std::max_element(lens, lens + qlen));
+  // [tok_begin, tok_end) ends at or before the longest row (WorkItem): nothing past it is read.
   acc.assign(size_t(qlen) * nh * R, 0.0f);
   state.assign(size_t(qlen) * nh, RowState{});
 

@@ -112,9 +112,8 @@ __device__ __forceinline__ UnitSpan unit_span(const AttentionParams& p, const Un
   u.nr = min(M, qlen * p.heads - u.row0);
   u.lens = p.plan.row_local_len + q0;
   u.subpages = p.plan.subpage_table + int64_t(u.b) * p.plan.header->table_stride;
-  // The planner ends a request's pieces at its longest row (tests/common/schedule_check.h),
-  // so tokens past it, which may be NaN (poisoned) or unmapped, are never read; taking the
-  // piece's end as it is saves a CTA's start a dependent load of the row lengths.
+  // The piece ends at or before the request's longest row (WorkItem), so no token past it is
+  // read; not reloading the row lengths here spares a CTA's start a dependent load.
   u.tok_lo = item.tok_begin;
   u.tok_hi = item.tok_end;
   u.ntiles = u.tok_hi > u.tok_lo ? (u.tok_hi - u.tok_lo + NT - 1) / NT : 0;
