@@ -6,8 +6,10 @@
 // median over calls after warm-up, with several KV caches rotated so that L2 does not
 // flatter: the device time of calls queued behind a spin kernel (no host gap; the headline
 // `us`), the device time of CUDA-graph replays queued alike, and the synchronous per-call
-// time on the host (launch + sync included). A table on stdout and, with --json, the rows
-// and their metadata (bench/results_json.h). `dcpmla_bench --help` lists the options.
+// time on the host (launch + sync included); and the mean device time of the calls queued
+// with no event between them (`b2b_us`: each call's kernels may then start beside the call
+// before). A table on stdout and, with --json, the rows and their metadata
+// (bench/results_json.h). `dcpmla_bench --help` lists the options.
 // --sweep also times every other kernel variant (AttentionTuning) at each shape and gives
 // its rel L2 against the default variant's output, "variant:us(relL2)". --trace records, for
 // one more call of each shape, every CTA's start and end on the GPU's global timer
@@ -202,6 +204,28 @@ float queued_median_ms(int runs, cudaStream_t st, F&& call) {
   return t[t.size() / 2];
 }
 
+// Mean device time per call of `runs` calls enqueued back to back on `st` behind a spin kernel,
+// with no event between them: the first event is recorded before the first call and the second
+// after the last. Unlike queued_median_ms it lets each call's kernels overlap the call before
+// (a programmatic dependent launch starts beside the stream's previous kernel), as a stream of
+// an engine's kernels does.
+template <class F>
+float back_to_back_mean_ms(int runs, cudaStream_t st, F&& call) {
+  cudaEvent_t a, b;
+  ck(cudaEventCreate(&a), "event");
+  ck(cudaEventCreate(&b), "event");
+  spin_kernel<<<1, 1, 0, st>>>(uint64_t(20) * 1000 * 1000);
+  ck(cudaEventRecord(a, st), "record");
+  for (int i = 0; i < runs; ++i) call(i);
+  ck(cudaEventRecord(b, st), "record");
+  ck(cudaStreamSynchronize(st), "back-to-back runs");
+  float ms = 0;
+  ck(cudaEventElapsedTime(&ms, a, b), "elapsed");
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms / float(runs);
+}
+
 // Median host time of a call followed by a stream synchronisation (what a naive caller sees).
 template <class F>
 float sync_median_ms(int runs, cudaStream_t st, F&& call) {
@@ -253,7 +277,7 @@ struct Row {
   int work_items = 0, cut_requests = 0;
   ScheduleCost cost;      // the schedule's cost model this row's plan was dealt with
   int rows_per_unit = 0;  // query rows a CTA's unit covers (the kernel's)
-  double us = 0, graph_us = 0, sync_us = 0, kv_GBps = 0, tflops = 0, base_us = 0, check = -1;
+  double us = 0, graph_us = 0, sync_us = 0, b2b_us = 0, kv_GBps = 0, tflops = 0, base_us = 0, check = -1;
   double kv_bytes = 0, flops = 0;
   std::optional<Trace> trace;
 };
@@ -491,6 +515,7 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, bool trace,
   for (int i = 0; i < 3; ++i) call(i);
   ck(cudaStreamSynchronize(st), "warm-up");
   row.us = queued_median_ms(runs, st, call) * 1e3;
+  row.b2b_us = back_to_back_mean_ms(runs, st, call) * 1e3;
   // One graph per cache copy, each the call captured once.
   std::vector<cudaGraphExec_t> graphs;
   for (int k = 0; k < copies; ++k) {
@@ -729,7 +754,8 @@ int main(int argc, char** argv) {
   std::vector<double> schedule;
   CLI::App app{"dcpmla_bench: the copy and GEMM ceilings, a plain baseline (gather + cuBLAS + softmax) and\n"
                "dcpmla's attention at uniform and varlen shapes, on GPU 0: device time queued behind a spin\n"
-               "kernel, CUDA-graph replay time and synchronous per-call time. Needs a CUDA GPU."};
+               "kernel, the mean of calls queued back to back with no event between them, CUDA-graph replay\n"
+               "time and synchronous per-call time. Needs a CUDA GPU."};
   app.add_option("--json", json_path, "Also write the rows and their metadata as JSON to this file");
   app.add_option("--runs", runs, "Timed calls per measurement (median)")
       ->check(dcpmla::cli::integer_in(3, 100000))
@@ -806,8 +832,10 @@ int main(int argc, char** argv) {
     if (!wanted(s.name)) continue;
     rows.push_back(run_shape(s, runs, baseline, sweep, trace, cost, blas));
     const Row& r = rows.back();
-    std::fprintf(stderr, "  %-32s %9.1f us (graph %.1f, sync %.1f)  %7.0f GB/s  %6.1f TFLOP/s  route %s (%d cut)  %s  [%s]\n",
-                 s.name.c_str(), r.us, r.graph_us, r.sync_us, r.kv_GBps, r.tflops, r.route.c_str(), r.cut_requests,
+    std::fprintf(stderr,
+                 "  %-32s %9.1f us (back to back %.1f, graph %.1f, sync %.1f)  %7.0f GB/s  %6.1f TFLOP/s  route %s (%d "
+                 "cut)  %s  [%s]\n",
+                 s.name.c_str(), r.us, r.b2b_us, r.graph_us, r.sync_us, r.kv_GBps, r.tflops, r.route.c_str(), r.cut_requests,
                  r.variant.c_str(), r.sweep.c_str());
     if (r.trace)
       std::fprintf(stderr,
@@ -842,6 +870,7 @@ int main(int argc, char** argv) {
                                          {"rows_per_unit", r.rows_per_unit}}},
                          {"mean_context", std::accumulate(r.s.lens.begin(), r.s.lens.end(), 0.0) / r.s.lens.size()},
                          {"us", r.us},
+                         {"b2b_us", r.b2b_us},
                          {"graph_us", r.graph_us},
                          {"sync_us", r.sync_us},
                          {"kv_GBps", r.kv_GBps},
