@@ -39,6 +39,11 @@ __device__ __forceinline__ void trace_stamp(uint64_t* trace, int slot) {
   if (trace != nullptr) trace[slot] = global_ns();
 }
 
+// Programmatic dependent launch (sm_90): a kernel launched with the programmatic stream
+// serialization attribute may start while the stream's previous kernel still runs. This
+// returns once that kernel has completed and its writes are visible.
+__device__ __forceinline__ void wait_prior_grids() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return uint32_t(__cvta_generic_to_shared(p));
 }
