@@ -180,16 +180,12 @@ __device__ __forceinline__ void combine_item(const AttentionParams& p, CombineRe
 __global__ void __launch_bounds__(kCombineThreads, kCombineCtasPerSm)
     split_merge_kernel(const __grid_constant__ AttentionParams p) {
   // The plan was copied before the attention kernel ran (stream order), so it may be read
-  // before the wait. Every CTA still waits for the attention grid before it exits, also with
-  // nothing to merge (a captured graph holds the combine wherever the planner may cut, and
-  // replays it for plans that cut nothing): a kernel an engine launches behind this one as a
+  // before the wait. Every CTA waits for the attention grid before it exits, also with nothing
+  // to merge (a plan that cut nothing: a captured graph holds the combine wherever the planner
+  // may cut, and replays it for any plan): a kernel an engine launches behind this one as a
   // programmatic dependent launch waits only for this grid, so this grid must not complete
-  // before the attention grid has (a CTA that never waited would let it).
+  // before the attention grid has.
   const PlanHeader hdr = *p.plan.header;
-  if (hdr.split_requests == 0) {
-    wait_prior_grids();
-    return;
-  }
   const bool stamps = threadIdx.x == 0 && blockIdx.x < unsigned(kTraceCtas);
   using Scan = cub::BlockScan<int, kCombineThreads>;
   __shared__ typename Scan::TempStorage scan;
@@ -257,7 +253,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineCtasPerSm)
     dealt = (dealt + total) % grid;
     __syncthreads();  // req and scan are rewritten for the next requests
   }
-  if (!waited) wait_prior_grids();  // nothing merged here: still not before the attention grid ends
+  if (!waited) wait_prior_grids();  // nothing merged here (above)
   else if (stamps) trace_stamp(p.trace, kTraceCombine + 2 * int(blockIdx.x) + 1);
 }
 
