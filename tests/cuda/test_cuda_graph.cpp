@@ -7,7 +7,6 @@
 #include <memory>
 #include <random>
 
-#include "dependent_copy.h"
 #include "scenario.h"
 
 namespace dcpmla::testing {
@@ -288,75 +287,6 @@ TEST(CudaGraph, EnginePathOverTheGrid) {
     SCOPED_TRACE(s.describe());
     run_graph_case(gc);
   }
-}
-
-// The combine is a programmatic dependent launch behind the attention kernel, and a captured
-// graph holds it wherever the planner may cut, also for a plan that cut nothing. A kernel an
-// engine launches behind it the same way waits only for the combine's grid: that grid must not
-// complete before the attention grid. Here a plan that cuts nothing leaves a few CTAs idle (so
-// the combine's CTAs find SMs while the attention CTAs still run), and a copy of out launched
-// behind the combine in the same graph must read the finished out.
-TEST(CudaGraph, KernelBehindTheCombineSeesTheFinishedOutput) {
-  DCPMLA_REQUIRE_GPU();
-  int device = 0, sms = 0;
-  cuda_ok(cudaGetDevice(&device), "cudaGetDevice");
-  cuda_ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count");
-  Scenario s{"behind_the_combine", Mode::decode, KvDtype::bf16, 64, 16, 1, 0, 1, Route::automatic, 1, 1, {}};
-  const int batch = std::max(1, sms - 4), len = 2048;  // a request a CTA, within the schedule's slack
-  const int blocks = len / s.block_size;
-  AttentionConfig config = make_config(s, batch, len);
-  cuda::Attention gpu(config);
-  gpu.set_tuning(test_tuning());
-  ASSERT_TRUE(gpu.planner().may_cut());
-  std::vector<int32_t> lens(size_t(batch), len), tables(size_t(batch) * blocks);
-  std::iota(tables.begin(), tables.end(), 0);
-  BatchDesc desc;
-  desc.seq_lens = lens;
-  desc.qlen = 1;
-  desc.block_tables = tables;
-  desc.table_width = blocks;
-  desc.mode = Mode::decode;
-  cudaStream_t stream;
-  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-  gpu.plan(desc, stream);
-  cuda_ok(cudaStreamSynchronize(stream), "plan");
-  ASSERT_EQ(gpu.current_plan().header().split_requests, 0) << "the plan cut a request: this test needs one that does not";
-
-  // Finite values everywhere (bf16 0x3c3c), so a finished out holds no 0xff byte.
-  DeviceCache cache(int64_t(batch) * blocks, s.block_size, s.dtype);
-  cuda_ok(cudaMemset(cache.bytes.get(), 0x3c, cache.bytes.size()), "cache fill");
-  const size_t rows = size_t(batch) * s.heads;
-  DeviceBuffer<bf16> q(rows * 576), out(rows * 512), copy(rows * 512);
-  DeviceBuffer<float> lse(rows);
-  cuda_ok(cudaMemset(q.get(), 0x3c, q.size() * sizeof(bf16)), "q fill");
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
-  gpu.run(q.get(), cache.view, KvScale{}, out.get(), lse.get(), stream);
-  enqueue_dependent_copy(out.get(), copy.get(), out.size() * sizeof(bf16), stream);
-  cuda_ok(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
-  cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
-  for (int replay = 0; replay < 3; ++replay) {
-    out.poison();
-    copy.poison();
-    cuda_ok(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
-    cuda_ok(cudaStreamSynchronize(stream), "replay");
-    const std::vector<bf16> o = out.download(), c = copy.download();
-    size_t poisoned = 0, differ = 0;
-    for (size_t i = 0; i < o.size(); ++i) {
-      uint16_t ob, cb;
-      std::memcpy(&ob, &o[i], 2);
-      std::memcpy(&cb, &c[i], 2);
-      poisoned += ob == 0xffff;
-      differ += ob != cb;
-    }
-    EXPECT_EQ(poisoned, 0u) << "replay " << replay << ": out not written";
-    EXPECT_EQ(differ, 0u) << "replay " << replay << ": the kernel behind the combine read out before the attention "
-                          << "grid had finished it";
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 }  // namespace

@@ -183,8 +183,9 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineCtasPerSm)
   // before the wait. Every CTA waits for the attention grid before it exits, also with nothing
   // to merge (a plan that cut nothing: a captured graph holds the combine wherever the planner
   // may cut, and replays it for any plan): a kernel an engine launches behind this one as a
-  // programmatic dependent launch waits only for this grid, so this grid must not complete
-  // before the attention grid has.
+  // programmatic dependent launch waits, by PTX's terms, only for this grid, so this grid does
+  // not complete before the attention grid has. (Defensive: the early exit was not seen to
+  // break such a kernel on the H200; bench/NOTES.md, twenty-sixth session.)
   const PlanHeader hdr = *p.plan.header;
   const bool stamps = threadIdx.x == 0 && blockIdx.x < unsigned(kTraceCtas);
   using Scan = cub::BlockScan<int, kCombineThreads>;
