@@ -25,14 +25,17 @@
 // second row group's CTA of a 128-head request reads its tiles there). The tile rows also give
 // the SM cycles per fill (fill_cycles: a fill's own time when fills run back to back, i.e.
 // when it exceeds the chain's), what one SM's tile stream takes when every SM streams at once.
-// Then the tile stream alone (form fill_cp_async / fill_bulk): one CTA per SM streams 72 KiB
-// tiles into shared memory with 1, 2 or 3 tiles in flight, by 128 threads' cp.async (the
-// kernels' producers) or by one thread's bulk copies (cp.async.bulk, 8 KiB each, the TMA unit),
-// from DRAM or from L2 (stream "dram" / "l2"): SM cycles per tile and the bytes per second
-// landed in all SMs together. More tiles in flight going faster means a stream bound by latency
-// (deeper pipelines pay); the same rate, by bandwidth. fill_bulk_mc: clusters of two CTAs that
-// land the same tiles (the two row groups of a 128-head request), each CTA issuing half of
-// every tile's blocks multicast to both, so L2 sends each tile once per pair.
+// Then the tile stream alone (forms fill_cp_async / fill_bulk / fill_box): one CTA per SM streams
+// 72 KiB tiles into shared memory with 1, 2 or 3 tiles in flight, by 128 threads' cp.async (the
+// kernels' producers), by one thread's bulk copies (cp.async.bulk, 8 KiB contiguous each, the
+// TMA unit's best case) or by one thread's tensor-map boxes (64 dims x 64 rows of the 1152-byte
+// token rows, 128-byte swizzle: the layout a stage takes), from DRAM or from L2 (stream "dram"
+// / "l2"): SM cycles per tile and the bytes per second landed in all SMs together. More tiles in
+// flight going faster means a stream bound by latency (deeper pipelines pay); the same rate, by
+// bandwidth. Share "own": every CTA its own tiles (one row group); "pair": CTAs 2k and 2k + 1
+// land the same tiles (the two row groups of a 128-head request today); "multicast": a cluster
+// of two lands the same tiles, each CTA issuing half of every tile's blocks multicast to both,
+// so L2 sends each tile once per pair.
 // One CTA on every SM. Needs an sm_90a GPU.
 // `dcpmla_wgmma_probe --help`; --json writes the rows with their metadata.
 #include <algorithm>
@@ -40,7 +43,9 @@
 #include <string>
 #include <vector>
 
+#include <cuda.h>
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -216,27 +221,37 @@ __global__ void __launch_bounds__(128 * ISSUERS + stream_threads(STREAM), 1)
   }
 }
 
-// The tile stream alone: tiles of the CTA's walk through the source (all of it: DRAM; or two
-// tiles per CTA: L2) into INFLIGHT areas of 72 KiB, a tile in flight per area.
-// MC: a cluster of two CTAs (launched so) lands the same tiles, each CTA's bulk copies
-// multicast to both.
-template <int INFLIGHT, bool BULK, bool L2, bool MC = false>
+// The tile stream alone: each CTA (or pair, below) walks its tiles through the source (all of
+// it: DRAM; or two tiles per walker: L2) into INFLIGHT areas of 72 KiB, a tile in flight per
+// area. Copiers: 128 threads' cp.async by the kernels' producer map from 64 rows of 1152 bytes
+// (a 64-token page); one thread's bulk copies of nine contiguous 8 KiB blocks (the TMA unit's
+// best case); or one thread's nine 2D tensor-map boxes (64 dims x 64 rows, 128-byte swizzle)
+// from the same 1152-byte rows as cp.async, the layout the kernels' stages take. Sharing: each
+// CTA its own tiles (16 heads: one row group); CTAs 2k and 2k + 1 the same tiles, each landing
+// all of it (128 heads today: the two row groups' CTAs, neighbours on a GPC); or a cluster of
+// two landing the same tiles, rank r issuing blocks [5 r, 5 r + 5) multicast to both (L2 sends
+// each tile once per pair).
+enum Copier : int { kCpAsync, kBulk, kBox };
+enum Share : int { kOwn, kPair, kMulticast };
+constexpr const char* kCopierNames[] = {"fill_cp_async", "fill_bulk", "fill_box"};
+constexpr const char* kShareNames[] = {"own", "pair", "multicast"};
+
+template <int INFLIGHT, int COPIER, bool L2, int SHARE>
 __global__ void __launch_bounds__(128, 1)
-    fill_kernel(int tiles, const uint4* __restrict__ src, size_t src_chunks, long long* cycles) {
-  static_assert(!MC || BULK);
+    fill_kernel(int tiles, const uint4* __restrict__ src, size_t src_chunks, const __grid_constant__ CUtensorMap map,
+                long long* cycles) {
+  static_assert(SHARE != kMulticast || COPIER != kCpAsync, "cp.async cannot multicast");
+  constexpr bool MC = SHARE == kMulticast, TMA = COPIER != kCpAsync;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t bars[INFLIGHT];
   uint8_t* base = &cd::aligned_shared<uint8_t>(smem_raw);
   const uint32_t area0 = cd::smem_addr(base), bar0 = cd::smem_addr(bars);
   const int t = threadIdx.x;
   constexpr size_t kTileChunks = kTileFillBytes / 16;
-  // The tile walk: per CTA, or per pair (MC).
-  const size_t walker = MC ? blockIdx.x / 2 : blockIdx.x, walkers = MC ? gridDim.x / 2 : gridDim.x;
-  const size_t window = L2 ? 2 * walkers * kTileChunks : src_chunks;
-  auto tile_src = [&](int k) {
-    return src + ((walker + size_t(k) * walkers) * kTileChunks) % (window - kTileChunks + 1);
-  };
-  if (BULK && t == 0)
+  const size_t walker = SHARE == kOwn ? blockIdx.x : blockIdx.x / 2, walkers = SHARE == kOwn ? gridDim.x : gridDim.x / 2;
+  const size_t src_tiles = src_chunks / kTileChunks, window = L2 ? 2 * walkers : src_tiles;
+  auto tile_index = [&](int k) { return (walker + size_t(k) * walkers) % window; };
+  if (TMA && t == 0)
     for (int a = 0; a < INFLIGHT; ++a) cd::mbar_init(bar0 + 8 * a, 1);
   if constexpr (MC) {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -244,10 +259,9 @@ __global__ void __launch_bounds__(128, 1)
   }
   __syncthreads();
   const long long c0 = clock64();
-  if constexpr (BULK) {
-    // Thread 0 copies each tile's nine 8 KiB blocks, or with MC, cluster rank r blocks
-    // [5 r, 5 r + 5) multicast to both CTAs. An area is reissued once its previous tile has
-    // landed (with MC, in both CTAs: cluster barrier).
+  if constexpr (TMA) {
+    // Thread 0 issues each tile's nine blocks (MC: its rank's share, multicast to both CTAs).
+    // An area is reissued once its previous tile has landed (MC: in both CTAs, cluster barrier).
     const int b0 = MC ? 5 * int(cd::cluster_ctarank()) : 0, b1 = min(b0 + (MC ? 5 : kDim / 64), kDim / 64);
     auto landed = [&](int k) {  // tile k's area is free again (k >= INFLIGHT: tile k - INFLIGHT landed)
       if (k >= INFLIGHT && t == 0) cd::mbar_wait(bar0 + 8 * (k % INFLIGHT), uint32_t((k / INFLIGHT - 1) & 1));
@@ -257,12 +271,20 @@ __global__ void __launch_bounds__(128, 1)
       const int a = k % INFLIGHT;
       if (k >= INFLIGHT) landed(k);
       if (t == 0) {
-        cd::mbar_arrive_expect_tx(bar0 + 8 * a, kTileFillBytes);
-        const uint4* from = tile_src(k);
+        const uint32_t bar = bar0 + 8 * a;
+        cd::mbar_arrive_expect_tx(bar, kTileFillBytes);
+        const size_t tile = tile_index(k);
         for (int b = b0; b < b1; ++b) {
           const uint32_t dst = area0 + a * kTileFillBytes + b * 8192;
-          if constexpr (MC) cd::bulk_copy_g2s_multicast(dst, from + b * 512, 8192, bar0 + 8 * a, uint16_t(3));
-          else cd::bulk_copy_g2s(dst, from + b * 512, 8192, bar0 + 8 * a);
+          if constexpr (COPIER == kBulk) {
+            const uint4* from = src + tile * kTileChunks + b * 512;
+            if constexpr (MC) cd::bulk_copy_g2s_multicast(dst, from, 8192, bar, uint16_t(3));
+            else cd::bulk_copy_g2s(dst, from, 8192, bar);
+          } else {
+            const int x = 64 * b, y = int(tile * 64);
+            if constexpr (MC) cd::tensor_box_g2s_multicast(dst, &map, x, y, bar, uint16_t(3));
+            else cd::tensor_box_g2s(dst, &map, x, y, bar);
+          }
         }
       }
     }
@@ -270,13 +292,34 @@ __global__ void __launch_bounds__(128, 1)
     for (int k = max(tiles, INFLIGHT); k < tiles + INFLIGHT; ++k) landed(k);
   } else {
     for (int k = 0; k < tiles; ++k) {
-      copy_tile_cp_async(area0 + (k % INFLIGHT) * kTileFillBytes, tile_src(k), t);
+      copy_tile_cp_async(area0 + (k % INFLIGHT) * kTileFillBytes, src + tile_index(k) * kTileChunks, t);
       asm volatile("cp.async.commit_group;\n" ::: "memory");
       asm volatile("cp.async.wait_group %0;\n" ::"n"(INFLIGHT - 1) : "memory");
     }
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
   }
   if (t == 0) cycles[blockIdx.x] = (clock64() - c0) / tiles;
+}
+
+// The source as rows of 576 bf16 (1152 bytes) for the box copier: boxes of 64 x 64, 128-byte
+// swizzle (the driver's encoder, reached through the runtime: no link to libcuda).
+CUtensorMap source_rows_map(const void* src, size_t bytes) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  check(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode), 12000,
+                                         cudaEnableDefault, &found),
+        "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
+  if (found != cudaDriverEntryPointSuccess || encode == nullptr)
+    throw std::runtime_error("the driver has no cuTensorMapEncodeTiled");
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {cuuint64_t(kDim), cuuint64_t(bytes / (kDim * 2))};
+  const cuuint64_t strides[1] = {cuuint64_t(kDim * 2)};
+  const cuuint32_t box[2] = {64, 64}, elem[2] = {1, 1};
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(src), dims, strides, box,
+                            elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) throw std::runtime_error("cuTensorMapEncodeTiled failed: " + std::to_string(int(r)));
+  return map;
 }
 
 // The median of the CTAs' counts.
@@ -286,29 +329,29 @@ double median(std::vector<long long> v) {
 }
 
 struct FillRow {
-  std::string copier, source;
+  std::string copier, source, share;
   int inflight;
   double cycles_per_tile, gbps;
 };
 
-template <int INFLIGHT, bool BULK, bool L2, bool MC = false>
-FillRow run_fill(int sms, const uint4* src, size_t src_chunks, long long* d_cycles) {
-  auto kernel = fill_kernel<INFLIGHT, BULK, L2, MC>;
+template <int INFLIGHT, int COPIER, bool L2, int SHARE>
+FillRow run_fill(int sms, const uint4* src, size_t src_chunks, const CUtensorMap& map, long long* d_cycles) {
+  auto kernel = fill_kernel<INFLIGHT, COPIER, L2, SHARE>;
   const int smem = INFLIGHT * kTileFillBytes + 1024;
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "cudaFuncSetAttribute");
   const int tiles = 2000;  // 132 SMs x 2000 x 72 KiB = 19 GB: several milliseconds
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = MC ? 2 : 1;
+  cluster.val.clusterDim.x = SHARE == kMulticast ? 2 : 1;
   cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(MC ? sms / 2 * 2 : sms));
+  cfg.gridDim = dim3(unsigned(SHARE == kOwn ? sms : sms / 2 * 2));
   cfg.blockDim = dim3(128);
   cfg.dynamicSmemBytes = size_t(smem);
   cfg.attrs = &cluster;
   cfg.numAttrs = 1;
   auto launch = [&](int n) {
-    check(cudaLaunchKernelEx(&cfg, kernel, n, src, src_chunks, d_cycles), "fill probe launch");
+    check(cudaLaunchKernelEx(&cfg, kernel, n, src, src_chunks, map, d_cycles), "fill probe launch");
   };
   launch(tiles / 10);  // warm-up
   const cd::Event e0("cudaEventCreate(fill)", cudaEventDefault), e1("cudaEventCreate(fill)", cudaEventDefault);
@@ -320,8 +363,8 @@ FillRow run_fill(int sms, const uint4* src, size_t src_chunks, long long* d_cycl
   check(cudaEventElapsedTime(&ms, e0.get(), e1.get()), "cudaEventElapsedTime");
   std::vector<long long> cyc(cfg.gridDim.x);
   check(cudaMemcpy(cyc.data(), d_cycles, cyc.size() * sizeof(long long), cudaMemcpyDeviceToHost), "cudaMemcpy");
-  return FillRow{MC ? "fill_bulk_mc" : BULK ? "fill_bulk" : "fill_cp_async", L2 ? "l2" : "dram", INFLIGHT,
-                 median(cyc), double(cfg.gridDim.x) * tiles * kTileFillBytes / (ms * 1e-3) / 1e9};
+  return FillRow{kCopierNames[COPIER], L2 ? "l2" : "dram", kShareNames[SHARE], INFLIGHT, median(cyc),
+                 double(cfg.gridDim.x) * tiles * kTileFillBytes / (ms * 1e-3) / 1e9};
 }
 
 struct Row {
@@ -414,14 +457,22 @@ int main(int argc, char** argv) {
     rows.push_back(run<kPVrs256, 2, kNoStream>(sms, src, chunks, d_cycles, d_fill, d_sink));
 
     std::vector<FillRow> fills;
+    const CUtensorMap map = source_rows_map(src, src_bytes);
     auto fill_rows = [&]<int INFLIGHT>() {
-      fills.push_back(run_fill<INFLIGHT, false, false>(sms, src, chunks, d_cycles));
-      fills.push_back(run_fill<INFLIGHT, false, true>(sms, src, chunks, d_cycles));
-      fills.push_back(run_fill<INFLIGHT, true, false>(sms, src, chunks, d_cycles));
-      fills.push_back(run_fill<INFLIGHT, true, true>(sms, src, chunks, d_cycles));
+      fills.push_back(run_fill<INFLIGHT, kCpAsync, false, kOwn>(sms, src, chunks, map, d_cycles));
+      fills.push_back(run_fill<INFLIGHT, kCpAsync, true, kOwn>(sms, src, chunks, map, d_cycles));
+      fills.push_back(run_fill<INFLIGHT, kBulk, false, kOwn>(sms, src, chunks, map, d_cycles));
+      fills.push_back(run_fill<INFLIGHT, kBulk, true, kOwn>(sms, src, chunks, map, d_cycles));
+      fills.push_back(run_fill<INFLIGHT, kBox, false, kOwn>(sms, src, chunks, map, d_cycles));
+      fills.push_back(run_fill<INFLIGHT, kBox, true, kOwn>(sms, src, chunks, map, d_cycles));
       if constexpr (INFLIGHT > 1) {
-        fills.push_back(run_fill<INFLIGHT, true, false, true>(sms, src, chunks, d_cycles));
-        fills.push_back(run_fill<INFLIGHT, true, true, true>(sms, src, chunks, d_cycles));
+        // The 128-head pattern: pairs of CTAs on the same tiles.
+        fills.push_back(run_fill<INFLIGHT, kCpAsync, false, kPair>(sms, src, chunks, map, d_cycles));
+        fills.push_back(run_fill<INFLIGHT, kBox, false, kPair>(sms, src, chunks, map, d_cycles));
+        fills.push_back(run_fill<INFLIGHT, kBulk, false, kMulticast>(sms, src, chunks, map, d_cycles));
+        fills.push_back(run_fill<INFLIGHT, kBulk, true, kMulticast>(sms, src, chunks, map, d_cycles));
+        fills.push_back(run_fill<INFLIGHT, kBox, false, kMulticast>(sms, src, chunks, map, d_cycles));
+        fills.push_back(run_fill<INFLIGHT, kBox, true, kMulticast>(sms, src, chunks, map, d_cycles));
       }
     };
     fill_rows.template operator()<1>();
@@ -446,12 +497,14 @@ int main(int argc, char** argv) {
                        {"sm_clock_mhz", r.clock_mhz},
                        {"fill_cycles", r.fill_cycles}});
     }
-    std::printf("\n%-14s %7s %9s %16s %9s\n", "form", "source", "inflight", "cycles/tile/SM", "GB/s");
+    std::printf("\n%-14s %7s %10s %9s %16s %9s\n", "form", "source", "share", "inflight", "cycles/tile/SM",
+                "GB/s");
     for (const FillRow& f : fills) {
-      std::printf("%-14s %7s %9d %16.0f %9.0f\n", f.copier.c_str(), f.source.c_str(), f.inflight, f.cycles_per_tile,
-                  f.gbps);
+      std::printf("%-14s %7s %10s %9d %16.0f %9.0f\n", f.copier.c_str(), f.source.c_str(), f.share.c_str(),
+                  f.inflight, f.cycles_per_tile, f.gbps);
       jrows.push_back({{"form", f.copier},
                        {"stream", f.source},
+                       {"share", f.share},
                        {"inflight", f.inflight},
                        {"cycles_per_tile", f.cycles_per_tile},
                        {"GBps", f.gbps}});

@@ -127,6 +127,26 @@ __device__ __forceinline__ void bulk_copy_g2s_multicast(uint32_t dst, const void
       "l"(src), "r"(bytes), "r"(bar), "h"(cta_mask)
       : "memory");
 }
+// A 2D box of a tensor map (the TMA unit) into shared memory at dst, in the map's swizzle, box
+// coordinates (x: innermost, in elements; y: rows); completes the box's bytes on `bar`. map: the
+// generic address of a CUtensorMap in parameter, constant or global memory.
+__device__ __forceinline__ void tensor_box_g2s(uint32_t dst, const void* map, int x, int y, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::
+          "r"(dst),
+      "l"(map), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+// The same box into the same shared-memory offset of every CTA of the cluster in cta_mask,
+// completing on the mbarrier at the same offset in each.
+__device__ __forceinline__ void tensor_box_g2s_multicast(uint32_t dst, const void* map, int x, int y, uint32_t bar,
+                                                         uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, "
+      "%3}], [%4], %5;\n" ::"r"(dst),
+      "l"(map), "r"(x), "r"(y), "r"(bar), "h"(cta_mask)
+      : "memory");
+}
 // All threads of every CTA of the cluster (release / acquire).
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
