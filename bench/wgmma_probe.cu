@@ -413,7 +413,10 @@ int main(int argc, char** argv) {
   CLI::App app{"dcpmla_wgmma_probe: SM cycles per chain and bf16 MACs per SM cycle of the wgmma forms the "
                "attention kernels chain (S and P V, operands from shared memory or registers), with one or two "
                "warpgroups issuing, beside nothing, a warp's cp.async stream, or (one issuer) a 72 KiB tile fill "
-               "from DRAM or L2 as each chain starts. Needs an sm_90a GPU."};
+               "from DRAM or L2 as each chain starts; then the tile stream alone, SM cycles per 72 KiB tile by "
+               "copier (128 threads' cp.async, one thread's bulk copies or tensor-map boxes), source (DRAM, L2) "
+               "and share (each CTA its own tiles, pairs of CTAs on the same tiles, clusters of two multicasting "
+               "them). Needs an sm_90a GPU."};
   std::string json_path;
   app.add_option("--json", json_path, "Also write the rows and their metadata as JSON to this file");
   CLI11_PARSE(app, argc, argv);
