@@ -461,21 +461,22 @@ int main(int argc, char** argv) {
 
     std::vector<FillRow> fills;
     const CUtensorMap map = source_rows_map(src, src_bytes);
+    // One copier and share, from DRAM and (unless only DRAM) from L2.
+    auto sources = [&]<int INFLIGHT, int COPIER, int SHARE>(bool l2) {
+      fills.push_back(run_fill<INFLIGHT, COPIER, false, SHARE>(sms, src, chunks, map, d_cycles));
+      if (l2) fills.push_back(run_fill<INFLIGHT, COPIER, true, SHARE>(sms, src, chunks, map, d_cycles));
+    };
     auto fill_rows = [&]<int INFLIGHT>() {
-      fills.push_back(run_fill<INFLIGHT, kCpAsync, false, kOwn>(sms, src, chunks, map, d_cycles));
-      fills.push_back(run_fill<INFLIGHT, kCpAsync, true, kOwn>(sms, src, chunks, map, d_cycles));
-      fills.push_back(run_fill<INFLIGHT, kBulk, false, kOwn>(sms, src, chunks, map, d_cycles));
-      fills.push_back(run_fill<INFLIGHT, kBulk, true, kOwn>(sms, src, chunks, map, d_cycles));
-      fills.push_back(run_fill<INFLIGHT, kBox, false, kOwn>(sms, src, chunks, map, d_cycles));
-      fills.push_back(run_fill<INFLIGHT, kBox, true, kOwn>(sms, src, chunks, map, d_cycles));
+      sources.template operator()<INFLIGHT, kCpAsync, kOwn>(true);
+      sources.template operator()<INFLIGHT, kBulk, kOwn>(true);
+      sources.template operator()<INFLIGHT, kBox, kOwn>(true);
       if constexpr (INFLIGHT > 1) {
-        // The 128-head pattern: pairs of CTAs on the same tiles.
-        fills.push_back(run_fill<INFLIGHT, kCpAsync, false, kPair>(sms, src, chunks, map, d_cycles));
-        fills.push_back(run_fill<INFLIGHT, kBox, false, kPair>(sms, src, chunks, map, d_cycles));
-        fills.push_back(run_fill<INFLIGHT, kBulk, false, kMulticast>(sms, src, chunks, map, d_cycles));
-        fills.push_back(run_fill<INFLIGHT, kBulk, true, kMulticast>(sms, src, chunks, map, d_cycles));
-        fills.push_back(run_fill<INFLIGHT, kBox, false, kMulticast>(sms, src, chunks, map, d_cycles));
-        fills.push_back(run_fill<INFLIGHT, kBox, true, kMulticast>(sms, src, chunks, map, d_cycles));
+        // The 128-head pattern: pairs of CTAs on the same tiles (from DRAM: the first of a
+        // pair to ask brings a tile into L2), or clusters of two multicasting them.
+        sources.template operator()<INFLIGHT, kCpAsync, kPair>(false);
+        sources.template operator()<INFLIGHT, kBox, kPair>(false);
+        sources.template operator()<INFLIGHT, kBulk, kMulticast>(true);
+        sources.template operator()<INFLIGHT, kBox, kMulticast>(true);
       }
     };
     fill_rows.template operator()<1>();
