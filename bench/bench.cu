@@ -37,6 +37,7 @@
 
 #include "../apps/cli_support.h"
 #include "dcpmla/cuda.h"
+#include "common/resources.h"
 #include "dcpmla/layout.h"
 #include "results_json.h"
 
@@ -151,23 +152,22 @@ __global__ void softmax_kernel(const float* S, int L, const int32_t* row_len, in
     for (int j = threadIdx.x; j < n; j += blockDim.x) p[j] = __float2bfloat16(__bfloat162float(p[j]) / sum);
 }
 
+// A timing event (the library's RAII owner, with timing enabled).
+dcpmla::cuda_detail::Event timing_event() { return dcpmla::cuda_detail::Event("cudaEventCreate(bench)", cudaEventDefault); }
+
 template <class F>
 float median_ms(int runs, F&& call) {
-  cudaEvent_t a, b;
-  ck(cudaEventCreate(&a), "event");
-  ck(cudaEventCreate(&b), "event");
+  const auto a = timing_event(), b = timing_event();
   std::vector<float> t;
   for (int i = 0; i < runs; ++i) {
-    ck(cudaEventRecord(a), "record");
+    ck(cudaEventRecord(a.get()), "record");
     call(i);
-    ck(cudaEventRecord(b), "record");
-    ck(cudaEventSynchronize(b), "sync");
+    ck(cudaEventRecord(b.get()), "record");
+    ck(cudaEventSynchronize(b.get()), "sync");
     float ms = 0;
-    ck(cudaEventElapsedTime(&ms, a, b), "elapsed");
+    ck(cudaEventElapsedTime(&ms, a.get(), b.get()), "elapsed");
     t.push_back(ms);
   }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
 }
@@ -179,27 +179,28 @@ __global__ void spin_kernel(uint64_t ns) {
   do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
   while (now - start < ns);
 }
+// Holds `st` for 20 ms, far longer than enqueueing the timed calls takes.
+void hold_stream(cudaStream_t st) { spin_kernel<<<1, 1, 0, st>>>(uint64_t(20) * 1000 * 1000); }
 
 // Median device time per call of `runs` calls enqueued on `st` behind a spin kernel: what a
 // call costs inside an engine's step, without the host's launch gaps.
 template <class F>
 float queued_median_ms(int runs, cudaStream_t st, F&& call) {
-  std::vector<cudaEvent_t> ev(size_t(runs) + 1);
-  for (auto& e : ev) ck(cudaEventCreate(&e), "event");
-  spin_kernel<<<1, 1, 0, st>>>(uint64_t(20) * 1000 * 1000);  // 20 ms: far longer than enqueueing takes
-  ck(cudaEventRecord(ev[0], st), "record");
+  std::vector<dcpmla::cuda_detail::Event> ev;
+  for (int i = 0; i <= runs; ++i) ev.push_back(timing_event());
+  hold_stream(st);
+  ck(cudaEventRecord(ev[0].get(), st), "record");
   for (int i = 0; i < runs; ++i) {
     call(i);
-    ck(cudaEventRecord(ev[size_t(i) + 1], st), "record");
+    ck(cudaEventRecord(ev[size_t(i) + 1].get(), st), "record");
   }
   ck(cudaStreamSynchronize(st), "queued runs");
   std::vector<float> t;
   for (int i = 0; i < runs; ++i) {
     float ms = 0;
-    ck(cudaEventElapsedTime(&ms, ev[size_t(i)], ev[size_t(i) + 1]), "elapsed");
+    ck(cudaEventElapsedTime(&ms, ev[size_t(i)].get(), ev[size_t(i) + 1].get()), "elapsed");
     t.push_back(ms);
   }
-  for (auto& e : ev) cudaEventDestroy(e);
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
 }
@@ -211,18 +212,14 @@ float queued_median_ms(int runs, cudaStream_t st, F&& call) {
 // an engine's kernels does.
 template <class F>
 float back_to_back_mean_ms(int runs, cudaStream_t st, F&& call) {
-  cudaEvent_t a, b;
-  ck(cudaEventCreate(&a), "event");
-  ck(cudaEventCreate(&b), "event");
-  spin_kernel<<<1, 1, 0, st>>>(uint64_t(20) * 1000 * 1000);
-  ck(cudaEventRecord(a, st), "record");
+  const auto a = timing_event(), b = timing_event();
+  hold_stream(st);
+  ck(cudaEventRecord(a.get(), st), "record");
   for (int i = 0; i < runs; ++i) call(i);
-  ck(cudaEventRecord(b, st), "record");
+  ck(cudaEventRecord(b.get(), st), "record");
   ck(cudaStreamSynchronize(st), "back-to-back runs");
   float ms = 0;
-  ck(cudaEventElapsedTime(&ms, a, b), "elapsed");
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
+  ck(cudaEventElapsedTime(&ms, a.get(), b.get()), "elapsed");
   return ms / float(runs);
 }
 
