@@ -8,8 +8,10 @@
 // Two consumer warpgroups, one CTA per SM (smem: Q 72 KiB + 2 KV stages of 72 KiB):
 //   WG0 ("softmax"): waits for tile i, S = Q K_i^T (36 wgmma m64n64k16, A and B from shared
 //       memory), masks each row at its own local length, online softmax (base 2, the
-//       running maximum lazy: softmax.cuh) in registers (a row's 64 scores live in one
-//       quad of lanes), hands P (bf16) and the rescale factors to WG1 through shared
+//       running maximum lazy: softmax.cuh; bf16: the exponentials issued under the rows'
+//       offsets before the tile's maximum is known, and recomputed by a warp where one
+//       moved) in registers (a row's 64 scores live in one quad of lanes), hands P (bf16)
+//       and the rescale factors to WG1 through shared
 //       memory, then O[:, 0:256] += P V_i with P from registers (4 wgmma m64n256k16, V
 //       read MN-major from the same tile).
 //   WG1: O[:, 256:512] += P V_i with P from shared memory.
@@ -412,12 +414,32 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
               if (tok0 + 8 * j + 2 * c + (e & 1) >= (e < 2 ? lim0 : lim1)) sc[4 * j + e] = kNegInf;
         }
         auto x = [&](int j, int e) { return sc[4 * j + e]; };  // e 0, 1: row r0; 2, 3: row r1
-        float mx0 = kNegInf, mx1 = kNegInf;
+        // P (packed for P V) and its row sums under the exponent offsets mu0, mu1.
+        float sum0, sum1;
+        uint32_t pa[4][4];  // A fragments of P V, k16 step kk = tokens [16 kk, 16 kk + 16)
+        auto exponentials = [&](float mu0, float mu1) {
+          sum0 = 0.0f;
+          sum1 = 0.0f;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          mx0 = fmaxf(mx0, fmaxf(x(j, 0), x(j, 1)));
-          mx1 = fmaxf(mx1, fmaxf(x(j, 2), x(j, 3)));
-        }
+          for (int j = 0; j < 8; ++j) {
+            const float p0 = fast_exp2(fmaf(x(j, 0), sl2r0, -mu0)), p1 = fast_exp2(fmaf(x(j, 1), sl2r0, -mu0));
+            const float p2 = fast_exp2(fmaf(x(j, 2), sl2r1, -mu1)), p3 = fast_exp2(fmaf(x(j, 3), sl2r1, -mu1));
+            sum0 += p0 + p1;
+            sum1 += p2 + p3;
+            pa[j >> 1][(j & 1) * 2] = FP8 ? pack_f16x2(p0, p1) : pack_bf16x2(p0, p1);
+            pa[j >> 1][(j & 1) * 2 + 1] = FP8 ? pack_f16x2(p2, p3) : pack_bf16x2(p2, p3);
+          }
+        };
+        // bf16: the exponentials first, under the offsets the rows had. With the lazy maximum
+        // these stay on almost every tile, so the values are the step's own, and the
+        // exponentials no longer wait for the tile's maximum (a tree of compares and two
+        // shuffles); a warp where a row's offset moved computes them again. Not on a unit's
+        // first tile, where every offset moves. fp8's consumers (192 registers) cannot hold P
+        // beside the scores: there it spills and serialises.
+        const bool ahead = !FP8 && i > 0;
+        const float keep0 = softmax_offset(m_run[0]), keep1 = softmax_offset(m_run[1]);
+        if (ahead) exponentials(keep0, keep1);
+        float mx0 = max16(sc, 0), mx1 = max16(sc, 2);
 #pragma unroll
         for (int d = 1; d <= 2; d <<= 1) {
           mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, d));
@@ -425,18 +447,8 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         }
         // (sl2r > 0: the scaled maximum is the maximum of the scaled scores.)
         const SoftmaxStep st0 = softmax_step<true>(m_run[0], mx0 * sl2r0), st1 = softmax_step<true>(m_run[1], mx1 * sl2r1);
-        const float mu0 = st0.mu, mu1 = st1.mu, al0 = st0.alpha, al1 = st1.alpha;
-        float sum0 = 0.0f, sum1 = 0.0f;
-        uint32_t pa[4][4];  // A fragments of P V, k16 step kk = tokens [16 kk, 16 kk + 16)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float p0 = fast_exp2(fmaf(x(j, 0), sl2r0, -mu0)), p1 = fast_exp2(fmaf(x(j, 1), sl2r0, -mu0));
-          const float p2 = fast_exp2(fmaf(x(j, 2), sl2r1, -mu1)), p3 = fast_exp2(fmaf(x(j, 3), sl2r1, -mu1));
-          sum0 += p0 + p1;
-          sum1 += p2 + p3;
-          pa[j >> 1][(j & 1) * 2] = FP8 ? pack_f16x2(p0, p1) : pack_bf16x2(p0, p1);
-          pa[j >> 1][(j & 1) * 2 + 1] = FP8 ? pack_f16x2(p2, p3) : pack_bf16x2(p2, p3);
-        }
+        if (!ahead || __any_sync(0xffffffffu, st0.mu != keep0 || st1.mu != keep1)) exponentials(st0.mu, st1.mu);
+        const float al0 = st0.alpha, al1 = st1.alpha;
         l_run[0] = l_run[0] * al0 + sum0;
         l_run[1] = l_run[1] * al1 + sum1;
         m_run[0] = st0.m;

@@ -20,11 +20,27 @@ struct SoftmaxStep {
 // float32 l and O hold as exactly as values up to 1. The fp8 swap kernel cannot (its P x 256
 // must fit e4m3), and the bf16 swap kernel, bound by its loads, keeps the exact maximum.
 inline constexpr float kLazyMaxSlack = 8.0f;
+// The exponent offset of a row whose running maximum is m.
+__device__ __forceinline__ float softmax_offset(float m) { return m == neg_inf() ? 0.0f : m; }
 template <bool LAZY = false>
 __device__ __forceinline__ SoftmaxStep softmax_step(float m_run, float tile_max) {
   const float m = LAZY ? (tile_max > m_run + kLazyMaxSlack ? tile_max : m_run) : fmaxf(m_run, tile_max);
-  const float mu = m == neg_inf() ? 0.0f : m;
+  const float mu = softmax_offset(m);
   return {m, mu, fast_exp2(m_run - mu)};
+}
+
+// The maximum of the 16 scores of one accumulator row in a thread's S fragment (sc[4 j + e0],
+// sc[4 j + e0 + 1], j < 8; e0 = 0: row r0, 2: row r1), as a tree: four compares deep, where
+// a running chain is sixteen.
+__device__ __forceinline__ float max16(const float (&sc)[32], int e0) {
+  float v[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = fmaxf(sc[4 * j + e0], sc[4 * j + e0 + 1]);
+#pragma unroll
+  for (int w = 4; w >= 1; w >>= 1)
+#pragma unroll
+    for (int j = 0; j < w; ++j) v[j] = fmaxf(v[j], v[j + w]);
+  return v[0];
 }
 
 }  // namespace dcpmla::cuda_detail
