@@ -433,12 +433,13 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         // bf16: the exponentials first, under the offsets the rows had. With the lazy maximum
         // these stay on almost every tile, so the values are the step's own, and the
         // exponentials no longer wait for the tile's maximum (a tree of compares and two
-        // shuffles); a warp where a row's offset moved computes them again. Not on a unit's
-        // first tile, where every offset moves. fp8's consumers (192 registers) cannot hold P
-        // beside the scores: there it spills and serialises.
-        const bool ahead = !FP8 && i > 0;
+        // shuffles); a warp where a row's offset moved computes them again (on a unit's first
+        // tile every warp does: a run-time gate for that tile cost 4 %, bench/NOTES.md). fp8's
+        // consumers (192 registers) cannot hold P beside the scores: there it spills and
+        // serialises.
+        constexpr bool kAhead = !FP8;
         const float keep0 = softmax_offset(m_run[0]), keep1 = softmax_offset(m_run[1]);
-        if (ahead) exponentials(keep0, keep1);
+        if constexpr (kAhead) exponentials(keep0, keep1);
         float mx0 = max16(sc, 0), mx1 = max16(sc, 2);
 #pragma unroll
         for (int d = 1; d <= 2; d <<= 1) {
@@ -447,7 +448,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         }
         // (sl2r > 0: the scaled maximum is the maximum of the scaled scores.)
         const SoftmaxStep st0 = softmax_step<true>(m_run[0], mx0 * sl2r0), st1 = softmax_step<true>(m_run[1], mx1 * sl2r1);
-        if (!ahead || __any_sync(0xffffffffu, st0.mu != keep0 || st1.mu != keep1)) exponentials(st0.mu, st1.mu);
+        if (!kAhead || __any_sync(0xffffffffu, st0.mu != keep0 || st1.mu != keep1)) exponentials(st0.mu, st1.mu);
         const float al0 = st0.alpha, al1 = st1.alpha;
         l_run[0] = l_run[0] * al0 + sum0;
         l_run[1] = l_run[1] * al1 + sum1;
