@@ -31,7 +31,7 @@ __device__ __forceinline__ SoftmaxStep softmax_step(float m_run, float tile_max)
 
 // The maximum of the 16 scores of one accumulator row in a thread's S fragment (sc[4 j + e0],
 // sc[4 j + e0 + 1], j < 8; e0 = 0: row r0, 2: row r1), as a tree: four compares deep, where
-// a running chain is sixteen.
+// a running maximum over the pairs is nine.
 __device__ __forceinline__ float max16(const float (&sc)[32], int e0) {
   float v[8];
 #pragma unroll
