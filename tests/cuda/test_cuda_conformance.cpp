@@ -180,9 +180,13 @@ TEST(CudaConformance, NanReachesTheSameCellsAsOnTheCpu) {
 // first token to the last, so a row's running maximum lags the scores by up to its slack and
 // moves several times a unit; in requests 0 and 1 one token three quarters in scores about 190
 // (base 2) above the ramp, past what float32 holds (2^128), so a maximum that failed to move
-// there turns the row into inf / NaN. GPU against CPU engines, cell by cell, at 16 and 64 rows
-// (the swap kernels keep the exact maximum, the wgmma kernel the lazy one), bf16 and fp8_e4m3,
-// one_stage and split_k, one rank and three.
+// there turns the row into inf / NaN. Heads h with h % 16 < 8 take the ramp negated: their
+// scores fall, so their maxima settle on a unit's first tile while the other heads' keep
+// moving. A thread of the 64-row kernel holds rows r and r + 8 (heads h and h + 8 of a query
+// row), and its warp must redo the exponentials it computed ahead when only the second row's
+// maximum moves. GPU against CPU engines, cell by cell, at 16 and 64 rows (the swap kernels
+// keep the exact maximum, the wgmma kernel the lazy one), bf16 and fp8_e4m3, one_stage and
+// split_k, one rank and three.
 TEST(CudaConformance, RisingScoresMatchTheCpu) {
   DCPMLA_REQUIRE_GPU();
   const int D = 576, R = 512, kRamp = 64;
@@ -195,7 +199,7 @@ TEST(CudaConformance, RisingScoresMatchTheCpu) {
     auto q = normal(size_t(B) * sh.qlen * sh.heads * D, 11);
     auto kv = normal(size_t(B) * size_t(max_len) * D, 12);
     for (size_t row = 0; row < size_t(B) * sh.qlen * sh.heads; ++row)
-      for (int d = 0; d < kRamp; ++d) q[row * D + d] += 2.0f;
+      for (int d = 0; d < kRamp; ++d) q[row * D + d] += row % size_t(sh.heads) % 16 < 8 ? -2.0f : 2.0f;
     for (int b = 0; b < B; ++b)
       for (int t = 0; t < lens[size_t(b)]; ++t) {
         // The jump's 30 and the ramp's values are exact in e4m3 and bf16 up to rounding
