@@ -365,6 +365,18 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         named_sync(kBarSoftmax, 128);
       }
       const int lim0 = min(sLen[r0], tok_hi), lim1 = min(sLen[r1], tok_hi);
+      // This thread's four stmatrix addresses of P (one per k16 step; lane l addresses row
+      // l % 8 of matrix l / 8), made opaque so that ptxas keeps them rather than rebuilding them
+      // (a chain of about 20 instructions) between the P-free wait and the stores on every tile.
+      uint32_t p_st[4];
+      {
+        const int mi = lane >> 3, rr = lane & 7, row = (t >> 5) * 16 + (mi & 1) * 8 + rr;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          p_st[kk] = sP_a + row * 128 + (((2 * kk + (mi >> 1)) ^ rr) << 4);
+          asm volatile("" : "+r"(p_st[kk]));
+        }
+      }
       // Each row's score scale (fp8: times the 2^-a its Q was scaled by).
       const float sl2r0 = FP8 ? sl2 * sh.qscale[r0] : sl2, sl2r1 = FP8 ? sl2 * sh.qscale[r1] : sl2;
       if (ntiles == 0) mbar_arrive(bar_a + 8 * kMbarQEmpty);
@@ -462,13 +474,9 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
           phase ^= 1u << kMbarPFree;
         }
         // One stmatrix per k16 step: pa[kk][i] is matrix i's fragment (rows r0 / r1 = the
-        // warp's rows 0-7 / 8-15, columns 16 kk + 8 (i >> 1) ..); lane l addresses row l % 8 of
-        // matrix l / 8.
-        {
-          const int mi = lane >> 3, rr = lane & 7, row = (t >> 5) * 16 + (mi & 1) * 8 + rr;
+        // warp's rows 0-7 / 8-15, columns 16 kk + 8 (i >> 1) ..).
 #pragma unroll
-          for (int kk = 0; kk < 4; ++kk) stmatrix_x4(sP_a + row * 128 + (((2 * kk + (mi >> 1)) ^ rr) << 4), pa[kk]);
-        }
+        for (int kk = 0; kk < 4; ++kk) stmatrix_x4(p_st[kk], pa[kk]);
         if (c == 0) {
           sAlpha[r0] = al0;
           sAlpha[r1] = al1;
