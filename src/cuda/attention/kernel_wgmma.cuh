@@ -452,21 +452,31 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         constexpr bool kAhead = !FP8;
         const float keep0 = softmax_offset(m_run[0]), keep1 = softmax_offset(m_run[1]);
         if constexpr (kAhead) exponentials(keep0, keep1);
-        float mx0 = max16(sc, 0), mx1 = max16(sc, 2);
+        // A lazy maximum moves only for a score over 2^kLazyMaxSlack under the row's offset, and
+        // the exponentials are not negative, so a warp whose sums all stay within that bound
+        // (and whose rows have a maximum already) keeps every offset: it skips the maximum's
+        // tree, its shuffles and the step, and alpha is 1 (on almost every tile).
+        constexpr float kLazyMaxExp = float(1u << unsigned(kLazyMaxSlack));
+        float al0 = 1.0f, al1 = 1.0f;
+        if (!kAhead || __any_sync(0xffffffffu, !(sum0 <= kLazyMaxExp && sum1 <= kLazyMaxExp) ||
+                                                   m_run[0] == kNegInf || m_run[1] == kNegInf)) {
+          float mx0 = max16(sc, 0), mx1 = max16(sc, 2);
 #pragma unroll
-        for (int d = 1; d <= 2; d <<= 1) {
-          mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, d));
-          mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, d));
+          for (int d = 1; d <= 2; d <<= 1) {
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, d));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, d));
+          }
+          // (sl2r > 0: the scaled maximum is the maximum of the scaled scores.)
+          const SoftmaxStep st0 = softmax_step<true>(m_run[0], mx0 * sl2r0), st1 = softmax_step<true>(m_run[1], mx1 * sl2r1);
+          if (!kAhead || __any_sync(0xffffffffu, st0.mu != keep0 || st1.mu != keep1)) exponentials(st0.mu, st1.mu);
+          al0 = st0.alpha;
+          al1 = st1.alpha;
+          m_run[0] = st0.m;
+          m_run[1] = st1.m;
+          rescale_o(al0, al1);
         }
-        // (sl2r > 0: the scaled maximum is the maximum of the scaled scores.)
-        const SoftmaxStep st0 = softmax_step<true>(m_run[0], mx0 * sl2r0), st1 = softmax_step<true>(m_run[1], mx1 * sl2r1);
-        if (!kAhead || __any_sync(0xffffffffu, st0.mu != keep0 || st1.mu != keep1)) exponentials(st0.mu, st1.mu);
-        const float al0 = st0.alpha, al1 = st1.alpha;
         l_run[0] = l_run[0] * al0 + sum0;
         l_run[1] = l_run[1] * al1 + sum1;
-        m_run[0] = st0.m;
-        m_run[1] = st1.m;
-        rescale_o(al0, al1);
 
         // Hand P (bf16, fp8: f16; K-major swizzled (64, 64)) and alpha to WG1.
         if (i > 0) {
