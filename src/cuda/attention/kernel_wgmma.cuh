@@ -364,7 +364,10 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         fence_proxy_async();  // the f16 Q is read by wgmma (async proxy)
         named_sync(kBarSoftmax, 128);
       }
-      const int lim0 = min(sLen[r0], tok_hi), lim1 = min(sLen[r1], tok_hi);
+      // Rows past the unit's (padding to 64) have a zero Q and are never stored: unmasked, their
+      // scores are 0 and their maxima settle at once, so their warps take the fast path and do
+      // not rescale (masked, every tile of theirs paid the mask and the maximum's step).
+      const int lim0 = r0 < nr ? min(sLen[r0], tok_hi) : tok_hi, lim1 = r1 < nr ? min(sLen[r1], tok_hi) : tok_hi;
       // This thread's four stmatrix addresses of P (one per k16 step; lane l addresses row
       // l % 8 of matrix l / 8), made opaque so that ptxas keeps them rather than rebuilding them
       // (a chain of about 20 instructions) between the P-free wait and the stores on every tile.
