@@ -364,10 +364,14 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         fence_proxy_async();  // the f16 Q is read by wgmma (async proxy)
         named_sync(kBarSoftmax, 128);
       }
-      // Rows past the unit's (padding to 64) have a zero Q and are never stored: unmasked, their
-      // scores are 0 and their maxima settle at once, so their warps take the fast path and do
-      // not rescale (masked, every tile of theirs paid the mask and the maximum's step).
-      const int lim0 = r0 < nr ? min(sLen[r0], tok_hi) : tok_hi, lim1 = r1 < nr ? min(sLen[r1], tok_hi) : tok_hi;
+      // bf16: rows past the unit's (padding to 64) have a zero Q and are never stored, so they
+      // go unmasked: their scores are 0 and their maxima settle on the first tile, and their
+      // warps take the fast path; masked, they had no key, so every tile of theirs paid the
+      // mask, the maximum's step and (before KEYLESS_ONE) a rescale of O: 17-23 % on 65-127 or
+      // 129-191 rows (bench/NOTES.md, twenty-ninth session). fp8 keeps them masked (see
+      // softmax_step).
+      const bool unmask0 = !FP8 && r0 >= nr, unmask1 = !FP8 && r1 >= nr;
+      const int lim0 = unmask0 ? tok_hi : min(sLen[r0], tok_hi), lim1 = unmask1 ? tok_hi : min(sLen[r1], tok_hi);
       // This thread's four stmatrix addresses of P (one per k16 step; lane l addresses row
       // l % 8 of matrix l / 8), made opaque so that ptxas keeps them rather than rebuilding them
       // (a chain of about 20 instructions) between the P-free wait and the stores on every tile.
@@ -470,7 +474,8 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
             mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, d));
           }
           // (sl2r > 0: the scaled maximum is the maximum of the scaled scores.)
-          const SoftmaxStep st0 = softmax_step<true>(m_run[0], mx0 * sl2r0), st1 = softmax_step<true>(m_run[1], mx1 * sl2r1);
+          const SoftmaxStep st0 = softmax_step<true, !FP8>(m_run[0], mx0 * sl2r0),
+                            st1 = softmax_step<true, !FP8>(m_run[1], mx1 * sl2r1);
           if (!kAhead || __any_sync(0xffffffffu, st0.mu != keep0 || st1.mu != keep1)) exponentials(st0.mu, st1.mu);
           al0 = st0.alpha;
           al1 = st1.alpha;

@@ -19,18 +19,19 @@ struct SoftmaxStep {
 // warp's O); the exponentials are then up to 2^kLazyMaxSlack, which P as bf16 or f16 and
 // float32 l and O hold as exactly as values up to 1. The fp8 swap kernel cannot (its P x 256
 // must fit e4m3), and the bf16 swap kernel, bound by its loads, keeps the exact maximum.
-// LAZY's alpha is also 1 while m_run is still -inf: nothing was summed then (every exponential
-// was 0, or NaN, which no factor clears), so no rescale runs at a row's first key or on the
-// tiles of a row that has none (a rank's empty window). The other kernels keep 2^-inf = 0
-// (the select made two mma.sync variants spill).
+// KEYLESS_ONE (the 64-row kernel's bf16 form): alpha is 1 while m_run is still -inf: nothing
+// was summed then (every exponential was 0, or NaN, which no factor clears), so no rescale
+// runs at a row's first key or on the tiles of a row that has none (a rank's empty window).
+// The other kernels keep 2^-inf = 0: the select made two mma.sync variants spill, and the fp8
+// 64-row kernel 1.3 % slower at 128 heads (bench/NOTES.md, twenty-ninth session).
 inline constexpr float kLazyMaxSlack = 8.0f;
 // The exponent offset of a row whose running maximum is m.
 __device__ __forceinline__ float softmax_offset(float m) { return m == neg_inf() ? 0.0f : m; }
-template <bool LAZY = false>
+template <bool LAZY = false, bool KEYLESS_ONE = false>
 __device__ __forceinline__ SoftmaxStep softmax_step(float m_run, float tile_max) {
   const float m = LAZY ? (tile_max > m_run + kLazyMaxSlack ? tile_max : m_run) : fmaxf(m_run, tile_max);
   const float mu = softmax_offset(m);
-  return {m, mu, LAZY && m_run == neg_inf() ? 1.0f : fast_exp2(m_run - mu)};
+  return {m, mu, KEYLESS_ONE && m_run == neg_inf() ? 1.0f : fast_exp2(m_run - mu)};
 }
 
 // The maximum of the 16 scores of one accumulator row in a thread's S fragment (sc[4 j + e0],
