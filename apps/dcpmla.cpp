@@ -43,7 +43,7 @@ namespace {
 constexpr double kBound = 1e-2;  // rel L2 of out and absolute lse error
 constexpr int kExitExceeded = 1;
 constexpr int kExitError = 2;
-constexpr int kExitNoDevice = 3;  // --device cuda where no GPU is usable (make demo skips on it)
+constexpr int kExitNoDevice = 3;  // --device cuda or bench where no GPU is usable (make demo skips on it)
 
 struct DemoOptions {
   bool json = false;
@@ -260,6 +260,7 @@ struct BenchOptions {
   int batch = 8;
   int64_t context = 131072;
   int runs = 20;
+  std::string kv_dtype = "bf16";
   std::string json;
 };
 
@@ -272,6 +273,7 @@ int run_bench(const BenchOptions& b, int argc, char** argv) {
   o.batch = b.batch;
   o.context = b.context;
   o.runs = b.runs;
+  o.kv_dtype = dcpmla::parse_kv_dtype(b.kv_dtype);
   const auto rows = dcpmla::bench::run_dcp_bench(o);
   const std::string gpu = dcpmla::bench::device_description(o.device);
   fmt::print("GPU: {}\n{}", gpu, dcpmla::bench::format_dcp_bench_table(rows, o));
@@ -294,7 +296,7 @@ int main(int argc, char** argv) {
   // At most one subcommand; none is reported below (CLI11 would call an unknown one "required").
   app.require_subcommand(0, 1);
   app.footer("Exit status: 0 every case passed, 1 a case exceeded the bound or gave NaN,\n"
-             "2 an error (bad option, or the library refused the input), 3 --device cuda without a usable GPU.");
+             "2 an error (bad option, or the library refused the input), 3 --device cuda or bench without a usable GPU.");
   using dcpmla::cli::integer_in;
 
   DemoOptions opt;
@@ -310,7 +312,7 @@ int main(int argc, char** argv) {
       "time ms is the whole N-rank call: shard, write, plan, attend, merge.\n"
       "--json prints one object: version, commit, seed, seq_lens, heads, ranks, device and the rows.\n\n"
       "Exit status: 0 every case passed, 1 a case exceeded the bound or gave NaN,\n"
-      "2 an error (bad option, or the library refused the input), 3 --device cuda without a usable GPU.");
+      "2 an error (bad option, or the library refused the input), 3 --device cuda or bench without a usable GPU.");
   demo->add_flag("--json", opt.json, "Print the run as JSON instead of a table");
   demo->add_option("--ranks", opt.ranks,
                    "DCP world size: ranks run as threads, or under mpirun one rank per process "
@@ -335,14 +337,17 @@ int main(int argc, char** argv) {
       "For each world size N: one rank's attention over its 1/N share of every request with all\n"
       "N x heads-local heads (after the head all-gather), the merge kernels of both forms with their\n"
       "bandwidth, and the bytes each rank sends per step. Default: batch 8 x 131072, heads-local 16\n"
-      "and 64, qlen 1 and 4, N = 1, 2, 4, 8. One process and one GPU; the whole step across GPUs\n"
-      "(NCCL, threads or mpirun) is measured with the NCCL communicator (README).");
+      "and 64, qlen 1 and 4, N = 1, 2, 4, 8, a bf16 cache. One process and one GPU; the whole step\n"
+      "across GPUs (NCCL, threads or mpirun) is measured with the NCCL communicator (README).");
   bench->add_option("--ranks", bopt.ranks, "World sizes N to measure")->check(integer_in(1, 64))->delimiter(',');
   bench->add_option("--heads-local", bopt.heads_local, "Query heads per rank")->check(integer_in(1, 128))->delimiter(',');
   bench->add_option("--qlen", bopt.qlens, "Query rows per request")->check(integer_in(1, 16))->delimiter(',');
   bench->add_option("--batch", bopt.batch, "Requests")->check(integer_in(1, 1024))->capture_default_str();
   bench->add_option("--context", bopt.context, "Tokens per request")
       ->check(integer_in<int64_t>(1, 1 << 24))
+      ->capture_default_str();
+  bench->add_option("--kv-dtype", bopt.kv_dtype, "The cache's dtype (fp8 is read with a cache scale of 0.5)")
+      ->check(CLI::IsMember({"bf16", "fp8_e4m3", "fp8_e5m2"}))
       ->capture_default_str();
   bench->add_option("--runs", bopt.runs, "Timed runs per measurement (median)")->check(integer_in(1, 1000))->capture_default_str();
   bench->add_option("--json", bopt.json, "Also write the rows and their metadata (date, commit, GPU, clocks, command) as JSON");
@@ -377,6 +382,12 @@ int main(int argc, char** argv) {
   }
 
   if (*bench) {
+#ifdef DCPMLA_HAS_CUDA
+    if (!dcpmla::cuda_device_available()) {
+      fmt::print(stderr, "dcpmla: bench: no usable CUDA device on this machine\n");
+      return kExitNoDevice;
+    }
+#endif
     try {
       return run_bench(bopt, argc, argv);
     } catch (const std::exception& e) {

@@ -38,6 +38,7 @@
 #include "../apps/cli_support.h"
 #include "dcpmla/cuda.h"
 #include "common/resources.h"
+#include "dcp_bench_core.h"
 #include "dcpmla/layout.h"
 #include "results_json.h"
 
@@ -74,20 +75,9 @@ __global__ void fill_bf16(__nv_bfloat16* p, size_t n, uint64_t seed) {
     p[i] = __float2bfloat16(float(int64_t(r >> 40) - (1 << 23)) / float(1 << 23));
   }
 }
-// Finite fp8 values of magnitude 2^-3 .. 2^2.
-__global__ void fill_fp8(uint8_t* p, size_t n, uint64_t seed, bool e5m2) {
-  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const uint64_t r = mix(seed * 0x9e3779b97f4a7c15ull + i);
-    const uint32_t sign = uint32_t(r & 0x80), e = uint32_t((r >> 8) % 5);
-    p[i] = e5m2 ? uint8_t(sign | ((e + 12) << 2) | ((r >> 16) & 3)) : uint8_t(sign | ((e + 4) << 3) | ((r >> 16) & 7));
-  }
-}
-
 void fill_cache(uint8_t* p, size_t bytes, KvDtype d, uint64_t seed) {
-  if (d == KvDtype::bf16)
-    fill_bf16<<<4096, 256>>>(reinterpret_cast<__nv_bfloat16*>(p), bytes / 2, seed);
-  else
-    fill_fp8<<<4096, 256>>>(p, bytes, seed, d == KvDtype::fp8_e5m2);
+  if (d != KvDtype::bf16) return dcpmla::bench::fill_random_cache(p, int64_t(bytes), d, seed, 0);  // (the DCP bench's)
+  fill_bf16<<<4096, 256>>>(reinterpret_cast<__nv_bfloat16*>(p), bytes / 2, seed);
   ck(cudaGetLastError(), "fill");
 }
 

@@ -25,7 +25,12 @@ int main(int argc, char** argv) {
   app.add_option("--qlen", o.qlens, "Query rows per request")->check(integer_in(1, 16))->delimiter(',');
   app.add_option("--batch", o.batch, "Requests")->check(integer_in(1, 1024))->capture_default_str();
   app.add_option("--context", o.context, "Tokens per request")->check(integer_in<int64_t>(1, 1 << 24))->capture_default_str();
+  std::string kv_dtype = "bf16";
+  app.add_option("--kv-dtype", kv_dtype, "The cache's dtype (fp8 is read with a cache scale of 0.5)")
+      ->check(CLI::IsMember({"bf16", "fp8_e4m3", "fp8_e5m2"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  o.kv_dtype = dcpmla::parse_kv_dtype(kv_dtype);
   try {
     const auto rows = dcpmla::bench::run_dcp_bench(o);
     std::printf("GPU: %s\n%s", dcpmla::bench::device_description(o.device).c_str(),

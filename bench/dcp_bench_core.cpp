@@ -78,10 +78,13 @@ std::vector<DcpBenchRow> run_dcp_bench(const DcpBenchOptions& o) {
         ac.layout = layout;
         ac.block_size = block;
         ac.limits = PlanLimits{o.batch, qlen, local};
+        ac.kv_dtype = o.kv_dtype;
         cuda::Attention runner(ac, o.device);
-        Buffer cache(size_t(num_blocks) * block * kDim * 2);
-        const KvCache cache_view{cache.get(), num_blocks, block, kDim, KvDtype::bf16};
-        fill_random(cache.as<bf16>(), num_blocks * block * kDim, 11 + uint64_t(N), 1.0f, stream);
+        const int value_bytes = bytes_per_value(o.kv_dtype);
+        Buffer cache(size_t(num_blocks) * block * kDim * value_bytes);
+        const KvCache cache_view{cache.get(), num_blocks, block, kDim, o.kv_dtype};
+        const KvScale kv_scale{o.kv_dtype == KvDtype::bf16 ? 1.0f : 0.5f};
+        fill_random_cache(cache.get(), num_blocks * block * kDim, o.kv_dtype, 11 + uint64_t(N), stream);
         std::vector<int32_t> ids(static_cast<size_t>(num_blocks));
         std::iota(ids.begin(), ids.end(), 0);
         std::mt19937_64 rng(5);
@@ -96,11 +99,11 @@ std::vector<DcpBenchRow> run_dcp_bench(const DcpBenchOptions& o) {
         fill_random(q.as<bf16>(), cells_all * kDim, 7, 1.0f, stream);
         row.attention_us = time_us(stream, o.warmup, o.runs, [&] {
           for (int g = 0; g < G; ++g)
-            runner.run(q.as<bf16>() + int64_t(g) * rows_n * hg * kDim, cache_view, KvScale{},
+            runner.run(q.as<bf16>() + int64_t(g) * rows_n * hg * kDim, cache_view, kv_scale,
                        out.as<bf16>() + int64_t(g) * rows_n * hg * kRank, lse.as<float>() + int64_t(g) * rows_n * hg,
                        stream);
         });
-        row.kv_bytes = double(o.batch) * double(local) * kDim * 2 * G;  // each launch reads the shard
+        row.kv_bytes = double(o.batch) * double(local) * kDim * value_bytes * G;  // each launch reads the shard
         row.attention_tbps = row.kv_bytes / (row.attention_us * 1e-6) / 1e12;
 
         // Merge (i): correction on the gathered lse, and the receiving side's sum of N chunks.
@@ -156,11 +159,12 @@ std::vector<DcpBenchRow> run_dcp_bench(const DcpBenchOptions& o) {
 
 std::string format_dcp_bench_table(const std::vector<DcpBenchRow>& rows, const DcpBenchOptions& o) {
   std::string t = fmt::format(
-      "DCP step, one GPU: batch {} x context {}; each rank attends all N x H_local heads over its 1/N share.\n"
+      "DCP step, one GPU: batch {} x context {}, {} cache; each rank attends all N x H_local heads over its 1/N "
+      "share.\n"
       "attn: per-rank attention (all head groups), median of {} runs; merge (i) = correction + reduce of N "
       "chunks, merge (ii) = pack + combine of N partials;\nsent: bytes one rank sends per step (q all-gather; "
       "merge (i) lse all-gather + bf16 reduce-scatter; merge (ii) all-to-all), (N-1) shares each.\n\n",
-      o.batch, o.context, o.runs);
+      o.batch, o.context, to_string(o.kv_dtype), o.runs);
   t += fmt::format("{:>3} {:>4} {:>2} {:>4} {:>2} {:>7} {:>9} {:>10} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>10} {:>10}\n",
                    "Hl", "qlen", "N", "H", "G", "local", "route", "attn us", "TB/s", "corr us", "red us", "pack us",
                    "comb us", "comb GB/s", "corr GB/s", "sent q KB", "sent (i)", "sent (ii)");

@@ -20,6 +20,7 @@ struct DcpBenchOptions {
   std::vector<int> heads_local{16, 64};
   std::vector<int> qlens{1, 4};
   std::vector<int> world_sizes{1, 2, 4, 8};
+  KvDtype kv_dtype = KvDtype::bf16;  // the cache's (fp8: read with a cache scale of 0.5)
   int warmup = 3, runs = 20;
   int device = 0;
 };
@@ -44,5 +45,8 @@ std::string device_description(int device = 0);
 
 // n bf16 values of unit-variance noise (times stddev) from a seed, on `stream`.
 void fill_random(bf16* dst, int64_t n, uint64_t seed, float stddev, cudaStream_t stream);
+// A cache's `values` stored values of `dtype` from a seed, on `stream`: bf16 as fill_random
+// (stddev 1), fp8 finite values of magnitude 2^-3 .. 2^2 (never zeros: timings on zeros flatter).
+void fill_random_cache(void* dst, int64_t values, KvDtype dtype, uint64_t seed, cudaStream_t stream);
 
 }  // namespace dcpmla::bench

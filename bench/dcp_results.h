@@ -14,9 +14,13 @@ namespace dcpmla::results {
 
 inline nlohmann::json dcp_rows(const std::vector<bench::DcpBenchRow>& rows, const bench::DcpBenchOptions& o) {
   nlohmann::json out = nlohmann::json::array();
+  // fp8 rows are named apart (the records' tables key rows by name), as dcpmla_bench's are.
+  const std::string kv_suffix = o.kv_dtype == KvDtype::bf16 ? ""
+                                : o.kv_dtype == KvDtype::fp8_e4m3 ? "_e4m3"
+                                                                   : "_e5m2";
   for (const auto& r : rows)
     out.push_back({{"name", "dcp_rank_h" + std::to_string(r.heads_local) + "_q" + std::to_string(r.qlen) + "_n" +
-                                std::to_string(r.world_size)},
+                                std::to_string(r.world_size) + kv_suffix},
                    {"batch", o.batch},
                    {"context", o.context},
                    {"heads_local", r.heads_local},
@@ -25,7 +29,7 @@ inline nlohmann::json dcp_rows(const std::vector<bench::DcpBenchRow>& rows, cons
                    {"heads_total", r.heads_total},
                    {"launches", r.groups},
                    {"local_tokens", r.local_tokens},
-                   {"kv_dtype", "bf16"},
+                   {"kv_dtype", std::string(to_string(o.kv_dtype))},
                    {"route", r.route},
                    {"attention_us", r.attention_us},
                    {"kv_TBps", r.attention_tbps},
