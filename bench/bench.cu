@@ -755,18 +755,15 @@ int main(int argc, char** argv) {
   app.add_flag("--sweep", sweep, "Also time every other kernel variant at each shape (on the default variant's plan; @plan<rows> marks a variant with other rows per CTA)");
   app.add_flag("--no-ceilings", no_ceilings, "Skip the ceilings (the ratios to them are null in the JSON)");
   app.add_flag("--trace", trace, "Also trace one more call of each shape: every CTA's start and end on the GPU's global timer, summarised, with each attention CTA's time beside its pieces, tiles, SM and clock (the JSON's \"trace\", \"trace.ctas\" for scripts/cta_fit.py and \"trace.combine\"; the mma.sync reference kernel does not stamp)");
-  app.add_option("--only", only, "Run only these shapes (comma-separated names)")->delimiter(',');
+  app.add_option("--only", only,
+                 "Run only these shapes (comma-separated names, picked from every shape: --quick and --serving do "
+                 "not narrow it)")
+      ->delimiter(',');
   app.add_option("--schedule", schedule, "The schedule's cost model: piece,cut,slack (ScheduleCost; default: each kernel's calibration, calibrated_schedule_cost); each JSON row records the cost its plan was dealt with (\"cost_model\", which scripts/cta_fit.py compares with the trace)")
       ->delimiter(',')
       ->expected(3);
   CLI11_PARSE(app, argc, argv);
   const bool baseline = !no_baseline, ceilings = !no_ceilings;
-  cudaDeviceProp prop;
-  ck(cudaGetDeviceProperties(&prop, 0), "props");
-  std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
-  if (ceilings) measure_ceilings(runs);
-  std::printf("ceilings: D2D copy %.0f GB/s (read + write), cuBLAS bf16 8192^3 GEMM %.0f TFLOP/s\n", copy_GBps,
-              gemm_TFLOPs);
 
   const KvDtype BF = KvDtype::bf16, E4 = KvDtype::fp8_e4m3;
   std::vector<Shape> shapes{
@@ -775,7 +772,9 @@ int main(int argc, char** argv) {
       uniform("decode128", 128, 4096, 128, 1, BF),
       uniform("decode16_e4m3", 128, 4096, 16, 1, E4),
   };
-  if (!quick) {
+  // --only picks from every shape; without it --quick and --serving choose the set.
+  const bool every = !only.empty();
+  if (!quick || every) {
     const std::vector<Shape> more{
         uniform("verify16_q4_b132", 132, 4096, 16, 4, BF),
         uniform("decode16_ctx1k", 128, 1024, 16, 1, BF),
@@ -794,7 +793,7 @@ int main(int argc, char** argv) {
     };
     shapes.insert(shapes.end(), more.begin(), more.end());
   }
-  if (serving) {
+  if (serving || every) {
     const std::vector<Shape> varlen = serving_shapes();
     shapes.insert(shapes.end(), varlen.begin(), varlen.end());
   }
@@ -805,10 +804,16 @@ int main(int argc, char** argv) {
     if (std::none_of(shapes.begin(), shapes.end(), [&](const Shape& s) { return s.name == name; })) {
       std::string names;
       for (const Shape& s : shapes) names += " " + s.name;
-      std::fprintf(stderr, "dcpmla_bench: --only %s: expected one of the%s shapes:%s\n", name.c_str(),
-                   quick ? " --quick" : "", names.c_str());
+      std::fprintf(stderr, "dcpmla_bench: --only %s: expected one of the shapes:%s\n", name.c_str(), names.c_str());
       return 2;
     }
+  // (The names are checked before the GPU is touched: a wrong one costs no ceiling run.)
+  cudaDeviceProp prop;
+  ck(cudaGetDeviceProperties(&prop, 0), "props");
+  std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
+  if (ceilings) measure_ceilings(runs);
+  std::printf("ceilings: D2D copy %.0f GB/s (read + write), cuBLAS bf16 8192^3 GEMM %.0f TFLOP/s\n", copy_GBps,
+              gemm_TFLOPs);
   std::optional<ScheduleCost> cost;  // none: each shape's kernel's calibration
   if (!schedule.empty()) cost = ScheduleCost{schedule[0], schedule[1], schedule[2]};
   if (cost) std::printf("schedule cost: piece %.2f, cut %.2f, slack %.3f\n", cost->piece, cost->cut, cost->slack);
