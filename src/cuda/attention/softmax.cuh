@@ -23,7 +23,8 @@ struct SoftmaxStep {
 // was summed then (every exponential was 0, or NaN, which no factor clears), so no rescale
 // runs at a row's first key or on the tiles of a row that has none (a rank's empty window).
 // The other kernels keep 2^-inf = 0: the select made two mma.sync variants spill, and the fp8
-// 64-row kernel 1.3 % slower at 128 heads (bench/NOTES.md, twenty-ninth session).
+// 64-row kernel was 1.3 % slower at 128 heads with it and the padded rows' unmasking together
+// (bench/NOTES.md, twenty-ninth session).
 inline constexpr float kLazyMaxSlack = 8.0f;
 // The exponent offset of a row whose running maximum is m.
 __device__ __forceinline__ float softmax_offset(float m) { return m == neg_inf() ? 0.0f : m; }
