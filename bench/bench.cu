@@ -14,13 +14,16 @@
 // its rel L2 against the default variant's output, "variant:us(relL2)". --trace records, for
 // one more call of each shape, every CTA's start and end on the GPU's global timer
 // (AttentionParams::trace), summarises where the call's time goes and lists each CTA's time
-// beside its work.
+// beside its work. --shape times uniform shapes of one's own (BATCH:CONTEXT:HEADS:QLEN[:KV_DTYPE]),
+// to look for the shapes the built-in set misses.
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -697,6 +700,45 @@ Shape uniform(const char* name, int batch, int ctx, int heads, int qlen, KvDtype
   return Shape{name, batch, std::vector<int32_t>(size_t(batch), ctx), heads, qlen, d, world, rank};
 }
 
+// A uniform shape from --shape "BATCH:CONTEXT:HEADS:QLEN[:KV_DTYPE]", named from its fields
+// (b64_c8192_h32_q3, + _e4m3 / _e5m2 for fp8); nullopt and a message on stderr when a field is
+// not a whole number in its range.
+std::optional<Shape> parse_shape(const std::string& spec) {
+  std::vector<std::string> f;
+  for (size_t at = 0;;) {
+    const size_t colon = spec.find(':', at);
+    f.push_back(spec.substr(at, colon == std::string::npos ? std::string::npos : colon - at));
+    if (colon == std::string::npos) break;
+    at = colon + 1;
+  }
+  const auto fail = [&](const std::string& why) {
+    std::fprintf(stderr, "dcpmla_bench: --shape %s: %s\n", spec.c_str(), why.c_str());
+    return std::nullopt;
+  };
+  if (f.size() != 4 && f.size() != 5) return fail("expected BATCH:CONTEXT:HEADS:QLEN[:KV_DTYPE]");
+  const char* names[4] = {"BATCH", "CONTEXT", "HEADS", "QLEN"};
+  const int lo[4] = {1, 1, 1, 1}, hi[4] = {1024, 1 << 24, 128, 16};
+  int v[4];
+  for (int i = 0; i < 4; ++i) {
+    const char* end = f[size_t(i)].data() + f[size_t(i)].size();
+    const auto [ptr, ec] = std::from_chars(f[size_t(i)].data(), end, v[i]);
+    if (ec != std::errc() || ptr != end || f[size_t(i)].empty() || v[i] < lo[i] || v[i] > hi[i])
+      return fail(std::string(names[i]) + " is '" + f[size_t(i)] + "', expected a whole number in " +
+                  std::to_string(lo[i]) + ".." + std::to_string(hi[i]));
+  }
+  KvDtype d = KvDtype::bf16;
+  if (f.size() == 5) {
+    try {
+      d = dcpmla::parse_kv_dtype(f[4]);
+    } catch (const std::exception& e) {
+      return fail(e.what());
+    }
+  }
+  std::string name = "b" + f[0] + "_c" + f[1] + "_h" + f[2] + "_q" + f[3];
+  if (d != KvDtype::bf16) name += d == KvDtype::fp8_e4m3 ? "_e4m3" : "_e5m2";
+  return Shape{name, v[0], std::vector<int32_t>(size_t(v[0]), v[1]), v[2], v[3], d};
+}
+
 // The serving batches engines send (fixed seeds, so every run times the same lengths):
 //  uniform: 64 requests of 512..16384 tokens; lognormal: 64 requests around 4k with a long
 //  tail (sigma 1, capped at 128k); one128k: one 131072-token request among 63 of 256..2048.
@@ -737,7 +779,7 @@ int main(int argc, char** argv) {
   std::string json_path;
   int runs = 30;
   bool quick = false, no_baseline = false, sweep = false, no_ceilings = false, serving = false, trace = false;
-  std::vector<std::string> only;
+  std::vector<std::string> only, custom;
   std::vector<double> schedule;
   CLI::App app{"dcpmla_bench: the copy and GEMM ceilings, a plain baseline (gather + cuBLAS + softmax) and\n"
                "dcpmla's attention at uniform and varlen shapes, on GPU 0: device time queued behind a spin\n"
@@ -758,6 +800,11 @@ int main(int argc, char** argv) {
   app.add_option("--only", only,
                  "Run only these shapes (comma-separated names, picked from every shape: --quick and --serving do "
                  "not narrow it)")
+      ->delimiter(',');
+  app.add_option("--shape", custom,
+                 "Also time these uniform shapes, BATCH:CONTEXT:HEADS:QLEN[:KV_DTYPE] (comma-separated; KV_DTYPE bf16, "
+                 "fp8_e4m3 or fp8_e5m2, default bf16; fp8 read with a cache scale of 0.5); named b<B>_c<C>_h<H>_q<Q>[_e4m3]. "
+                 "Without --only, only these shapes run")
       ->delimiter(',');
   app.add_option("--schedule", schedule, "The schedule's cost model: piece,cut,slack (ScheduleCost; default: each kernel's calibration, calibrated_schedule_cost); each JSON row records the cost its plan was dealt with (\"cost_model\", which scripts/cta_fit.py compares with the trace)")
       ->delimiter(',')
@@ -797,8 +844,14 @@ int main(int argc, char** argv) {
     const std::vector<Shape> varlen = serving_shapes();
     shapes.insert(shapes.end(), varlen.begin(), varlen.end());
   }
+  std::vector<Shape> custom_shapes;
+  for (const std::string& spec : custom) {
+    const std::optional<Shape> sh = parse_shape(spec);
+    if (!sh) return 2;
+    custom_shapes.push_back(*sh);
+  }
   const auto wanted = [&](const std::string& name) {
-    return only.empty() || std::find(only.begin(), only.end(), name) != only.end();
+    return only.empty() ? custom.empty() : std::find(only.begin(), only.end(), name) != only.end();
   };
   for (const std::string& name : only)
     if (std::none_of(shapes.begin(), shapes.end(), [&](const Shape& s) { return s.name == name; })) {
@@ -820,8 +873,10 @@ int main(int argc, char** argv) {
   cublasHandle_t blas;
   ckb(cublasCreate(&blas), "cublasCreate");
   std::vector<Row> rows;
-  for (const Shape& s : shapes) {
-    if (!wanted(s.name)) continue;
+  std::vector<Shape> to_run;
+  std::copy_if(shapes.begin(), shapes.end(), std::back_inserter(to_run), [&](const Shape& s) { return wanted(s.name); });
+  to_run.insert(to_run.end(), custom_shapes.begin(), custom_shapes.end());
+  for (const Shape& s : to_run) {
     rows.push_back(run_shape(s, runs, baseline, sweep, trace, cost, blas));
     const Row& r = rows.back();
     std::fprintf(stderr,
