@@ -364,14 +364,12 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         fence_proxy_async();  // the f16 Q is read by wgmma (async proxy)
         named_sync(kBarSoftmax, 128);
       }
-      // bf16: rows past the unit's (padding to 64) have a zero Q and are never stored, so they
-      // go unmasked: their scores are 0, their maxima settle on the first tile and their warps
+      // Rows past the unit's (padding to 64) have a zero Q and are never stored, so they go
+      // unmasked: their scores are 0, their maxima settle on the first tile and their warps
       // take the fast path. Masked, they had no key, so every tile of theirs paid the mask, the
       // maximum's step and a rescale of O (alpha = 2^-inf): 17-23 % at every row count above
-      // 64 that is not a multiple of it (bench/NOTES.md, twenty-ninth session). fp8 keeps them
-      // masked: this with KEYLESS_ONE cost its 128-head rows 1.3 %.
-      const bool unmask0 = !FP8 && r0 >= nr, unmask1 = !FP8 && r1 >= nr;
-      const int lim0 = unmask0 ? tok_hi : min(sLen[r0], tok_hi), lim1 = unmask1 ? tok_hi : min(sLen[r1], tok_hi);
+      // 64 that is not a multiple of it (bench/NOTES.md, twenty-ninth session).
+      const int lim0 = r0 >= nr ? tok_hi : min(sLen[r0], tok_hi), lim1 = r1 >= nr ? tok_hi : min(sLen[r1], tok_hi);
       // This thread's four stmatrix addresses of P (one per k16 step; lane l addresses row
       // l % 8 of matrix l / 8), made opaque so that ptxas keeps them rather than rebuilding them
       // (a chain of about 20 instructions) between the P-free wait and the stores on every tile.
