@@ -170,6 +170,62 @@ __device__ __forceinline__ void store_row_slice(const AttentionParams& p, const 
   }
 }
 
+// The same for the 64-row kernel's accumulator layout, where the four lanes of a quad share
+// the row: lane c holds columns col0 + 8 n + 2 c, + 1 as pair(n) (n < N). The quad first trades
+// values by shuffles so that each lane stores 16 contiguous bytes (a bf16 output: a lane's 8
+// columns after a 4 x 4 transpose of words; an fp32 partial: 4 columns after a pairwise swap),
+// a warp's store then writing whole 32-byte sectors. The 4- and 8-byte stores of
+// store_row_slice cost 4x the store instructions and half sectors, and at a unit's end they
+// held up the next unit by several microseconds (bench/NOTES.md, thirtieth session). Every
+// lane of the warp calls it (the shuffles); `store` says whether the row is one to write.
+template <int N, typename Pair>
+__device__ __forceinline__ void store_row_quad(const AttentionParams& p, const UnitSpan& u, int r, bool store, int col0,
+                                               int c, float l, float out_scale, Pair pair) {
+  static_assert(N % 4 == 0);
+  constexpr uint32_t kAll = 0xffffffffu;
+  const float sc = l != 0.0f ? out_scale / l : 0.0f;
+  const int64_t row = u.dst_row + r;
+  const bool hi = c & 2, odd = c & 1;
+  if (u.split) {
+    // Blocks n, n + 1 (n even): the even lane of each pair takes block n's columns 2c..2c+3, the
+    // odd lane block n + 1's columns 2(c-1)..2c+1.
+    float* dst = p.part_o + row * kRank + col0 + 2 * (c & ~1) + 8 * int(odd);
+    const uint64_t keep = l2_keep_policy();
+#pragma unroll
+    for (int n = 0; n < N; n += 2) {
+      // (Both blocks cross: a select of what to send made ptxas swap every pair up front and spill.)
+      const float2 f0 = pair(n), f1 = pair(n + 1);
+      const float2 g0 = {__shfl_xor_sync(kAll, f0.x, 1), __shfl_xor_sync(kAll, f0.y, 1)};
+      const float2 g1 = {__shfl_xor_sync(kAll, f1.x, 1), __shfl_xor_sync(kAll, f1.y, 1)};
+      const float4 v = odd ? make_float4(g1.x * sc, g1.y * sc, f1.x * sc, f1.y * sc)
+                           : make_float4(f0.x * sc, f0.y * sc, g0.x * sc, g0.y * sc);
+      if (store) st_global_kept(dst + 8 * n, v, keep);
+    }
+  } else {
+    // Blocks 4k..4k+3 as a 4 x 4 matrix of words, M[lane][block]: lane c ends with column c,
+    // block 4k + c's 8 columns, in two rounds of swaps (lanes c, c ^ 2, then c, c ^ 1).
+    bf16* dst = p.out + row * kRank + col0 + 8 * c;
+#pragma unroll
+    for (int n = 0; n < N; n += 4) {
+      uint32_t w[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 v = pair(n + k);
+        w[k] = pack_bf16x2(v.x * sc, v.y * sc);
+      }
+      // Round 1: keep the blocks kb, kb + 1 (kb = c & 2); get them from lane c ^ 2.
+      const uint32_t k0 = hi ? w[2] : w[0], k1 = hi ? w[3] : w[1];
+      const uint32_t r0 = __shfl_xor_sync(kAll, hi ? w[0] : w[2], 2), r1 = __shfl_xor_sync(kAll, hi ? w[1] : w[3], 2);
+      // Round 2: keep block c of rows c, c ^ 2; get it from lane c ^ 1 (its rows c ^ 1, c ^ 3).
+      const uint32_t a = odd ? k1 : k0, b = odd ? r1 : r0;
+      const uint32_t a1 = __shfl_xor_sync(kAll, odd ? k0 : k1, 1), b1 = __shfl_xor_sync(kAll, odd ? r0 : r1, 1);
+      // Lane s's word goes to position s: a from lane c, a1 from c ^ 1, b from c ^ 2, b1 from c ^ 3.
+      const uint32_t e0 = odd ? a1 : a, e1 = odd ? a : a1, f0 = odd ? b1 : b, f1 = odd ? b : b1;
+      if (store) *reinterpret_cast<uint4*>(dst + 8 * n) = hi ? make_uint4(f0, f1, e0, e1) : make_uint4(e0, e1, f0, f1);
+    }
+  }
+}
+
 // m (base 2) and l of row dst_row + r of unit u: (m, l) partials for a cut request (m = -inf
 // where l = 0), else the natural-log lse (-inf for a row with no key).
 __device__ __forceinline__ void store_row_stats(const AttentionParams& p, const UnitSpan& u, int r, float m, float l) {
