@@ -352,9 +352,8 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = a * 16 + g + 8 * h;
-        if (r < nr)
-          store_row_slice<8>(p, u, r, warp * 64 + 2 * c, row_l(r), out_scale,
-                             [&](int n) { return make_float2(o[a][n][2 * h], o[a][n][2 * h + 1]); });
+        store_row_lanes<1, 2, 8>(p, u, r, r < nr, c, row_l(r), out_scale, [&](int n) { return warp * 64 + 8 * n; },
+                                 [&](int n) { return make_float2(o[a][n][2 * h], o[a][n][2 * h + 1]); });
       }
     if (tid < nr) store_row_stats(p, u, tid, sM[tid], row_l(tid));
     __syncthreads();  // shared memory is reused by the next unit

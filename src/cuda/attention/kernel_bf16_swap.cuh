@@ -296,12 +296,11 @@ __global__ void __launch_bounds__(Bf16SwapConfig<M>::THREADS, 1)
           const float got = __shfl_xor_sync(0xffffffffu, uu ? v0 : v1, 4);
           pair[b][h] = uu ? make_float2(got, v1) : make_float2(v0, got);
         }
-      if (r < nr) {
-#pragma unroll
-        for (int b = 0; b < 8; ++b)
-          store_row_slice<2>(p, us, r, 64 * b + 16 * w + (g & ~1), l, 1.0f, [&](int h) { return pair[b][h]; });
-        if (w == 0 && g < 2) store_row_stats(p, us, r, uu ? m_run[j][1] : m_run[j][0], l);
-      }
+      // (Row r's four lanes, g = uu, uu + 2, uu + 4, uu + 6, trade on to 16 bytes a lane.)
+      store_row_lanes<8, 16, 16>(
+          p, us, r, r < nr, g >> 1, l, 1.0f, [&](int i) { return 64 * (i >> 1) + 16 * w + 8 * (i & 1); },
+          [&](int i) { return pair[i >> 1][i & 1]; });
+      if (r < nr && w == 0 && g < 2) store_row_stats(p, us, r, uu ? m_run[j][1] : m_run[j][0], l);
     }
     wg_sync();  // l is reused by the next unit
   }

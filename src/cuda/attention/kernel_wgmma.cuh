@@ -562,8 +562,8 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = h ? r1 : r0;
-      store_row_quad<32>(p, u, r, r < nr, wg * 256, c, sL[r], out_scale,
-                         [&](int j) { return make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]); });
+      store_row_lanes<1, 2, 32>(p, u, r, r < nr, c, sL[r], out_scale, [&](int j) { return wg * 256 + 8 * j; },
+                                [&](int j) { return make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]); });
     }
     if (tid < nr) store_row_stats(p, u, tid, sM[tid], sL[tid]);
     gbase += uint32_t(ntiles);

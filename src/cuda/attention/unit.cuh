@@ -144,84 +144,79 @@ __device__ __forceinline__ void prefetch_unit_q(const AttentionParams& p, const 
   if (u.nr > 0) prefetch_l2(p.q + u.q_row * kDim, uint32_t(u.nr) * kDim * 2);
 }
 
-// Columns col + STRIDE n, col + STRIDE n + 1 (n < N) of row dst_row + r of unit u, from
-// pair(n) = (o, o'), scaled by out_scale / l: l = 0 means no key (o = 0); a NaN l propagates.
-// A partial is kept in L2 for the combine (l2_keep_policy).
-template <int N, int STRIDE = 8, typename Pair>
-__device__ __forceinline__ void store_row_slice(const AttentionParams& p, const UnitSpan& u, int r, int col, float l,
-                                                float out_scale, Pair pair) {
-  const float sc = l != 0.0f ? out_scale / l : 0.0f;
-  const int64_t row = u.dst_row + r;
-  if (u.split) {
-    float* dst = p.part_o + row * kRank + col;
-    const uint64_t keep = l2_keep_policy();
-#pragma unroll
-    for (int n = 0; n < N; ++n) {
-      const float2 v = pair(n);
-      st_global_kept(dst + n * STRIDE, make_float2(v.x * sc, v.y * sc), keep);
-    }
-  } else {
-    bf16* dst = p.out + row * kRank + col;
-#pragma unroll
-    for (int n = 0; n < N; ++n) {
-      const float2 v = pair(n);
-      *reinterpret_cast<uint32_t*>(dst + n * STRIDE) = pack_bf16x2(v.x * sc, v.y * sc);
-    }
-  }
-}
-
-// The same for the 64-row kernel's accumulator layout, where the four lanes of a quad share
-// the row: lane c holds columns col0 + 8 n + 2 c, + 1 as pair(n) (n < N). The quad first trades
-// values by shuffles so that each lane stores 16 contiguous bytes (a bf16 output: a lane's 8
-// columns after a 4 x 4 transpose of words; an fp32 partial: 4 columns after a pairwise swap),
-// a warp's store then writing whole 32-byte sectors. The 4- and 8-byte stores of
-// store_row_slice cost 4x the store instructions and half sectors, and at a unit's end they
-// held up the next unit by several microseconds (bench/NOTES.md, thirtieth session). Every
-// lane of the warp calls it (the shuffles); `store` says whether the row is one to write.
-template <int N, typename Pair>
-__device__ __forceinline__ void store_row_quad(const AttentionParams& p, const UnitSpan& u, int r, bool store, int col0,
-                                               int c, float l, float out_scale, Pair pair) {
-  static_assert(N % 4 == 0);
+// Trades between the lanes that share an output row, so that each lane stores 16 contiguous
+// bytes and a warp's store writes whole 32-byte sectors: the kernels' accumulator layouts give
+// a lane 2 adjacent columns of a row, and their 4- and 8-byte stores took 4x (bf16) or 2x
+// (fp32) the store instructions on half sectors; at a unit's end these held up the next unit
+// by several microseconds (bench/NOTES.md, thirtieth session). Every lane of the warp calls
+// them (shuffles).
+// Four lanes k = 0..3 (bit 0 of k: lane ^ X1; bit 1: lane ^ X2) hold a 4 x 4 matrix of words,
+// w[i] = M[k][i]; lane k gets column k, M[0..3][k], in two rounds of swaps.
+template <int X1, int X2>
+__device__ __forceinline__ uint4 transpose4(const uint32_t (&w)[4], int k) {
   constexpr uint32_t kAll = 0xffffffffu;
+  const bool hi = k & 2, odd = k & 1;
+  // Round 1: keep columns kb, kb + 1 (kb = k & 2); get them from lane k ^ 2.
+  const uint32_t k0 = hi ? w[2] : w[0], k1 = hi ? w[3] : w[1];
+  const uint32_t r0 = __shfl_xor_sync(kAll, hi ? w[0] : w[2], X2), r1 = __shfl_xor_sync(kAll, hi ? w[1] : w[3], X2);
+  // Round 2: keep column k of rows k, k ^ 2; get it from lane k ^ 1 (its rows k ^ 1, k ^ 3).
+  const uint32_t a = odd ? k1 : k0, b = odd ? r1 : r0;
+  const uint32_t a1 = __shfl_xor_sync(kAll, odd ? k0 : k1, X1), b1 = __shfl_xor_sync(kAll, odd ? r0 : r1, X1);
+  // Row s goes to position s: a is row k, a1 row k ^ 1, b row k ^ 2, b1 row k ^ 3.
+  const uint32_t e0 = odd ? a1 : a, e1 = odd ? a : a1, f0 = odd ? b1 : b, f1 = odd ? b : b1;
+  return hi ? make_uint4(f0, f1, e0, e1) : make_uint4(e0, e1, f0, f1);
+}
+// Two lanes k = 0, 1 (lane ^ X) hold pairs f0 = M[k][0], f1 = M[k][1]; lane k gets column k,
+// (M[0][k], M[1][k]), as 4 floats. (Both pairs cross: a select of what to send made ptxas swap
+// every pair of the 64-row kernel up front and spill.)
+template <int X>
+__device__ __forceinline__ float4 transpose2(float2 f0, float2 f1, bool odd) {
+  constexpr uint32_t kAll = 0xffffffffu;
+  const float2 g0 = {__shfl_xor_sync(kAll, f0.x, X), __shfl_xor_sync(kAll, f0.y, X)};
+  const float2 g1 = {__shfl_xor_sync(kAll, f1.x, X), __shfl_xor_sync(kAll, f1.y, X)};
+  return odd ? make_float4(g1.x, g1.y, f1.x, f1.y) : make_float4(f0.x, f0.y, g0.x, g0.y);
+}
+// 16 bytes of row dst_row + r of unit u at column col: 8 bf16 of the output (w) or 4 fp32 of
+// its partial (f; kept in L2 for the combine, l2_keep_policy).
+__device__ __forceinline__ void store_out16(const AttentionParams& p, const UnitSpan& u, int r, int col, uint4 w) {
+  *reinterpret_cast<uint4*>(p.out + (u.dst_row + r) * kRank + col) = w;
+}
+__device__ __forceinline__ void store_part16(const AttentionParams& p, const UnitSpan& u, int r, int col, float4 f,
+                                             uint64_t keep) {
+  st_global_kept(p.part_o + (u.dst_row + r) * kRank + col, f, keep);
+}
+__device__ __forceinline__ float4 scaled(float4 v, float s) { return make_float4(v.x * s, v.y * s, v.z * s, v.w * s); }
+
+// Row dst_row + r of unit u from the four lanes k = 0..3 that hold it (bit 0 of k: lane ^ X1;
+// bit 1: lane ^ X2): lane k's pair(i) = (o, o') (i < N) are columns col(i) + 2k, + 1, and col(i)
+// .. col(i) + 7 are contiguous. Scaled by out_scale / l (l = 0: no key, o = 0; a NaN l
+// propagates) into the bf16 output, or the fp32 partial of a cut request (kept in L2 for the
+// combine, l2_keep_policy). `store`: whether the row is one to write (the lanes trade either way).
+template <int X1, int X2, int N, typename Col, typename Pair>
+__device__ __forceinline__ void store_row_lanes(const AttentionParams& p, const UnitSpan& u, int r, bool store, int k,
+                                                float l, float out_scale, Col col, Pair pair) {
+  static_assert(N % 4 == 0);
   const float sc = l != 0.0f ? out_scale / l : 0.0f;
-  const int64_t row = u.dst_row + r;
-  const bool hi = c & 2, odd = c & 1;
   if (u.split) {
-    // Blocks n, n + 1 (n even): the even lane of each pair takes block n's columns 2c..2c+3, the
-    // odd lane block n + 1's columns 2(c-1)..2c+1.
-    float* dst = p.part_o + row * kRank + col0 + 2 * (c & ~1) + 8 * int(odd);
+    // Pairs i, i + 1: the even lane takes i's columns 2k..2k+3, the odd one i + 1's 2(k-1)..2k+1.
     const uint64_t keep = l2_keep_policy();
 #pragma unroll
-    for (int n = 0; n < N; n += 2) {
-      // (Both blocks cross: a select of what to send made ptxas swap every pair up front and spill.)
-      const float2 f0 = pair(n), f1 = pair(n + 1);
-      const float2 g0 = {__shfl_xor_sync(kAll, f0.x, 1), __shfl_xor_sync(kAll, f0.y, 1)};
-      const float2 g1 = {__shfl_xor_sync(kAll, f1.x, 1), __shfl_xor_sync(kAll, f1.y, 1)};
-      const float4 v = odd ? make_float4(g1.x * sc, g1.y * sc, f1.x * sc, f1.y * sc)
-                           : make_float4(f0.x * sc, f0.y * sc, g0.x * sc, g0.y * sc);
-      if (store) st_global_kept(dst + 8 * n, v, keep);
+    for (int i = 0; i < N; i += 2) {
+      const float4 v = transpose2<X1>(pair(i), pair(i + 1), k & 1);
+      if (store) store_part16(p, u, r, col(i + (k & 1)) + 2 * (k & ~1), scaled(v, sc), keep);
     }
   } else {
-    // Blocks 4k..4k+3 as a 4 x 4 matrix of words, M[lane][block]: lane c ends with column c,
-    // block 4k + c's 8 columns, in two rounds of swaps (lanes c, c ^ 2, then c, c ^ 1).
-    bf16* dst = p.out + row * kRank + col0 + 8 * c;
+    // Pairs i..i+3 as a 4 x 4 matrix of words: lane k takes pair i + k's 8 columns.
 #pragma unroll
-    for (int n = 0; n < N; n += 4) {
+    for (int i = 0; i < N; i += 4) {
       uint32_t w[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float2 v = pair(n + k);
-        w[k] = pack_bf16x2(v.x * sc, v.y * sc);
+      for (int m = 0; m < 4; ++m) {
+        const float2 v = pair(i + m);
+        w[m] = pack_bf16x2(v.x * sc, v.y * sc);
       }
-      // Round 1: keep the blocks kb, kb + 1 (kb = c & 2); get them from lane c ^ 2.
-      const uint32_t k0 = hi ? w[2] : w[0], k1 = hi ? w[3] : w[1];
-      const uint32_t r0 = __shfl_xor_sync(kAll, hi ? w[0] : w[2], 2), r1 = __shfl_xor_sync(kAll, hi ? w[1] : w[3], 2);
-      // Round 2: keep block c of rows c, c ^ 2; get it from lane c ^ 1 (its rows c ^ 1, c ^ 3).
-      const uint32_t a = odd ? k1 : k0, b = odd ? r1 : r0;
-      const uint32_t a1 = __shfl_xor_sync(kAll, odd ? k0 : k1, 1), b1 = __shfl_xor_sync(kAll, odd ? r0 : r1, 1);
-      // Lane s's word goes to position s: a from lane c, a1 from c ^ 1, b from c ^ 2, b1 from c ^ 3.
-      const uint32_t e0 = odd ? a1 : a, e1 = odd ? a : a1, f0 = odd ? b1 : b, f1 = odd ? b : b1;
-      if (store) *reinterpret_cast<uint4*>(dst + 8 * n) = hi ? make_uint4(f0, f1, e0, e1) : make_uint4(e0, e1, f0, f1);
+      const uint4 t = transpose4<X1, X2>(w, k);
+      if (store) store_out16(p, u, r, col(i + k), t);
     }
   }
 }
