@@ -498,12 +498,6 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
         for (int d = 4; d <= 16; d <<= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
         if (g == 0) sL[(cw * 4 + w) * QB + lrow(j, u)] = v;
       }
-    // Row r (its accumulators o[.][4 j + 2 h + u]): the lanes g & 3 = 0..3 (lane ^ 4, ^ 8) of
-    // the row's dims trade on to 16 bytes a lane.
-    auto store_row = [&](int r, float l, int j, int u) {
-      store_row_lanes<4, 8, NBB>(p, us, r, r < nr, g & 3, l, out_scale, [&](int bb) { return dim0 - 2 * (g & 3) + 16 * bb; },
-                                 [&](int bb) { return make_float2(o[bb][4 * j + u], o[bb][4 * j + 2 + u]); });
-    };
     auto merge_and_store = [&] {
       if (cw == 1) {
 #pragma unroll
@@ -540,8 +534,11 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
                 const int e = 4 * j + 2 * h + u;
                 o[bb][e] = o[bb][e] * f0 + sO1[(bb * 8 + e) * 128 + t] * f1;
               }
-            store_row(r, l, j, u);
-            if (r < nr && w == 0 && g == 0) store_row_stats(p, us, r, mn, l);
+            if (r < nr) {
+              store_row_slice<NBB, 16>(p, us, r, dim0, l, out_scale,
+                                       [&](int bb) { return make_float2(o[bb][4 * j + u], o[bb][4 * j + 2 + u]); });
+              if (w == 0 && g == 0) store_row_stats(p, us, r, mn, l);
+            }
           }
       }
     };
@@ -557,8 +554,11 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
           float l = 0.0f;
 #pragma unroll
           for (int q = 0; q < 4; ++q) l += sL[(own * 4 + q) * QB + lr];
-          store_row(r, l, j, u);
-          if (r < nr && own == cw && w == 0 && g == 0) store_row_stats(p, us, r, m_run[j & 1][u], l);
+          if (r < nr) {
+            store_row_slice<NBB, 16>(p, us, r, dim0, l, out_scale,
+                                     [&](int bb) { return make_float2(o[bb][4 * j + u], o[bb][4 * j + 2 + u]); });
+            if (own == cw && w == 0 && g == 0) store_row_stats(p, us, r, m_run[j & 1][u], l);
+          }
         }
     };
     if constexpr (C::SPLIT) store_split();

@@ -144,6 +144,35 @@ __device__ __forceinline__ void prefetch_unit_q(const AttentionParams& p, const 
   if (u.nr > 0) prefetch_l2(p.q + u.q_row * kDim, uint32_t(u.nr) * kDim * 2);
 }
 
+// Columns col + STRIDE n, col + STRIDE n + 1 (n < N) of row dst_row + r of unit u, from
+// pair(n) = (o, o'), scaled by out_scale / l: l = 0 means no key (o = 0); a NaN l propagates.
+// A partial is kept in L2 for the combine (l2_keep_policy). Each lane stores its own pairs, 4 or
+// 8 bytes at a time: the fp8 swap kernel's form (its epilogue runs in one consumer warpgroup at
+// the register limit; store_row_lanes' trade made it 2-4 % slower: bench/NOTES.md, thirtieth
+// session). The other kernels trade first (store_row_lanes).
+template <int N, int STRIDE = 8, typename Pair>
+__device__ __forceinline__ void store_row_slice(const AttentionParams& p, const UnitSpan& u, int r, int col, float l,
+                                                float out_scale, Pair pair) {
+  const float sc = l != 0.0f ? out_scale / l : 0.0f;
+  const int64_t row = u.dst_row + r;
+  if (u.split) {
+    float* dst = p.part_o + row * kRank + col;
+    const uint64_t keep = l2_keep_policy();
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      const float2 v = pair(n);
+      st_global_kept(dst + n * STRIDE, make_float2(v.x * sc, v.y * sc), keep);
+    }
+  } else {
+    bf16* dst = p.out + row * kRank + col;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      const float2 v = pair(n);
+      *reinterpret_cast<uint32_t*>(dst + n * STRIDE) = pack_bf16x2(v.x * sc, v.y * sc);
+    }
+  }
+}
+
 // Trades between the lanes that share an output row, so that each lane stores 16 contiguous
 // bytes and a warp's store writes whole 32-byte sectors: the kernels' accumulator layouts give
 // a lane 2 adjacent columns of a row, and their 4- and 8-byte stores took 4x (bf16) or 2x
