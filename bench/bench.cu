@@ -802,9 +802,9 @@ int main(int argc, char** argv) {
                  "not narrow it)")
       ->delimiter(',');
   app.add_option("--shape", custom,
-                 "Also time these uniform shapes, BATCH:CONTEXT:HEADS:QLEN[:KV_DTYPE] (comma-separated; KV_DTYPE bf16, "
-                 "fp8_e4m3 or fp8_e5m2, default bf16; fp8 read with a cache scale of 0.5); named b<B>_c<C>_h<H>_q<Q>[_e4m3]. "
-                 "Without --only, only these shapes run")
+                 "Time these uniform shapes, BATCH:CONTEXT:HEADS:QLEN[:KV_DTYPE] (comma-separated; KV_DTYPE bf16, "
+                 "fp8_e4m3 or fp8_e5m2, default bf16; fp8 read with a cache scale of 0.5), named "
+                 "b<B>_c<C>_h<H>_q<Q>[_e4m3|_e5m2]: alone, or after the shapes --only picks")
       ->delimiter(',');
   app.add_option("--schedule", schedule, "The schedule's cost model: piece,cut,slack (ScheduleCost; default: each kernel's calibration, calibrated_schedule_cost); each JSON row records the cost its plan was dealt with (\"cost_model\", which scripts/cta_fit.py compares with the trace)")
       ->delimiter(',')
