@@ -722,7 +722,7 @@ std::optional<Shape> parse_shape(const std::string& spec) {
   for (int i = 0; i < 4; ++i) {
     const char* end = f[size_t(i)].data() + f[size_t(i)].size();
     const auto [ptr, ec] = std::from_chars(f[size_t(i)].data(), end, v[i]);
-    if (ec != std::errc() || ptr != end || f[size_t(i)].empty() || v[i] < lo[i] || v[i] > hi[i])
+    if (ec != std::errc() || ptr != end || v[i] < lo[i] || v[i] > hi[i])
       return fail(std::string(names[i]) + " is '" + f[size_t(i)] + "', expected a whole number in " +
                   std::to_string(lo[i]) + ".." + std::to_string(hi[i]));
   }
@@ -734,8 +734,7 @@ std::optional<Shape> parse_shape(const std::string& spec) {
       return fail(e.what());
     }
   }
-  std::string name = "b" + f[0] + "_c" + f[1] + "_h" + f[2] + "_q" + f[3];
-  if (d != KvDtype::bf16) name += d == KvDtype::fp8_e4m3 ? "_e4m3" : "_e5m2";
+  const std::string name = "b" + f[0] + "_c" + f[1] + "_h" + f[2] + "_q" + f[3] + dcpmla::results::kv_row_suffix(d);
   return Shape{name, v[0], std::vector<int32_t>(size_t(v[0]), v[1]), v[2], v[3], d};
 }
 
@@ -767,7 +766,7 @@ std::vector<Shape> serving_shapes() {
         for (KvDtype d : {KvDtype::bf16, KvDtype::fp8_e4m3}) {
           const std::vector<int32_t> lens = serving_lengths(kind);
           out.push_back(Shape{std::string("serve_") + kind + "_h" + std::to_string(heads) + "_q" + std::to_string(qlen) +
-                                  (d == KvDtype::bf16 ? "" : "_e4m3"),
+                                  dcpmla::results::kv_row_suffix(d),
                               int(lens.size()), lens, heads, qlen, d});
         }
   return out;
@@ -874,7 +873,8 @@ int main(int argc, char** argv) {
   ckb(cublasCreate(&blas), "cublasCreate");
   std::vector<Row> rows;
   std::vector<Shape> to_run;
-  std::copy_if(shapes.begin(), shapes.end(), std::back_inserter(to_run), [&](const Shape& s) { return wanted(s.name); });
+  std::copy_if(shapes.begin(), shapes.end(), std::back_inserter(to_run),
+               [&](const Shape& s) { return wanted(s.name); });
   to_run.insert(to_run.end(), custom_shapes.begin(), custom_shapes.end());
   for (const Shape& s : to_run) {
     rows.push_back(run_shape(s, runs, baseline, sweep, trace, cost, blas));

@@ -14,10 +14,7 @@ namespace dcpmla::results {
 
 inline nlohmann::json dcp_rows(const std::vector<bench::DcpBenchRow>& rows, const bench::DcpBenchOptions& o) {
   nlohmann::json out = nlohmann::json::array();
-  // fp8 rows are named apart (the records' tables key rows by name), as dcpmla_bench's are.
-  const std::string kv_suffix = o.kv_dtype == KvDtype::bf16 ? ""
-                                : o.kv_dtype == KvDtype::fp8_e4m3 ? "_e4m3"
-                                                                   : "_e5m2";
+  const std::string kv_suffix = kv_row_suffix(o.kv_dtype);
   for (const auto& r : rows)
     out.push_back({{"name", "dcp_rank_h" + std::to_string(r.heads_local) + "_q" + std::to_string(r.qlen) + "_n" +
                                 std::to_string(r.world_size) + kv_suffix},

@@ -18,8 +18,15 @@
 #include <nlohmann/json.hpp>
 
 #include "dcpmla/build_info.h"
+#include "dcpmla/types.h"
 
 namespace dcpmla::results {
+
+// The suffix of a row's name for its cache dtype: the records' tables key rows by name, so fp8
+// rows are named apart ("" for bf16, "_e4m3", "_e5m2").
+inline std::string kv_row_suffix(KvDtype d) {
+  return d == KvDtype::bf16 ? "" : d == KvDtype::fp8_e4m3 ? "_e4m3" : "_e5m2";
+}
 
 inline nlohmann::json cuda_attribute_mhz(cudaDeviceAttr attr, int device) {
   int khz = 0;

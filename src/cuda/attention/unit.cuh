@@ -144,16 +144,20 @@ __device__ __forceinline__ void prefetch_unit_q(const AttentionParams& p, const 
   if (u.nr > 0) prefetch_l2(p.q + u.q_row * kDim, uint32_t(u.nr) * kDim * 2);
 }
 
+// The factor a row's O is stored with, out_scale / l: l = 0 means no key (o = 0, stored as 0);
+// a NaN l propagates.
+__device__ __forceinline__ float row_out_factor(float l, float out_scale) { return l != 0.0f ? out_scale / l : 0.0f; }
+
 // Columns col + STRIDE n, col + STRIDE n + 1 (n < N) of row dst_row + r of unit u, from
-// pair(n) = (o, o'), scaled by out_scale / l: l = 0 means no key (o = 0); a NaN l propagates.
-// A partial is kept in L2 for the combine (l2_keep_policy). Each lane stores its own pairs, 4 or
-// 8 bytes at a time: the fp8 swap kernel's form (its epilogue runs in one consumer warpgroup at
-// the register limit; store_row_lanes' trade made it 2-4 % slower: bench/NOTES.md, thirtieth
-// session). The other kernels trade first (store_row_lanes).
+// pair(n) = (o, o'), scaled by row_out_factor. A partial is kept in L2 for the combine
+// (l2_keep_policy). Each lane stores its own pairs, 4 or 8 bytes at a time: the fp8 swap
+// kernel's form (its epilogue runs in one consumer warpgroup at the register limit;
+// store_row_lanes' trade made it 2-4 % slower: bench/NOTES.md, thirtieth session). The other
+// kernels trade first (store_row_lanes).
 template <int N, int STRIDE = 8, typename Pair>
 __device__ __forceinline__ void store_row_slice(const AttentionParams& p, const UnitSpan& u, int r, int col, float l,
                                                 float out_scale, Pair pair) {
-  const float sc = l != 0.0f ? out_scale / l : 0.0f;
+  const float sc = row_out_factor(l, out_scale);
   const int64_t row = u.dst_row + r;
   if (u.split) {
     float* dst = p.part_o + row * kRank + col;
@@ -218,14 +222,14 @@ __device__ __forceinline__ float4 scaled(float4 v, float s) { return make_float4
 
 // Row dst_row + r of unit u from the four lanes k = 0..3 that hold it (bit 0 of k: lane ^ X1;
 // bit 1: lane ^ X2): lane k's pair(i) = (o, o') (i < N) are columns col(i) + 2k, + 1, and col(i)
-// .. col(i) + 7 are contiguous. Scaled by out_scale / l (l = 0: no key, o = 0; a NaN l
-// propagates) into the bf16 output, or the fp32 partial of a cut request (kept in L2 for the
-// combine, l2_keep_policy). `store`: whether the row is one to write (the lanes trade either way).
+// .. col(i) + 7 are contiguous. Scaled by row_out_factor into the bf16 output, or the fp32
+// partial of a cut request (kept in L2 for the combine, l2_keep_policy). `store`: whether the
+// row is one to write (the lanes trade either way).
 template <int X1, int X2, int N, typename Col, typename Pair>
 __device__ __forceinline__ void store_row_lanes(const AttentionParams& p, const UnitSpan& u, int r, bool store, int k,
                                                 float l, float out_scale, Col col, Pair pair) {
   static_assert(N % 4 == 0);
-  const float sc = l != 0.0f ? out_scale / l : 0.0f;
+  const float sc = row_out_factor(l, out_scale);
   if (u.split) {
     // Pairs i, i + 1: the even lane takes i's columns 2k..2k+3, the odd one i + 1's 2(k-1)..2k+1.
     const uint64_t keep = l2_keep_policy();
