@@ -135,6 +135,13 @@ std::vector<Scenario> scenarios() {
     s.min_cut_pieces = 32;
     add(s);
   }
+  // One request alone (max_batch 1) cut into more than kSlicePieces pieces: the combine's grid
+  // must cover its 16 rows' slices, not just its rows (CudaTrace counts the combine's CTAs).
+  {
+    Scenario s{"heads16_one_request_slices", M::decode, K::bf16, 64, 16, 1, 0, 1, R::automatic, 1, 1, {40000}};
+    s.min_cut_pieces = 32;
+    add(s);
+  }
   return v;
 }
 
@@ -171,16 +178,26 @@ TEST(CudaTrace, StampsEveryCtaAndChangesNothing) {
   int traced = 0;
   for (const Scenario& s : scenarios()) {
     if (s.name != "ragged_verify_bf16" && s.name != "long_split_e5m2" && s.name != "heads128_decode_e4m3" &&
-        s.name != "heads5_verify" && s.name != "heads40_qlen2_two_groups" && s.name != "decode_batch40_split")
+        s.name != "heads5_verify" && s.name != "heads40_qlen2_two_groups" && s.name != "decode_batch40_split" &&
+        s.name != "heads16_one_request_slices")
       continue;
     const ScenarioResult r = run_scenario(s, true);
     ASSERT_TRUE(r.trace.has_value());
     EXPECT_EQ(r.cmp.bad_rows, 0) << s.describe();
     EXPECT_TRUE(r.trace->same_output) << s.describe() << ": the traced call's output differs";
     EXPECT_TRUE(r.trace->stamps_ok) << s.describe() << " (route " << to_string(r.route) << "): " << r.trace->problem;
+    if (s.name == "heads16_one_request_slices" && default_tuning(test_tuning()) && r.max_segments > s.min_cut_pieces) {
+      // Its 16 rows in 128-column slices of the rank (512) of a task each, every task on a combine
+      // CTA of its own (a CTA stamps once it has a task): 64 on any GPU of 32 SMs or more.
+      int device = 0, sms = 0;
+      cudaGetDevice(&device);
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+      EXPECT_EQ(r.trace->combine_ctas, std::min(s.heads * (LatentDims{}.kv_lora_rank / 128), 2 * sms))
+          << s.describe() << ": the combine's grid does not give each slice of the cut rows a CTA";
+    }
     ++traced;
   }
-  EXPECT_EQ(traced, 6);
+  EXPECT_EQ(traced, 7);
 }
 
 }  // namespace
