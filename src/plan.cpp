@@ -287,17 +287,17 @@ ScheduleCost calibrated_schedule_cost(int rows_per_unit, KvDtype kv_dtype, int r
 // The balanced schedule: the requests' tiles (plus a fixed cost per piece) are dealt in
 // request order into `chunks` chunks, each filled up to a cost T; a request that does not fit
 // the rest of a chunk is cut there (its pieces write partials, combined afterwards), unless
-// its pieces would be shorter than min_segment_tokens. T is the least cost for which that
-// deal places everything within the chunks (bisected), so the most loaded chunk, which the
-// step waits for, is as light as the deal can make it. The longest request may thus run over
-// many chunks, and a chunk may hold many short requests. A batch of at most one request per
-// chunk within the slack of the even share is not cut at all.
+// its pieces would be shorter than min_segment_tokens (or than the even share of tiles, when
+// that is shorter). T is the least cost for which that deal places everything within the
+// chunks (bisected), so the most loaded chunk, which the step waits for, is as light as the
+// deal can make it. The longest request may thus run over many chunks, and a chunk may hold
+// many short requests. A batch of at most one request per chunk within the slack of the even
+// share is not cut at all.
 void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& plan, PlanStats& stats) const {
   const auto& c = config_;
   const ScheduleCost& cost = c.cost;
   bool cut_allowed = may_cut();  // false also when whole requests fit the balanced share
   const double slack = c.route == Route::split_k ? 0.0 : cost.slack;  // for the uniform check only
-  const int64_t min_tiles = ceil_div(c.min_segment_tokens, kCutTokens);
   const int32_t* q_start = plan.at(plan.off_q_start_);
   auto* work = reinterpret_cast<WorkItem*>(plan.at(plan.off_work_));
   int32_t* chunk_work = plan.at(plan.off_chunk_work_);
@@ -316,6 +316,13 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
       most = std::max(most, t);
       ++parts;
     }
+  // A request of fewer than two min_segment_tokens is never cut. A longer one's pieces have
+  // at least min_segment_tokens, or the even share of tiles when that is shorter (at least a
+  // tile): a step of few tiles (one request of a few thousand tokens on a whole GPU) would
+  // otherwise fill only a few chunks with long pieces (H200: 1 x 8192 at 16 heads, 32 pieces
+  // of 4 tiles 19.8 us, 128 of one 17.4; bench/NOTES.md, thirty-first session).
+  const int64_t floor_tiles = ceil_div(c.min_segment_tokens, kCutTokens);
+  const int64_t min_tiles = std::clamp<int64_t>(tiles / chunks, 1, floor_tiles);
   const double share = (double(tiles) + cost.piece * double(std::max<int64_t>(parts, chunks)) +
                         cost.cut * double(std::max<int64_t>(0, chunks - parts))) /
                        chunks;
@@ -361,8 +368,8 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
         emit(0, false);
         continue;
       }
-      // A request T cannot split: cuts are off, or it has too few tiles for two pieces.
-      const bool whole_only = !cut_allowed || n < 2 * min_tiles;
+      // A request T cannot split: cuts are off, or it is shorter than two min_segment_tokens.
+      const bool whole_only = !cut_allowed || n < 2 * floor_tiles;
       for (;;) {
         const int64_t rest = n - pos;
         const double whole = double(rest) + cost.piece + (cut ? cost.cut : 0.0);

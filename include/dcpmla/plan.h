@@ -73,8 +73,11 @@ struct PlannerConfig {
   // groups chunks of the same token schedule (so the groups of a chunk read the same KV
   // at the same time, from L2).
   int rows_per_unit = 64;
-  // A split-K piece covers at least this many local tokens (each piece costs a partial
-  // write and a share of the combine); tests lower it to exercise many pieces on short rows.
+  // A request shorter than twice this many local tokens is never cut, and a split-K piece
+  // covers at least this many (each piece costs a partial write and a share of the combine),
+  // or the step's even share of 64-token tiles over the chunks when that is less (at least a
+  // tile: a short step still fills the chunks); tests lower it to exercise many pieces on
+  // short rows.
   int min_segment_tokens = 256;
   ScheduleCost cost;
 };

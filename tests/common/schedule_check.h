@@ -20,8 +20,18 @@ inline std::string schedule_error(const PlannerConfig& c, const Plan& plan) {
   for (int k = 0; k < h.chunks; ++k)
     if (v.chunk_work[k] > v.chunk_work[k + 1]) return bad("chunk offsets decrease", k);
   if (v.q_start[0] != 0 || v.q_start[h.batch] != h.rows) return bad("query row offsets do not span the rows", 0);
-  // In int64: min_segment_tokens may be any positive int (found by fuzz_planner).
-  const int64_t min_tiles = (int64_t(c.min_segment_tokens) + kCutTokens - 1) / kCutTokens;
+  // A request of fewer than two min_segment_tokens is not cut; the shortest piece allowed is
+  // min_segment_tokens, or the even share of the step's tiles over the chunks when that is
+  // shorter (at least a tile). In int64: min_segment_tokens may be any positive int (found by
+  // fuzz_planner).
+  int64_t tiles = 0;
+  for (int b = 0; b < h.batch; ++b) {
+    int32_t longest = 0;
+    for (int t = v.q_start[b]; t < v.q_start[b + 1]; ++t) longest = std::max(longest, v.row_local_len[t]);
+    tiles += (int64_t(longest) + kCutTokens - 1) / kCutTokens;
+  }
+  const int64_t floor_tiles = (int64_t(c.min_segment_tokens) + kCutTokens - 1) / kCutTokens;
+  const int64_t min_tiles = std::clamp<int64_t>(tiles / h.chunks, 1, floor_tiles);
 
   int w = 0, splits = 0, slots = 0, widest = 0;
   for (int b = 0; b < h.batch; ++b) {
@@ -53,12 +63,14 @@ inline std::string schedule_error(const PlannerConfig& c, const Plan& plan) {
       continue;
     }
     if (c.route == Route::one_stage) return bad("one_stage cut a request", b);
+    if ((int64_t(longest) + kCutTokens - 1) / kCutTokens < 2 * floor_tiles)
+      return bad("a request shorter than two min_segment_tokens was cut", b);
     if (splits >= h.split_requests || v.split_request[splits] != b || v.split_slot[splits] != slots)
       return bad("the cut requests' list misses a cut request", b);
     for (int i = first; i < w; ++i) {
       if (v.work[i].slot != slots++) return bad("partial slots are not consecutive", i);
       const int64_t tiles = (int64_t(v.work[i].tok_end) - v.work[i].tok_begin + kCutTokens - 1) / kCutTokens;
-      if (tiles < min_tiles) return bad("a piece shorter than min_segment_tokens", i);
+      if (tiles < min_tiles) return bad("a piece shorter than min_segment_tokens (or the even share)", i);
     }
     ++splits;
   }

@@ -113,6 +113,14 @@ TEST(Plan, AutoCutsLongWindowsOfSmallBatches) {
   planner.plan(batch_of({100, 200}, 1).desc(), plan);
   EXPECT_SCHEDULE_OK(planner, plan);
   EXPECT_EQ(plan.route(), Route::one_stage) << "short windows are not cut";
+  // A step of fewer tiles than chunks: pieces shorter than min_segment_tokens (256), a tile
+  // each, fill the chunks (at the floor only 32 of the 132 would work).
+  planner.plan(batch_of({8192}, 1).desc(), plan);
+  EXPECT_SCHEDULE_OK(planner, plan);
+  EXPECT_EQ(plan.stats().max_segments, 128) << "one 64-token piece a chunk";
+  planner.plan(batch_of({3000, 3000, 3000}, 1).desc(), plan);
+  EXPECT_SCHEDULE_OK(planner, plan);
+  EXPECT_GT(plan.header().work_count, 60) << "141 tiles over 132 chunks in pieces of one or two (of four: about 35)";
 }
 
 TEST(Plan, UniformBatchesAreNotCutForAFewPercent) {
