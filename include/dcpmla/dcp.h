@@ -50,7 +50,7 @@ struct DcpConfig {
   int block_size = 64;
   Route route = Route::automatic;
   PlanLimits limits;           // capture limits: rows = max_batch x max_qlen
-  int min_segment_tokens = 256;  // shortest piece of a cut request (PlannerConfig)
+  int min_segment_tokens = 256;  // floor of a cut request's pieces (PlannerConfig)
   DcpMerge merge = DcpMerge::reduce_scatter;
   DataType reduce_dtype = DataType::bf16;  // reduce_scatter's wire type: bf16 or f32
   cuda::AttentionTuning tuning;

@@ -37,7 +37,7 @@ struct AttentionConfig {
   LatentDims dims;
   Route route = Route::automatic;      // forced for testing; automatic = the planner's policy
   int num_workers = 0;                 // parallel units a plan spreads over; 0: the backend's
-  int min_segment_tokens = 256;        // shortest piece of a cut request (PlannerConfig)
+  int min_segment_tokens = 256;        // floor of a cut request's pieces (PlannerConfig)
   // The schedule's cost model (tuning: results do not depend on it); none: the calibration
   // for the backend kernel's rows per CTA, the cache's dtype and the widest step's row
   // groups (calibrated_schedule_cost).

@@ -79,7 +79,7 @@ struct AttentionOptions {
   Route route = Route::automatic;
   MergeForm merge = MergeForm::all_heads;
   Backend backend = Backend::cpu;
-  int min_segment_tokens = 256;  // shortest piece of a cut request (PlannerConfig)
+  int min_segment_tokens = 256;  // floor of a cut request's pieces (PlannerConfig)
   // Per-request query rows (BatchDesc::qlens), each in [0, qlen]; empty: qlen each. With
   // them q, out and lse hold sum(qlens) rows packed by request instead of batch x qlen.
   std::vector<int32_t> qlens;
