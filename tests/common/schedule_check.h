@@ -24,14 +24,14 @@ inline std::string schedule_error(const PlannerConfig& c, const Plan& plan) {
   // min_segment_tokens, or the even share of the step's tiles over the chunks when that is
   // shorter (at least a tile). In int64: min_segment_tokens may be any positive int (found by
   // fuzz_planner).
-  int64_t tiles = 0;
+  int64_t step_tiles = 0;
   for (int b = 0; b < h.batch; ++b) {
     int32_t longest = 0;
     for (int t = v.q_start[b]; t < v.q_start[b + 1]; ++t) longest = std::max(longest, v.row_local_len[t]);
-    tiles += (int64_t(longest) + kCutTokens - 1) / kCutTokens;
+    step_tiles += (int64_t(longest) + kCutTokens - 1) / kCutTokens;
   }
   const int64_t floor_tiles = (int64_t(c.min_segment_tokens) + kCutTokens - 1) / kCutTokens;
-  const int64_t min_tiles = std::clamp<int64_t>(tiles / h.chunks, 1, floor_tiles);
+  const int64_t min_tiles = std::clamp<int64_t>(step_tiles / h.chunks, 1, floor_tiles);
 
   int w = 0, splits = 0, slots = 0, widest = 0;
   for (int b = 0; b < h.batch; ++b) {

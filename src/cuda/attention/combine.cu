@@ -265,8 +265,8 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineCtasPerSm)
 // Also under graph capture (a programmatic edge). The trigger is in the kernels' prologue:
 // griddepcontrol in the unit loop cost ptxas 25 more registers in the wgmma kernel.
 // The grid follows the capacities (graph-safe): a CTA per task of the most tasks a plan can
-// make (every cut row in kRowVecs slices of one item a task, a request cut into more than
-// kSlicePieces pieces), up to the resident CTAs of the GPU; a CTA runs a request's tasks of
+// make, kRowVecs a cut row (the slices of a request cut into more than kSlicePieces pieces,
+// one item a task), up to the resident CTAs of the GPU; a CTA runs a request's tasks of
 // kCombineWarps / G items, and CTAs with no task exit after the request list.
 void launch_split_merge(const AttentionParams& p, int64_t max_cut_rows, int num_sms, cudaStream_t stream) {
   cudaLaunchConfig_t cfg{};
