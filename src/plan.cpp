@@ -320,7 +320,7 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
   // at least min_segment_tokens, or the even share of tiles when that is shorter (at least a
   // tile): a step of few tiles (one request of a few thousand tokens on a whole GPU) would
   // otherwise fill only a few chunks with long pieces (H200: 1 x 8192 at 16 heads, 32 pieces
-  // of 4 tiles 19.8 us, 128 of one 17.4; bench/NOTES.md, thirty-first session).
+  // of 4 tiles 20.0 us, 128 of one 18.5; bench/NOTES.md, thirty-first session).
   const int64_t floor_tiles = ceil_div(c.min_segment_tokens, kCutTokens);
   const int64_t min_tiles = std::clamp<int64_t>(tiles / chunks, 1, floor_tiles);
   const double share = (double(tiles) + cost.piece * double(std::max<int64_t>(parts, chunks)) +
