@@ -191,6 +191,15 @@ __device__ __forceinline__ void fp8x16_to_bf16x16(uint4 v, bool e5m2, uint32_t (
   }
 }
 
+// Both e4m3 pairs of a 32-bit word -> two f16 pairs. The halves are split inside the PTX so
+// that the hardware unpack reads the upper one in place (an .H1 operand); the intrinsic takes
+// a 16-bit value, which costs a shift a word (bench/NOTES.md, thirty-third session).
+__device__ __forceinline__ void e4m3x4_to_f16x4(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(w));
+}
+
 // One stored 16-byte chunk (16 fp8 values, lowest first) -> 8 f16 pairs, exactly (every e4m3
 // and e5m2 value is an f16 value): e4m3 by the hardware unpack, one instruction a pair; e5m2
 // is an f16's upper byte, a byte permute a pair.
@@ -202,11 +211,7 @@ __device__ __forceinline__ void fp8x16_to_f16x16(uint4 v, bool e5m2, uint32_t (&
       out[2 * q] = __byte_perm(w[q], 0u, 0x1404u);
       out[2 * q + 1] = __byte_perm(w[q], 0u, 0x3424u);
     } else {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w[q] >> (16 * h)), __NV_E4M3);
-        out[2 * q + h] = uint32_t(r.x) | (uint32_t(r.y) << 16);
-      }
+      e4m3x4_to_f16x4(w[q], out[2 * q], out[2 * q + 1]);
     }
   }
 }
