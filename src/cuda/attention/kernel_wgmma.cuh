@@ -463,11 +463,19 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         // the exponentials are not negative, so a warp whose sums all stay within that bound
         // (and whose rows have a maximum already) keeps every offset: it skips the maximum's
         // tree, its shuffles and the step, and alpha is 1 (on almost every tile).
+        // fp8 (no exponentials ahead) asks the same of its own scores: a warp whose scaled
+        // maxima, thread by thread, stay within the bound of every offset skips the shuffles and
+        // the step.
         constexpr float kLazyMaxExp = float(1u << unsigned(kLazyMaxSlack));
         float al0 = 1.0f, al1 = 1.0f;
-        if (!kAhead || __any_sync(0xffffffffu, !(sum0 <= kLazyMaxExp && sum1 <= kLazyMaxExp) ||
-                                                   m_run[0] == kNegInf || m_run[1] == kNegInf)) {
-          float mx0 = max16(sc, 0), mx1 = max16(sc, 2);
+        float mx0 = kAhead ? 0.0f : max16(sc, 0), mx1 = kAhead ? 0.0f : max16(sc, 2);
+        const bool keeps = kAhead ? sum0 <= kLazyMaxExp && sum1 <= kLazyMaxExp
+                                  : mx0 * sl2r0 <= keep0 + kLazyMaxSlack && mx1 * sl2r1 <= keep1 + kLazyMaxSlack;
+        if (__any_sync(0xffffffffu, !keeps || m_run[0] == kNegInf || m_run[1] == kNegInf)) {
+          if constexpr (kAhead) {
+            mx0 = max16(sc, 0);
+            mx1 = max16(sc, 2);
+          }
 #pragma unroll
           for (int d = 1; d <= 2; d <<= 1) {
             mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, d));
@@ -482,6 +490,8 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
           m_run[0] = st0.m;
           m_run[1] = st1.m;
           rescale_o(al0, al1);
+        } else if constexpr (!kAhead) {
+          exponentials(keep0, keep1);
         }
         l_run[0] = l_run[0] * al0 + sum0;
         l_run[1] = l_run[1] * al1 + sum1;
