@@ -191,13 +191,37 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
       for (int h = 0; h < Map::kTokens; ++h)
         raw[h][k] = src[h] ? ldg_no_l1(src[h] + Map::fp8_chunk(t, k) * 16) : make_uint4(0u, 0u, 0u, 0u);
     };
+    // Piece k into its f16 chunks of column block k of stage s; a part's last piece fences the
+    // part for the async proxy (wgmma reads it) and arrives.
+    auto unpack_piece = [&](int k, uint32_t s) {
+#pragma unroll
+      for (int h = 0; h < Map::kTokens; ++h) {
+        uint32_t v[8];
+        fp8x16_to_f16x16(raw[h][k], E5M2, v);
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          *reinterpret_cast<uint4*>(sh.kv[s] + swz128(Map::token(t, h), k, Map::bf16_chunk(t, e), NT * 128)) =
+              make_uint4(v[4 * e], v[4 * e + 1], v[4 * e + 2], v[4 * e + 3]);
+      }
+      if ((k + 1) % C::BLOCKS_PER_PART == 0) {
+        fence_proxy_async();
+        mbar_arrive(bar_a + 8 * full_bar<true>(s, k / C::BLOCKS_PER_PART));
+      }
+    };
+    // A tile's pieces in two halves, X = [0, KX) and Y = [KX, PIECES), each loaded right after
+    // the wait for the other: all the producer's loads count on one scoreboard, so the first use
+    // of a register waits for every load in flight. With each half's loads issued behind the
+    // wait for the other half, a wait covers only the half it needs, issued half a tile of
+    // unpacking earlier (with every reload issued as its piece was unpacked, the tile's first
+    // unpack waited for its last pieces, issued just before).
+    constexpr int KX = 4;
     int sp[Map::kTokens];
     const uint8_t* src[Map::kTokens];
     if (u.ntiles > 0) {
       subpages(0, sp);
       rows(0, sp, src);
 #pragma unroll
-      for (int k = 0; k < PIECES; ++k) read_piece(k, src);
+      for (int k = 0; k < KX; ++k) read_piece(k, src);
     } else {
       wgmma_load_unit_q(p, u, unit, sh, t);
     }
@@ -205,33 +229,21 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
     for (int i = 0; i < u.ntiles; ++i) {
       const uint32_t gt = gbase + uint32_t(i), s = gt & 1u, n = gt >> 1;
       const bool more = i + 1 < u.ntiles;
-      if (more) rows(i + 1, sp, src);
       if (n > 0) mbar_wait(bar_a + 8 * (kMbarEmpty0 + s), (n - 1) & 1u);
-      // Piece k into its f16 chunks of column block k, then tile i + 1's piece k into the same
-      // registers at once: the registers hold one tile, and with the whole next tile loaded
-      // only after this one was unpacked, its latency sat between the two (the producer waited
-      // on it a third of its time; 4 % at 128 heads: bench/NOTES.md, twenty-first session).
-      // Each part is fenced for the async proxy (wgmma reads it) and arrived. The `if (more)`
-      // branches keep the reloads in their part: without them ptxas sank these `.nc` loads
-      // behind the tile's last arrival (16 % slower at 128 heads, thirty-third session).
+      unpack_piece(0, s);  // waits for X (and the sub-pages of tile i + 1)
 #pragma unroll
-      for (int k = 0; k < PIECES; ++k) {
+      for (int k = KX; k < PIECES; ++k) read_piece(k, src);
 #pragma unroll
-        for (int h = 0; h < Map::kTokens; ++h) {
-          uint32_t v[8];
-          fp8x16_to_f16x16(raw[h][k], E5M2, v);
+      for (int k = 1; k < KX; ++k) unpack_piece(k, s);
+      if (more) rows(i + 1, sp, src);
+      unpack_piece(KX, s);  // waits for Y
+      if (more) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e)
-            *reinterpret_cast<uint4*>(sh.kv[s] + swz128(Map::token(t, h), k, Map::bf16_chunk(t, e), NT * 128)) =
-                make_uint4(v[4 * e], v[4 * e + 1], v[4 * e + 2], v[4 * e + 3]);
-        }
-        if (more) read_piece(k, src);
-        if ((k + 1) % C::BLOCKS_PER_PART == 0) {
-          fence_proxy_async();
-          mbar_arrive(bar_a + 8 * full_bar<true>(s, k / C::BLOCKS_PER_PART));
-        }
+        for (int k = 0; k < KX; ++k) read_piece(k, src);
+        subpages(i + 2, sp);
       }
-      if (more) subpages(i + 2, sp);
+#pragma unroll
+      for (int k = KX + 1; k < PIECES; ++k) unpack_piece(k, s);
       // The unit's Q behind its first tile (as stream_bf16_tiles' on_unit), the next tile's
       // bytes in flight meanwhile.
       if (i == 0) wgmma_load_unit_q(p, u, unit, sh, t);
