@@ -30,8 +30,8 @@
 //     the stage's full barrier when they land (stream_bf16_tiles, bf16_tiles.cuh, shared with
 //     the bf16 swap kernel). 40 registers; the consumers take 232.
 //   fp8: the raw bytes of the next tile wait in registers (four threads a token, whole
-//     sectors a load, not kept in L1; each piece's registers load the tile after as soon as
-//     the piece is unpacked), are unpacked to f16 (exact: every e4m3 and e5m2 value
+//     sectors a load, not kept in L1; each half of the pieces loads the tile after behind the
+//     wait for the other half), are unpacked to f16 (exact: every e4m3 and e5m2 value
 //     is an f16 value; one instruction a pair, where bf16 took four; kv_scale folded into the
 //     softmax and output scales) into the stage, fenced for the async proxy, then arrived, a
 //     third of the columns at a time (S starts on the first third). 120 registers; the
@@ -150,8 +150,9 @@ __device__ __forceinline__ void wgmma_load_unit_q(const AttentionParams& p, cons
 }
 
 // fp8 producer warpgroup (thread t of 128): streams the raw bytes of each tile into
-// registers one tile ahead (Fp8TileMap: four threads per token, two tokens a thread; a
-// piece's registers reload with the next tile's piece once it is unpacked), waits
+// registers one tile ahead (Fp8TileMap: four threads per token, two tokens a thread; the
+// registers of each half of the pieces reload with the next tile's once that half is
+// unpacked and the other half has landed), waits
 // until both consumers have released the tile's stage, unpacks it there as f16 (exact: every
 // e4m3 / e5m2 value is an f16 value; kv_scale is applied outside), fences the stores for the
 // async proxy and arrives on the stage's full barrier.
@@ -209,11 +210,13 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
       }
     };
     // A tile's pieces in two halves, X = [0, KX) and Y = [KX, PIECES), each loaded right after
-    // the wait for the other: all the producer's loads count on one scoreboard, so the first use
-    // of a register waits for every load in flight. With each half's loads issued behind the
-    // wait for the other half, a wait covers only the half it needs, issued half a tile of
-    // unpacking earlier (with every reload issued as its piece was unpacked, the tile's first
-    // unpack waited for its last pieces, issued just before).
+    // the wait for the other. ptxas counts every load of the producer on one scoreboard, so
+    // the first use of a loaded register waits for every load in flight: with each piece
+    // reloaded as soon as it was unpacked, a tile's first unpack waited for its last pieces,
+    // issued just before. Now a wait covers one half, issued about half a tile of unpacking
+    // earlier (3-4 % on every fp8 row of this kernel, bench/NOTES.md, thirty-fourth session).
+    // The next half's loads sit in `if (more)`: without the branch ptxas sank branch-free
+    // non-coherent loads behind the tile's last arrival (16 % slower, thirty-third session).
     constexpr int KX = 4;
     int sp[Map::kTokens];
     const uint8_t* src[Map::kTokens];
