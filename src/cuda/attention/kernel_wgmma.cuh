@@ -474,13 +474,12 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         constexpr bool kAhead = !FP8;
         const float keep0 = softmax_offset(m_run[0]), keep1 = softmax_offset(m_run[1]);
         if constexpr (kAhead) exponentials(keep0, keep1);
-        // A lazy maximum moves only for a score over 2^kLazyMaxSlack under the row's offset, and
-        // the exponentials are not negative, so a warp whose sums all stay within that bound
-        // (and whose rows have a maximum already) keeps every offset: it skips the maximum's
-        // tree, its shuffles and the step, and alpha is 1 (on almost every tile).
-        // fp8 (no exponentials ahead) asks the same of its own scores: a warp whose scaled
-        // maxima, thread by thread, stay within the bound of every offset skips the shuffles and
-        // the step.
+        // A lazy maximum moves only for a score over 2^kLazyMaxSlack under the row's offset, so a
+        // warp where no row can move (and every row has a maximum already) keeps every offset:
+        // it skips the shuffles and the step, and alpha is 1 (on almost every tile). bf16 asks
+        // its sums (the exponentials are not negative) and skips the maximum's tree as well;
+        // fp8, with no exponentials yet, asks each thread's own maxima (the quad's maximum is
+        // within the bound exactly when every lane's is), so its tree comes first.
         constexpr float kLazyMaxExp = float(1u << unsigned(kLazyMaxSlack));
         float al0 = 1.0f, al1 = 1.0f;
         float mx0 = kAhead ? 0.0f : max16(sc, 0), mx1 = kAhead ? 0.0f : max16(sc, 2);
