@@ -214,7 +214,7 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
     // the first use of a loaded register waits for every load in flight: with each piece
     // reloaded as soon as it was unpacked, a tile's first unpack waited for its last pieces,
     // issued just before. Now a wait covers one half, issued about half a tile of unpacking
-    // earlier (3-4 % on every fp8 row of this kernel, bench/NOTES.md, thirty-fourth session).
+    // earlier (2-3.5 % on every fp8 row of this kernel, bench/NOTES.md, thirty-fourth session).
     // The next half's loads sit in `if (more)`: without the branch ptxas sank branch-free
     // non-coherent loads behind the tile's last arrival (16 % slower, thirty-third session).
     constexpr int KX = 4;
