@@ -139,37 +139,13 @@ void check(const T& t, const char* field, uint32_t kinds, const char* dtype_text
 
 // A tensor's bytes, named: every tensor of a call is C-contiguous (checked) on the call's device
 // (checked), so it occupies exactly [at, at + bytes).
-struct Bytes {
-  const char* field;
-  uintptr_t at = 0;
-  size_t bytes = 0;
-};
 template <class T>
-Bytes bytes_of(const char* field, const T& t) {
-  return {field, reinterpret_cast<uintptr_t>(t.data()), t.nbytes()};
+NamedBytes bytes_of(const char* field, const T& t) {
+  return {field, static_cast<const void*>(t.data()), int64_t(t.nbytes())};
 }
 template <class T>
-Bytes bytes_of(const char* field, const std::optional<T>& t) {
-  return t ? bytes_of(field, *t) : Bytes{field};
-}
-
-// Refuses an output that shares memory with an input of the call or another output: the
-// result would silently depend on the order of the kernels' reads and writes. O(1) per pair.
-void check_disjoint(std::initializer_list<Bytes> outputs, std::initializer_list<Bytes> inputs) {
-  auto overlap = [](const Bytes& a, const Bytes& b) {
-    return a.bytes > 0 && b.bytes > 0 && a.at < b.at + b.bytes && b.at < a.at + a.bytes;
-  };
-  auto refuse = [](const Bytes& out, const Bytes& other) {
-    fail(out.field, fmt::format("{} bytes at {:#x}, overlapping {} ({} bytes at {:#x})", out.bytes, out.at,
-                                other.field, other.bytes, other.at),
-         "memory that shares no byte with the call's other tensors (pass a separate buffer)");
-  };
-  for (auto o = outputs.begin(); o != outputs.end(); ++o) {
-    for (const Bytes& in : inputs)
-      if (overlap(*o, in)) refuse(*o, in);
-    for (auto other = o + 1; other != outputs.end(); ++other)
-      if (overlap(*o, *other)) refuse(*o, *other);
-  }
+NamedBytes bytes_of(const char* field, const std::optional<T>& t) {
+  return t ? bytes_of(field, *t) : NamedBytes{field};
 }
 
 // The backend and device of a tensor that decides a free function's placement.
@@ -402,8 +378,8 @@ void Engine::run(Tensor q, Tensor kv_cache, double kv_scale, std::optional<Tenso
   }
   const KvCache cache = cache_of(kv_cache, config_.kv_dtype, where_);
   const KvScale scale = scale_of(kv_scale, kv_scale_tensor, config_.kv_dtype, where_);
-  check_disjoint({bytes_of("out", out), bytes_of("lse", lse)},
-                 {bytes_of("q", q), bytes_of("kv_cache", kv_cache), bytes_of("kv_scale", kv_scale_tensor)});
+  require_disjoint({bytes_of("out", out), bytes_of("lse", lse)},
+                   {bytes_of("q", q), bytes_of("kv_cache", kv_cache), bytes_of("kv_scale", kv_scale_tensor)});
   if (cpu) {
     std::vector<bf16> q16, out16;
     const bf16* qp = host_bf16(q, q16);
@@ -436,9 +412,9 @@ void write_kv(OutTensor kv_cache, Tensor latent, Tensor slot_mapping, const std:
         "[T, D] (D of kv_cache)", where, 16);
   check(slot_mapping, "slot_mapping", kI64, "int64", Dims{n}, "[T] (T of latent)", where, 8);
   const KvScale scale = scale_of(kv_scale, kv_scale_tensor, dtype, where);
-  check_disjoint({bytes_of("kv_cache", kv_cache)},
-                 {bytes_of("latent", latent), bytes_of("slot_mapping", slot_mapping),
-                  bytes_of("kv_scale", kv_scale_tensor)});
+  require_disjoint({bytes_of("kv_cache", kv_cache)},
+                   {bytes_of("latent", latent), bytes_of("slot_mapping", slot_mapping),
+                    bytes_of("kv_scale", kv_scale_tensor)});
   const auto* slots = static_cast<const int64_t*>(slot_mapping.data());
   if (cpu) {
     std::vector<bf16> scratch;
@@ -509,8 +485,8 @@ void merge_states(Tensor out_parts, Tensor lse_parts, OutTensor out, OutTensor l
   check(out, "out", kind_of(out_parts.dtype()), "the dtype of out_parts", m.out_dims, "[..., W] (out_parts[0]'s shape)",
         where, 16);
   check(lse, "lse", kF32, "float32", m.lse_dims, "[...] (lse_parts[0]'s shape)", where, 4);
-  check_disjoint({bytes_of("out", out), bytes_of("lse", lse)},
-                 {bytes_of("out_parts", out_parts), bytes_of("lse_parts", lse_parts)});
+  require_disjoint({bytes_of("out", out), bytes_of("lse", lse)},
+                   {bytes_of("out_parts", out_parts), bytes_of("lse_parts", lse_parts)});
   const auto* lp = static_cast<const float*>(lse_parts.data());
   auto* lo = static_cast<float*>(lse.data());
   if (cpu) {

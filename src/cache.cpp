@@ -74,12 +74,24 @@ void KvScale::validate(KvDtype dtype) const {
     fail("kv_scale", "a device tensor", "a plain 1.0 for a bf16 cache (the scale is for fp8)");
 }
 
+void require_write_disjoint(const KvCache& cache, const bf16* latents, const int64_t* slots, int64_t n,
+                            const float* device_scale, const int* errors) {
+  const std::optional<int64_t> latent_bytes = checked_product({n, cache.dim, 2});
+  if (!latent_bytes) fail("n", n, fmt::format("a count of latents whose bytes fit int64 (D = {})", cache.dim));
+  require_disjoint({{"kv_cache", cache.data, cache.num_slots() * cache.row_bytes()},
+                    {"errors", errors, errors != nullptr ? int64_t(sizeof(int)) : 0}},
+                   {{"latents", latents, *latent_bytes},
+                    {"slot_mapping", slots, n * int64_t(sizeof(int64_t))},
+                    {"kv_scale", device_scale, device_scale != nullptr ? int64_t(sizeof(float)) : 0}});
+}
+
 void write_kv(const KvCache& cache, const bf16* latents, const int64_t* slots, int64_t n, float scale) {
   cache.validate();
   KvScale{scale}.validate(cache.dtype);
   if (n < 0) fail("n", n, ">= 0");
   if (n == 0) return;
   if (latents == nullptr || slots == nullptr) fail("latents/slot_mapping", "null", "host pointers");
+  require_write_disjoint(cache, latents, slots, n);
   const int64_t num_slots = cache.num_slots();
   for (int64_t k = 0; k < n; ++k)
     if (slots[k] != kPadSlot && (slots[k] < 0 || slots[k] >= num_slots))

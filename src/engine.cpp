@@ -52,6 +52,15 @@ void validate_run(const PlannerConfig& c, const Plan& plan, const KvCache& cache
     fail("kv_scale", "a device pointer", "a host float on the cpu backend");
 }
 
+void require_run_disjoint(const PlannerConfig& c, int64_t rows, const void* q, const KvCache& cache,
+                          const KvScale& scale, const void* out, const void* lse) {
+  const int64_t cells = rows * c.heads;  // within the capture limits
+  require_disjoint({{"out", out, cells * c.dims.kv_lora_rank * 2}, {"lse", lse, cells * 4}},
+                   {{"q", q, cells * c.dims.dim() * 2},
+                    {"kv_cache", cache.data, cache.num_slots() * cache.row_bytes()},
+                    {"kv_scale", scale.device, scale.device != nullptr ? 4 : 0}});
+}
+
 Attention::Attention(const AttentionConfig& config)
     : planner_(planner_config(config, Backend::cpu, kCpuWorkers, kCpuRowsPerUnit)),
       plan_(planner_.make_plan()),
@@ -86,6 +95,7 @@ void Attention::run(const bf16* q, const KvCache& cache, const KvScale& scale, b
   // A step of no query rows (every qlen 0) reads and writes nothing: its buffers may be null.
   if (plan_.header().rows > 0 && (q == nullptr || out == nullptr || lse == nullptr))
     fail("q/out/lse", "null", "host pointers");
+  require_run_disjoint(planner_.config(), plan_.header().rows, q, cache, scale, out, lse);
   attention_cpu(params(q, cache, scale, out, lse));
 }
 

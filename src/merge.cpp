@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "dcpmla/error.h"
@@ -80,6 +81,14 @@ void merge_state(const bf16* o_a, const float* lse_a, const bf16* o_b, const flo
   }
 }
 
+void require_combine_disjoint(const bf16* o_parts, const float* lse_parts, int n, const bf16* o, const float* lse,
+                              int64_t rows, int width) {
+  const std::optional<int64_t> values = checked_product({n, rows, width, 2});
+  if (!values) fail("rows", rows, fmt::format("{} partials x rows x width {} values that fit int64", n, width));
+  require_disjoint({{"o", o, rows * width * 2}, {"lse", lse, rows * 4}},
+                   {{"o_parts", o_parts, *values}, {"lse_parts", lse_parts, n * rows * 4}});
+}
+
 void combine_partials(const bf16* o_parts, const float* lse_parts, int n, bf16* o, float* lse,
                       int64_t rows, int width) {
   if (n < 1) fail("n", n, ">= 1 partials");
@@ -89,6 +98,7 @@ void combine_partials(const bf16* o_parts, const float* lse_parts, int n, bf16* 
   require_pointer(lse_parts, "lse_parts");
   require_pointer(o, "o");
   require_pointer(lse, "lse");
+  require_combine_disjoint(o_parts, lse_parts, n, o, lse, rows, width);
   for (int64_t r = 0; r < rows; ++r)
     merge_row(n, [&](int k) { return o_parts + (int64_t(k) * rows + r) * width; },
               [&](int k) { return lse_parts[int64_t(k) * rows + r]; }, width, o + r * width, lse + r);
@@ -108,6 +118,18 @@ void merge_split_k(const float* part_o, const float* part_m, const float* part_l
   require_pointer(part_l, "part_l");
   require_pointer(o, "o");
   require_pointer(lse, "lse");
+  // The segments' extents (strides checked above to keep them apart; a stride that does not fit
+  // int64 bytes is refused with them).
+  const auto extent = [&](int64_t stride, int64_t last) {
+    const std::optional<int64_t> span = segments == 1 ? 0 : checked_product({segments - 1, stride});
+    const std::optional<int64_t> bytes = span ? checked_product({*span + last, 4}) : std::nullopt;
+    if (!bytes) fail("segment_stride", stride, fmt::format("segments ({}) x stride within int64 bytes", segments));
+    return *bytes;
+  };
+  require_disjoint({{"o", o, int64_t(width) * 2}, {"lse", lse, 4}},
+                   {{"part_o", part_o, extent(segment_stride_o, width)},
+                    {"part_m", part_m, extent(segment_stride_ml, 1)},
+                    {"part_l", part_l, extent(segment_stride_ml, 1)}});
   detail::merge_split_k_unchecked(part_o, part_m, part_l, segments, segment_stride_o, segment_stride_ml, width, o, lse);
 }
 

@@ -37,6 +37,9 @@ void merge_across_ranks(Communicator& comm, MergeForm form, const bf16* o, const
   if (rows > 0 && (o == nullptr || lse == nullptr || out == nullptr || out_lse == nullptr))
     fail(o == nullptr ? "o" : lse == nullptr ? "lse" : out == nullptr ? "out" : "out_lse", "null", "a host pointer");
   const int64_t cells = rows * heads;  // (row, head) pairs
+  const int64_t kept_cells = form == MergeForm::all_heads ? cells : cells / n;  // out's
+  require_disjoint({{"out", out, kept_cells * width * 2}, {"out_lse", out_lse, kept_cells * 4}},
+                   {{"o", o, cells * width * 2}, {"lse", lse, cells * 4}});
   std::vector<float> all_lse(size_t(n * cells));
   comm.all_gather(lse, all_lse.data(), size_t(cells), DataType::f32);
   if (form == MergeForm::all_heads) {

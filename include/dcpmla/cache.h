@@ -60,6 +60,12 @@ struct KvScale {
 // survives the narrowing), exactly 1 for bf16. The message shows the value as given.
 float checked_kv_scale(double value, KvDtype dtype);
 
+// Refuses a write whose cache shares memory with its latents (bf16 [n, D]), slots (int64 [n]) or
+// device scale, or with `errors` (the CUDA write's device count); null pointers take no bytes
+// (require_disjoint). For a validated cache and n >= 0.
+void require_write_disjoint(const KvCache& cache, const bf16* latents, const int64_t* slots, int64_t n,
+                            const float* device_scale = nullptr, const int* errors = nullptr);
+
 // CPU write path (SPEC §3): latents bf16 [n, D] to cache slots[n], kPadSlot skipped, every
 // slot checked against the cache before anything is written; fp8 stores rne(sat(x / scale)).
 void write_kv(const KvCache& cache, const bf16* latents, const int64_t* slots, int64_t n, float scale);

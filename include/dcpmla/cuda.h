@@ -136,7 +136,8 @@ class Attention {
   void plan(const BatchDesc& batch, cudaStream_t stream);
   // q [B, qlen, H, D] -> out [B, qlen, H, R], lse [B, qlen, H] natural log (device pointers):
   // this rank's partial; rows whose rank-local window is empty give out 0, lse -inf.
-  // q and out 16-byte aligned, lse and scale.device 4-byte aligned (dcpmla::Error otherwise).
+  // q and out 16-byte aligned, lse and scale.device 4-byte aligned; out and lse share no byte
+  // with q, the cache, scale.device or each other over the plan's rows (dcpmla::Error otherwise).
   // Inside a capture (cudaStreamIsCapturing on `stream`) it records the cache's num_blocks for
   // plan()'s check above. A step of no query rows (every qlen 0) may pass null q/out/lse
   // outside a capture: nothing runs. Launches the attention kernel, then the combine of cut

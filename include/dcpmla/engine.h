@@ -56,6 +56,13 @@ float softmax_scale_of(const AttentionConfig& config);
 // runs: dtype, block size, D, and a cache that holds every block the plan's tables name.
 void validate_run(const PlannerConfig& config, const Plan& plan, const KvCache& cache, const KvScale& scale);
 
+// Refuses a run whose outputs (out, lse) share memory with its inputs (q, the cache, a device
+// kv_scale) or with each other (require_disjoint), over the plan's `rows` query rows. (A graph
+// replays later plans on the captured buffers: the caller sizes them for the rows it replays,
+// which this call cannot see.)
+void require_run_disjoint(const PlannerConfig& config, int64_t rows, const void* q, const KvCache& cache,
+                          const KvScale& scale, const void* out, const void* lse);
+
 class Attention {
  public:
   explicit Attention(const AttentionConfig& config);

@@ -42,4 +42,34 @@ inline std::optional<int64_t> checked_product(std::initializer_list<int64_t> fac
   return n;
 }
 
+// A buffer of a call, named for the message: bytes [at, at + bytes); bytes 0 (absent) overlaps
+// nothing.
+struct NamedBytes {
+  std::string_view field;
+  const void* at = nullptr;
+  int64_t bytes = 0;
+};
+
+// Refuses an output that shares a byte with an input or with another output: aliased buffers
+// give silently wrong answers (or a cache corrupted by its own read). Address comparisons
+// only, so it runs on every call; no formatting unless it throws.
+inline void require_disjoint(std::initializer_list<NamedBytes> outputs, std::initializer_list<NamedBytes> inputs) {
+  auto overlap = [](const NamedBytes& a, const NamedBytes& b) {
+    const auto x = reinterpret_cast<uintptr_t>(a.at), y = reinterpret_cast<uintptr_t>(b.at);
+    return a.bytes > 0 && b.bytes > 0 && x < y + uint64_t(b.bytes) && y < x + uint64_t(a.bytes);
+  };
+  auto refuse = [](const NamedBytes& out, const NamedBytes& other) {
+    fail(out.field,
+         fmt::format("{} bytes at {}, overlapping {} ({} bytes at {})", out.bytes, out.at, other.field, other.bytes,
+                     other.at),
+         "memory that shares no byte with the call's other tensors (pass a separate buffer)");
+  };
+  for (auto o = outputs.begin(); o != outputs.end(); ++o) {
+    for (const NamedBytes& in : inputs)
+      if (overlap(*o, in)) refuse(*o, in);
+    for (auto other = o + 1; other != outputs.end(); ++other)
+      if (overlap(*o, *other)) refuse(*o, *other);
+  }
+}
+
 }  // namespace dcpmla

@@ -31,9 +31,13 @@ void merge_state(const bf16* o_a, const float* lse_a, const bf16* o_b, const flo
                  float* lse, int64_t rows, int width);
 
 // Combine n partials stacked [n, rows, width] / [n, rows] into one (the cross-rank merge
-// after an all-gather or all-to-all).
+// after an all-gather or all-to-all). The outputs may not share memory with the partials.
 void combine_partials(const bf16* o_parts, const float* lse_parts, int n, bf16* o, float* lse,
                       int64_t rows, int width);
+// combine_partials' (and the CUDA form's) check that o and lse share no byte with the partials
+// or with each other (require_disjoint); n >= 1, rows >= 0 and width >= 1 checked before.
+void require_combine_disjoint(const bf16* o_parts, const float* lse_parts, int n, const bf16* o, const float* lse,
+                              int64_t rows, int width);
 
 // Split-K: segments s of one row, o_s normalised, (m_s, l_s) base 2:
 // M = max m_s, l = sum l_s 2^(m_s - M), lse = (M + log2 l) ln 2 (natural log).

@@ -31,7 +31,8 @@ inline std::string_view to_string(MergeForm f) { return enum_name(f); }
 
 // Merges this rank's partial (o, lse over all H heads of `rows` query rows) with the
 // other ranks'. all_heads: out/lse hold [rows, H, R] / [rows, H]. scatter_heads: they
-// hold this rank's heads [rows, H/N, R] / [rows, H/N] (H % N == 0 required).
+// hold this rank's heads [rows, H/N, R] / [rows, H/N] (H % N == 0 required). out and out_lse
+// may not share memory with o and lse.
 void merge_across_ranks(Communicator& comm, MergeForm form, const bf16* o, const float* lse,
                         int64_t rows, int heads, int width, bf16* out, float* out_lse);
 

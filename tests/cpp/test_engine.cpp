@@ -454,6 +454,29 @@ TEST_F(Refusals, StepWithoutRowsRunsOnNullBuffers) {
   EXPECT_NO_THROW(att.run(nullptr, cache.view(), KvScale{0.05f}, nullptr, nullptr));
 }
 
+// An output that shares memory with an input or the other output gave silently wrong answers
+// (the kernels read what they had written); refused before anything runs, as in Python.
+TEST_F(Refusals, OutputsSharingMemoryWithInputs) {
+  Attention att(config);
+  att.plan(batch);  // 4 rows x 4 heads: out 16384 bytes, lse 64, q 18432
+  const std::vector<uint8_t> cache_before(cache.data(), cache.data() + cache.config().bytes());
+  EXPECT_REFUSED(att.run(q.data(), cache.view(), KvScale{0.05f}, q.data() + 64, lse.data()),
+                 fmt::format("'out' = 16384 bytes at {}, overlapping q", static_cast<const void*>(q.data() + 64)));
+  EXPECT_REFUSED(att.run(q.data(), cache.view(), KvScale{0.05f}, out.data(), reinterpret_cast<float*>(q.data())),
+                 "'lse' = 64 bytes at");
+  EXPECT_REFUSED(att.run(q.data(), cache.view(), KvScale{0.05f}, out.data(), reinterpret_cast<float*>(out.data()) + 8),
+                 "overlapping lse (64 bytes at");
+  EXPECT_REFUSED(att.run(q.data(), cache.view(), KvScale{0.05f}, reinterpret_cast<bf16*>(cache.data()) + 100,
+                         lse.data()),
+                 "overlapping kv_cache (73728 bytes at");
+  EXPECT_TRUE(untouched());
+  EXPECT_TRUE(std::equal(cache_before.begin(), cache_before.end(), cache.data()));
+  // Adjacent buffers share no byte: they run.
+  std::vector<uint8_t> both(16384 + 64);
+  att.run(q.data(), cache.view(), KvScale{0.05f}, reinterpret_cast<bf16*>(both.data()),
+          reinterpret_cast<float*>(both.data() + 16384));
+}
+
 TEST_F(Refusals, BatchBeyondTheCaptureLimitsLeavesThePlan) {
   Attention att(config);
   att.plan(batch);
@@ -560,6 +583,12 @@ TEST(WriteKvRefusals, BadSlotOrScaleWritesNothing) {
   KvCache null_cache = cache;
   null_cache.data = nullptr;
   EXPECT_REFUSED(write_kv(null_cache, latents.data(), good.data(), 2, 0.05f), field("kv_cache", "null"));
+  // A cache that overlaps the latents or the slots (it would overwrite what the write reads).
+  EXPECT_REFUSED(write_kv(cache, reinterpret_cast<const bf16*>(memory.data() + 64), good.data(), 2, 0.05f),
+                 "'kv_cache' = 768 bytes at");
+  EXPECT_REFUSED(write_kv(cache, latents.data(), reinterpret_cast<const int64_t*>(memory.data() + 760), 1, 0.05f),
+                 "overlapping slot_mapping (8 bytes at");
+  EXPECT_REFUSED(write_kv(cache, latents.data(), good.data(), int64_t(1) << 60, 0.05f), field("n", "1152921504606846976"));
   EXPECT_EQ(memory, before) << "a refused write changed the cache";
   write_kv(cache, latents.data(), good.data(), 2, 0.05f);
   EXPECT_NE(memory, before);

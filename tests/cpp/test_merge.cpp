@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "dcpmla/comm.h"
@@ -120,6 +121,17 @@ TEST(Merge, MergesRejectBadInput) {
                "'rows'");
   // rows = 0 is an empty call: nothing is read, so no pointer is needed.
   EXPECT_NO_THROW(combine_partials(nullptr, nullptr, 2, nullptr, nullptr, 0, width));
+  // Outputs over the partials (the second partial's row would be read after o overwrote it) or
+  // over each other: refused, nothing written.
+  const std::vector<bf16> parts_before = parts;
+  expect_error([&] { combine_partials(parts.data(), lses.data(), 2, parts.data() + width, lse.data(), 1, width); },
+               "'o' = 16 bytes at");
+  expect_error([&] { combine_partials(parts.data(), lses.data(), 2, o.data(), lses.data() + 1, 1, width); },
+               "overlapping lse_parts (8 bytes at");
+  expect_error(
+      [&] { combine_partials(parts.data(), lses.data(), 2, o.data(), reinterpret_cast<float*>(o.data() + 2), 1, width); },
+      "overlapping lse (4 bytes at");
+  EXPECT_EQ(std::memcmp(parts.data(), parts_before.data(), parts.size() * sizeof(bf16)), 0);
 
   // merge_state
   const bf16* a = parts.data();
@@ -152,6 +164,9 @@ TEST(Merge, MergesRejectBadInput) {
   expect_error([&] { merge_split_k(po.data(), pm.data(), nullptr, 2, width, 1, width, so, &slse); }, "'part_l' = null");
   expect_error([&] { merge_split_k(po.data(), pm.data(), pl.data(), 2, width, 1, width, nullptr, &slse); }, "'o'");
   expect_error([&] { merge_split_k(po.data(), pm.data(), pl.data(), 2, width, 1, width, so, nullptr); }, "'lse'");
+  // The output over a partial: refused.
+  expect_error([&] { merge_split_k(po.data(), pm.data(), pl.data(), 2, width, 1, width, so, pl.data()); },
+               "'lse' = 4 bytes at");
   // One segment: its strides are never used.
   EXPECT_NO_THROW(split(1, 0, 0, width));
   EXPECT_NEAR(slse, 0.0f, 1e-6);
@@ -181,6 +196,13 @@ TEST(Merge, MergeAcrossRanksRejectsBadInput) {
   expect_error([&] {
     merge_across_ranks(*comm, MergeForm::all_heads, o.data(), lse.data(), 1, 1, width, out.data(), nullptr);
   }, "'out_lse' = null");
+  // In place (scatter_heads reads lse after it wrote out_lse): refused before any collective.
+  expect_error([&] {
+    merge_across_ranks(*comm, MergeForm::scatter_heads, o.data(), lse.data(), 1, 1, width, out.data(), lse.data());
+  }, "'out_lse' = 4 bytes at");
+  expect_error([&] {
+    merge_across_ranks(*comm, MergeForm::all_heads, o.data(), lse.data(), 1, 1, width, o.data(), out_lse.data());
+  }, "overlapping o (");
   // Valid calls still merge: one rank's partial (fresh random values) is the result; a row
   // with lse -inf is all zeros.
   lse = {0.5f, kNegInf};

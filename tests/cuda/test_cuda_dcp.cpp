@@ -536,6 +536,15 @@ TEST(DcpStepBadInput, MisalignedPointersRefusedBeforeAnyLaunch) {
                    reinterpret_cast<float*>(reinterpret_cast<char*>(lse.get()) + 2));
         },
         "'lse' = address");
+    // An output over an input, and new tokens written over their own latents: refused by
+    // the step and by its write, before anything is enqueued.
+    expect_refused([&] { step.run(q.get(), lat.get(), cache.view, KvScale{}, q.get() + 64, lse.get()); },
+                   "overlapping q_local");
+    expect_refused(
+        [&] {
+          step.run(q.get(), static_cast<const bf16*>(cache.view.data), cache.view, KvScale{}, out.get(), lse.get());
+        },
+        "overlapping latents");
     comm.synchronize();
   });
   EXPECT_EQ(errors[0], "");

@@ -368,6 +368,13 @@ TEST(CudaValidation, AttentionRefusesBadBatchesCachesAndRunWithoutPlan) {
               nullptr);
       },
       "'lse' = address");
+  // Outputs sharing memory with an input or with each other (the kernels would read what they
+  // wrote): refused before any launch.
+  expect_field([&] { a.run(q.get(), good, KvScale{}, q.get() + 1024, lse.get(), nullptr); }, "overlapping q");
+  expect_field([&] { a.run(q.get(), good, KvScale{}, reinterpret_cast<bf16*>(bytes.get()), lse.get(), nullptr); },
+               "overlapping kv_cache");
+  expect_field([&] { a.run(q.get(), good, KvScale{}, out.get(), reinterpret_cast<float*>(out.get() + 64), nullptr); },
+               "overlapping lse");
   cuda_ok(cudaDeviceSynchronize(), "nothing was launched");
 }
 

@@ -318,6 +318,7 @@ void Attention::run(const bf16* q, const KvCache& cache, const KvScale& scale, b
   }
   // The rest of the parameters are the configuration's, checked when it was built.
   require_io_aligned(q, out, lse, scale.device);
+  require_run_disjoint(m.planner.config(), current_plan().header().rows, q, cache, scale, out, lse);
   // Inside a capture, remember the cache: later plans must fit it (plan()).
   if (capturing) m.captured_blocks = std::min(m.captured_blocks, cache.num_blocks);
   // The combine reads the cut requests from the device plan. Captured, it is launched wherever

@@ -197,9 +197,10 @@ void DcpStep::warm_up() {
   cuda_detail::preload_dcp_kernels();
   check(cudaMemsetAsync(slots_dev_, 0xff, size_t(rows_) * 8, stream), "cudaMemsetAsync(slots)");  // all PAD
   // A scratch "cache" of one block over the stage-B buffer: the write kernel skips every PAD
-  // slot and the zeroed plan has no work, so nothing is read or written.
+  // slot and the zeroed plan has no work, so nothing is read or written (the latents are
+  // another buffer: a write refuses a cache that overlaps them).
   const KvCache scratch{ob_, 1, 1, kDim, config_.kv_dtype};
-  cuda::write_kv(scratch, ob_, slots_dev_, 1, KvScale{}, stream);
+  cuda::write_kv(scratch, q_grp_, slots_dev_, 1, KvScale{}, stream);
   cuda::attention(attention_->params(q_grp_, scratch, KvScale{}, o_grp_, lse_grp_), stream, attention_->num_sms(),
                   true, attention_->tuning());
   cuda::merge_state(ob_, lb_, ob_, lb_, ob_, lb_, 1, kRank, stream);  // scratch row
@@ -304,6 +305,12 @@ void DcpStep::run(const bf16* q_local, const bf16* new_latents, const KvCache& c
   cuda_detail::require_aligned(out, 2, "out", "2-byte aligned device memory (bf16)");
   cuda_detail::require_aligned(lse, 4, "lse", "4-byte aligned device memory (float32)");
   validate_run(attention_->planner().config(), attention_->current_plan(), cache, scale);
+  const int64_t cells = rows_ * hl_;  // the caller's buffers hold row_capacity() rows
+  require_disjoint({{"out", out, cells * kRank * 2}, {"lse", lse, cells * 4}},
+                   {{"q_local", q_local, cells * kDim * 2},
+                    {"new_latents", new_latents, new_latents != nullptr ? rows_ * kDim * 2 : 0},
+                    {"kv_cache", cache.data, cache.num_slots() * cache.row_bytes()},
+                    {"kv_scale", scale.device, scale.device != nullptr ? 4 : 0}});
   cudaStream_t stream = comm_.stream();
   if (new_latents) cuda::write_kv(cache, new_latents, slots_dev_, rows_, scale, stream);
 

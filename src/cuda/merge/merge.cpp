@@ -1,6 +1,7 @@
 // Host entry points of the device merges (merge.cu): validation before any launch.
 #include "dcpmla/cuda.h"
 #include "dcpmla/error.h"
+#include "dcpmla/merge.h"
 #include "common/params.h"
 
 namespace dcpmla::cuda {
@@ -26,6 +27,7 @@ void combine_partials(const bf16* o_parts, const float* lse_parts, int n, bf16* 
   require(width >= 1, "width", width, ">= 1");
   if (rows == 0) return;
   require(o_parts && lse_parts && o && lse, "o/lse", "null", "device pointers");
+  require_combine_disjoint(o_parts, lse_parts, n, o, lse, rows, width);
   cuda_detail::launch_merge(
       cuda_detail::MergeParams{o_parts, lse_parts, rows * width, rows, n, rows, width, o, lse}, stream);
 }

@@ -20,6 +20,7 @@ void write_kv(const KvCache& cache, const bf16* latents, const int64_t* slots, i
                                "16-byte aligned device memory (the write reads latents 16 bytes at a time)");
   cuda_detail::require_aligned(slots, 8, "slot_mapping", "8-byte aligned device memory (int64)");
   cuda_detail::require_aligned(scale.device, 4, "kv_scale", "a 4-byte aligned device float (the device scale)");
+  require_write_disjoint(cache, latents, slots, n, scale.device, errors);
   cuda_detail::launch_write_kv(cuda_detail::WriteKvParams{latents, slots, n, cache.num_slots(), cache.dim, cache.dtype,
                                                           scale.value, scale.device, errors,
                                                           static_cast<uint8_t*>(cache.data)},
