@@ -15,9 +15,9 @@
 //      all_to_all:     all-to-all of (o bf16, lse f32) per destination, local combine.
 //   5. two_stage (verify): the merged prefix (stage A) is merged with stage B, the dense
 //      causal attention of the verify block for this rank's heads (balanced form, SPEC §4).
-// plan() is host work (validation, planning, a small synchronised exchange so that all
-// ranks agree on the batch shape); run() only enqueues: no allocation and no host sync, so
-// a CUDA graph captured around run() replays after every re-plan.
+// plan() is host work (validation, planning; with check_agreement, a small synchronised
+// exchange so that all ranks agree on the batch); run() only enqueues: no allocation and no
+// host sync, so a CUDA graph captured around run() replays after every re-plan.
 #pragma once
 
 #include <cstdint>

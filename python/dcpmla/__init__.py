@@ -140,11 +140,12 @@ def mla_attention(q, kv, seq_lens, *, mode="verify", world_size=1, interleave=1,
             ``[0, L_b - qlen + t]``, needs ``L_b >= qlen``) or ``"draft"`` (every row sees
             ``[0, L_b)``).
         world_size, interleave: the DCP group size N and interleave I (``block_size % I == 0``).
-        block_size: tokens per cache block, >= 1.
+        block_size: tokens per cache block, 1..65536.
         kv_dtype: ``"bf16"``, ``"fp8_e4m3"`` or ``"fp8_e5m2"``; fp8 stores
             ``rne(sat(bf16(x) / kv_scale))`` and reads ``stored * kv_scale``.
         kv_scale: the fp8 cache scale, a positive normal float32; must stay 1.0 for a bf16 cache.
-        softmax_scale: score scale, a positive normal float32; ``None`` means ``D ** -0.5``.
+        softmax_scale: score scale, a positive normal float32 up to 65536 (larger overflows the
+            float32 scores); ``None`` means ``D ** -0.5``.
         kv_lora_rank: R, the value width (``R < D``; the rest of D is the rope part).
         route: ``"auto"`` (the planner decides), or force ``"one_stage"``,
             ``"two_stage"`` (verify only) or ``"split_k"``.

@@ -182,7 +182,8 @@ class Attention:
         world_size, rank, interleave: the DCP group (N ranks, this one's rank, runs of I tokens).
         max_batch, max_qlen, max_local_len: capture limits; every plan must fit them, and a CUDA
             graph captured once replays correctly for any plan within them.
-        softmax_scale: score scale; None means ``D ** -0.5`` (D = kv_lora_rank + 64).
+        softmax_scale: score scale, a positive normal float32 up to 65536; None means
+            ``D ** -0.5`` (D = kv_lora_rank + 64).
         kv_lora_rank: R, the value width (512 on CUDA).
         route: ``"auto"``, or force ``"one_stage"`` or ``"split_k"`` (tests). Not ``"two_stage"``:
             its stage B reads the verify block's latents, which :meth:`run` does not take, so

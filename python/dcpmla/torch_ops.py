@@ -71,8 +71,8 @@ def _scale_args(kv_scale):
 def run(att: "_engine.Attention", q: Tensor, kv_cache: Tensor, *, kv_scale=1.0, out: Optional[Tensor] = None,
         lse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """:meth:`dcpmla.Attention.run` through ``torch.ops.dcpmla.run``: the same checks and result;
-    outputs not given are allocated from q's shape (``[*q.shape[:-1], R]`` bf16 and
-    ``q.shape[:-1]`` float32)."""
+    outputs not given are allocated from q's shape (``[*q.shape[:-1], R]`` of q's dtype, bf16
+    for a CUDA q, and ``q.shape[:-1]`` float32)."""
     if out is None:
         out = q.new_empty((*q.shape[:-1], att.kv_lora_rank))
     if lse is None:
