@@ -83,10 +83,11 @@ void merge_state(const bf16* o_a, const float* lse_a, const bf16* o_b, const flo
 
 void require_combine_disjoint(const bf16* o_parts, const float* lse_parts, int n, const bf16* o, const float* lse,
                               int64_t rows, int width) {
-  const std::optional<int64_t> values = checked_product({n, rows, width, 2});
-  if (!values) fail("rows", rows, fmt::format("{} partials x rows x width {} values that fit int64", n, width));
+  // Four bytes a value bounds every extent below (bf16 partials, and float32 lse at width 1).
+  if (!checked_product({n, rows, width, 4}))
+    fail("rows", rows, fmt::format("{} partials x rows x width {} values whose bytes fit int64", n, width));
   require_disjoint({{"o", o, rows * width * 2}, {"lse", lse, rows * 4}},
-                   {{"o_parts", o_parts, *values}, {"lse_parts", lse_parts, n * rows * 4}});
+                   {{"o_parts", o_parts, n * rows * width * 2}, {"lse_parts", lse_parts, n * rows * 4}});
 }
 
 void combine_partials(const bf16* o_parts, const float* lse_parts, int n, bf16* o, float* lse,
@@ -122,9 +123,10 @@ void merge_split_k(const float* part_o, const float* part_m, const float* part_l
   // int64 bytes is refused with them).
   const auto extent = [&](int64_t stride, int64_t last) {
     const std::optional<int64_t> span = segments == 1 ? 0 : checked_product({segments - 1, stride});
-    const std::optional<int64_t> bytes = span ? checked_product({*span + last, 4}) : std::nullopt;
-    if (!bytes) fail("segment_stride", stride, fmt::format("segments ({}) x stride within int64 bytes", segments));
-    return *bytes;
+    int64_t end = 0;
+    if (!span || __builtin_add_overflow(*span, last, &end) || !checked_product({end, 4}))
+      fail("segment_stride", stride, fmt::format("segments ({}) x stride within int64 bytes", segments));
+    return end * 4;
   };
   require_disjoint({{"o", o, int64_t(width) * 2}, {"lse", lse, 4}},
                    {{"part_o", part_o, extent(segment_stride_o, width)},

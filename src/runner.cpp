@@ -30,8 +30,9 @@ void merge_across_ranks(Communicator& comm, MergeForm form, const bf16* o, const
   if (heads < 1) fail("heads", heads, ">= 1");
   if (width < 1) fail("width", width, ">= 1");
   // n x rows x heads x width values gathered: they must be addressable in int64.
-  if (!checked_product({n, rows, heads, width}))
-    fail("rows", rows, fmt::format("world_size {} x rows x heads {} x width {} values that fit int64", n, heads, width));
+  if (!checked_product({n, rows, heads, width, 4}))
+    fail("rows", rows,
+         fmt::format("world_size {} x rows x heads {} x width {} float32 values whose bytes fit int64", n, heads, width));
   if (form == MergeForm::scatter_heads && heads % n != 0)
     fail("heads", heads, fmt::format("a multiple of world_size ({}) for merge = scatter_heads", n));
   if (rows > 0 && (o == nullptr || lse == nullptr || out == nullptr || out_lse == nullptr))
