@@ -69,6 +69,7 @@ float kv_scale_as_given(T value, KvDtype dtype) {
 float checked_kv_scale(double value, KvDtype dtype) { return kv_scale_as_given(value, dtype); }
 
 void KvScale::validate(KvDtype dtype) const {
+  require_known("kv_dtype", dtype);
   (void)kv_scale_as_given(value, dtype);
   if (device != nullptr && dtype == KvDtype::bf16)
     fail("kv_scale", "a device tensor", "a plain 1.0 for a bf16 cache (the scale is for fp8)");
@@ -77,7 +78,8 @@ void KvScale::validate(KvDtype dtype) const {
 void require_write_disjoint(const KvCache& cache, const bf16* latents, const int64_t* slots, int64_t n,
                             const float* device_scale, const int* errors) {
   const std::optional<int64_t> latent_bytes = checked_product({n, cache.dim, 2});
-  if (!latent_bytes) fail("n", n, fmt::format("a count of latents whose bytes fit int64 (D = {})", cache.dim));
+  if (!latent_bytes || !checked_product({n, int64_t(sizeof(int64_t))}))
+    fail("n", n, fmt::format("a count of latents and slots whose bytes fit int64 (D = {})", cache.dim));
   require_disjoint({{"kv_cache", cache.data, cache.num_slots() * cache.row_bytes()},
                     {"errors", errors, errors != nullptr ? int64_t(sizeof(int)) : 0}},
                    {{"latents", latents, *latent_bytes},
@@ -112,6 +114,11 @@ PagedCache::PagedCache(const CacheConfig& config) : config_(config) {
 }
 
 void encode_latent(const bf16* src, int dim, KvDtype dtype, float scale, uint8_t* dst) {
+  // Per token of a write: messages formatted only on failure.
+  if (dim < 1) fail("dim", dim, ">= 1");
+  require_known("kv_dtype", dtype);
+  KvScale{scale}.validate(dtype);
+  if (src == nullptr || dst == nullptr) fail(src == nullptr ? "src" : "dst", "null", "a host pointer");
   if (dtype == KvDtype::bf16) {
     std::memcpy(dst, src, size_t(dim) * 2);
     return;

@@ -208,10 +208,16 @@ class InProcessComm final : public Communicator {
 
 }  // namespace
 
+void require_timeout(std::chrono::milliseconds timeout) {
+  if (timeout.count() <= 0 || timeout > kMaxCollectiveTimeout)
+    fail("timeout", fmt::format("{} ms", timeout.count()),
+         fmt::format("in (0, {}] ms (a bound on every wait, at most a year)", kMaxCollectiveTimeout.count()));
+}
+
 InProcessGroup::InProcessGroup(int world_size, std::chrono::milliseconds timeout) {
   require(world_size >= 1 && world_size <= kMaxInProcessRanks, "world_size", world_size,
           fmt::format("in [1, {}] for in-process ranks (threads)", kMaxInProcessRanks));
-  require(timeout.count() > 0, "timeout", fmt::format("{} ms", timeout.count()), "> 0 (a bound on every wait)");
+  require_timeout(timeout);
   state_ = std::make_shared<State>(world_size, timeout);
 }
 InProcessGroup::~InProcessGroup() = default;

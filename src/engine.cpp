@@ -18,6 +18,8 @@ PlannerConfig planner_config(const AttentionConfig& c, Backend backend, int work
   p.route = c.route;
   p.limits = c.limits;
   require(c.num_workers >= 0, "num_workers", c.num_workers, "0 (the backend's) or a count >= 1");
+  // Refused here, before the engines allocate their plan arenas (softmax_scale_of takes it).
+  if (c.softmax_scale) require_softmax_scale(*c.softmax_scale);
   p.num_workers = c.num_workers > 0 ? c.num_workers : workers;
   p.rows_per_unit = rows_per_unit;
   p.min_segment_tokens = c.min_segment_tokens;
@@ -30,6 +32,7 @@ PlannerConfig planner_config(const AttentionConfig& c, Backend backend, int work
 }
 
 float softmax_scale_of(const AttentionConfig& c) {
+  c.dims.validate();
   if (c.softmax_scale) {
     require_softmax_scale(*c.softmax_scale);
     return *c.softmax_scale;
@@ -54,9 +57,12 @@ void validate_run(const PlannerConfig& c, const Plan& plan, const KvCache& cache
 
 void require_run_disjoint(const PlannerConfig& c, int64_t rows, const void* q, const KvCache& cache,
                           const KvScale& scale, const void* out, const void* lse) {
-  const int64_t cells = rows * c.heads;  // within the capture limits
+  // q's byte count bounds the others' (R < D, and D >= 2).
+  const std::optional<int64_t> q_bytes = checked_product({rows, c.heads, c.dims.dim(), 2});
+  if (!q_bytes) fail("q", fmt::format("{} rows x {} heads x D {}", rows, c.heads, c.dims.dim()), "bytes that fit int64");
+  const int64_t cells = rows * c.heads;
   require_disjoint({{"out", out, cells * c.dims.kv_lora_rank * 2}, {"lse", lse, cells * 4}},
-                   {{"q", q, cells * c.dims.dim() * 2},
+                   {{"q", q, *q_bytes},
                     {"kv_cache", cache.data, cache.num_slots() * cache.row_bytes()},
                     {"kv_scale", scale.device, scale.device != nullptr ? 4 : 0}});
 }

@@ -63,6 +63,21 @@ void merge_row(int n, OAt o_at, LseAt lse_at, int width, bf16* o, float* lse) {
 
 }  // namespace
 
+void require_merge_state_disjoint(const bf16* o_a, const float* lse_a, const bf16* o_b, const float* lse_b,
+                                  const bf16* o, const float* lse, int64_t rows, int width) {
+  if (!checked_product({rows, width, 4}))
+    fail("rows", rows, fmt::format("rows x width {} values whose bytes fit int64", width));
+  const int64_t ob = rows * width * 2, lb = rows * 4;
+  // An input that is exactly its kind's output (in place) is left out: every overlap with it is
+  // an overlap with that output, which the checks against the outputs see.
+  const auto in = [](std::string_view field, const void* at, const void* out, int64_t bytes) {
+    return NamedBytes{field, at, at == out ? 0 : bytes};
+  };
+  require_disjoint({{"o", o, ob}, {"lse", lse, lb}},
+                   {in("o_a", o_a, o, ob), in("o_b", o_b, o, ob), in("lse_a", lse_a, lse, lb),
+                    in("lse_b", lse_b, lse, lb)});
+}
+
 void merge_state(const bf16* o_a, const float* lse_a, const bf16* o_b, const float* lse_b, bf16* o,
                  float* lse, int64_t rows, int width) {
   require_shape(rows, width, 2);
@@ -73,6 +88,7 @@ void merge_state(const bf16* o_a, const float* lse_a, const bf16* o_b, const flo
   require_pointer(lse_b, "lse_b");
   require_pointer(o, "o");
   require_pointer(lse, "lse");
+  require_merge_state_disjoint(o_a, lse_a, o_b, lse_b, o, lse, rows, width);
   for (int64_t r = 0; r < rows; ++r) {
     const bf16* parts[2] = {o_a + r * width, o_b + r * width};
     const float lses[2] = {lse_a[r], lse_b[r]};

@@ -16,8 +16,12 @@ struct Fp8Format {
   bool has_inf;  // e5m2 is IEEE-like; e4m3fn has no inf and one NaN pattern per sign
 };
 
+// Per value: the message is formatted only on failure.
 Fp8Format format_of(KvDtype d) {
-  return d == KvDtype::fp8_e4m3 ? Fp8Format{3, 7, 448.0f, false} : Fp8Format{2, 15, 57344.0f, true};
+  if (d == KvDtype::fp8_e4m3) return Fp8Format{3, 7, 448.0f, false};
+  if (d == KvDtype::fp8_e5m2) return Fp8Format{2, 15, 57344.0f, true};
+  require_known("kv_dtype", d);
+  fail("kv_dtype", enum_name(d), "an fp8 dtype (fp8_e4m3 or fp8_e5m2)");
 }
 
 }  // namespace
@@ -99,7 +103,11 @@ float checked_scale(std::string_view field, double value) {
 
 float quantize_roundtrip(float x, KvDtype d, float scale) {
   const float b = round_to_bf16(x);
-  if (d == KvDtype::bf16) return b;
+  if (d == KvDtype::bf16) {
+    if (scale != 1.0f) fail("kv_scale", scale, "1.0 for a bf16 cache (the scale is for fp8)");
+    return b;
+  }
+  require_scale("kv_scale", scale);
   return fp8_to_float(float_to_fp8(b / scale, d), d) * scale;
 }
 

@@ -84,6 +84,11 @@ ArenaOffsets checked_offsets(const PlanLimits& limits, int64_t table_capacity, i
 std::span<const Capability> capability_table() { return kCapabilities; }
 
 bool is_supported(Backend backend, Route route, Mode mode, KvDtype dtype, int heads) {
+  // The table's bit masks shift by the enums' values.
+  require_known("backend", backend);
+  require_known("route", route);
+  require_known("mode", mode);
+  require_known("kv_dtype", dtype);
   return std::any_of(kCapabilities.begin(), kCapabilities.end(), [&](const Capability& c) {
     return c.backend == backend && c.route == route && (c.modes & bit(mode)) &&
            (c.dtypes & bit(dtype)) && heads >= c.min_heads && heads <= c.max_heads;
@@ -151,12 +156,7 @@ PlanView Plan::view_at(const int32_t* base) const {
 Planner::Planner(const PlannerConfig& config) : config_(config) {
   const auto& c = config_;
   c.layout.validate_with_block_size(c.block_size);
-  require(c.dims.kv_lora_rank >= 1, "kv_lora_rank", c.dims.kv_lora_rank, ">= 1");
-  require(c.dims.rope_dim >= 1, "rope_dim", c.dims.rope_dim, ">= 1 (kv_lora_rank < D)");
-  // D = R + P is an int everywhere downstream (found by fuzz_planner).
-  if (c.dims.rope_dim > INT32_MAX - c.dims.kv_lora_rank)
-    fail("kv_lora_rank + rope_dim", fmt::format("{} + {}", c.dims.kv_lora_rank, c.dims.rope_dim),
-         fmt::format("a latent width D that fits int32 (<= {})", INT32_MAX));
+  c.dims.validate();
   require(c.limits.max_batch >= 1, "limits.max_batch", c.limits.max_batch, ">= 1");
   require(c.limits.max_qlen >= 1 && c.limits.max_qlen <= kMaxQlen, "limits.max_qlen", c.limits.max_qlen,
           fmt::format("in [1, {}]", kMaxQlen));
@@ -277,6 +277,7 @@ int64_t Planner::validate(const BatchDesc& batch) const {
 }
 
 ScheduleCost calibrated_schedule_cost(int rows_per_unit, KvDtype kv_dtype, int row_groups) {
+  require_known("kv_dtype", kv_dtype);
   ScheduleCost cost;
   if (rows_per_unit >= 64 && kv_dtype != KvDtype::bf16) cost.piece = 5.0;
   else if (rows_per_unit > 16) cost.piece = row_groups == 2 ? 3.0 : 2.0;

@@ -190,6 +190,13 @@ Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<co
   require(batch >= 1, "batch", batch, ">= 1");
   require(qlen >= 1 && qlen <= kMaxQlen, "qlen", qlen, fmt::format("in [1, {}]", kMaxQlen));
   require(heads >= 1, "heads", heads, ">= 1");
+  // The planner checks these too, but only once every rank's cache is allocated and written.
+  require_known("mode", o.mode);
+  if (o.mode == Mode::decode && qlen != 1) fail("qlen", qlen, "1 in decode mode");
+  require_known("route", o.route);
+  if (o.route == Route::two_stage && o.mode != Mode::verify)
+    fail("route", "two_stage", fmt::format("a route that serves mode {} (two_stage is verify-only)", to_string(o.mode)));
+  require_known("kv_dtype", o.kv_dtype);
   require(max_len >= 0, "max_len", max_len, ">= 0");
   require(o.kv_lora_rank >= 1 && o.kv_lora_rank < dim, "kv_lora_rank", o.kv_lora_rank,
           fmt::format("in [1, D) with D = {}", dim));
@@ -338,6 +345,7 @@ AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, Communicat
   const int rank = comm.rank(), N = o.world_size, R = o.kv_lora_rank, heads = in.heads, qlen = in.qlen;
   const int64_t rows = in.rows;
   const auto engine = (engines ? engines : RankEngineFactory(make_cpu_rank))(rank_config(in, o, rank), cache_config(in, o));
+  if (engine == nullptr) fail("engines", "a factory that returned null", fmt::format("a RankEngine for rank {}", rank));
   if (o.poison) engine->poison();
   const BatchDesc desc = in.desc();
   engine->write(in.latents, in.positions, in.requests, desc);

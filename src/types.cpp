@@ -31,3 +31,16 @@ void fail_name(std::string_view field, std::string_view s, std::span<const EnumN
 }
 
 }  // namespace dcpmla::detail
+
+namespace dcpmla {
+
+void LatentDims::validate() const {
+  require(kv_lora_rank >= 1, "kv_lora_rank", kv_lora_rank, ">= 1");
+  require(rope_dim >= 1, "rope_dim", rope_dim, ">= 1 (kv_lora_rank < D)");
+  // D = R + P is an int everywhere downstream (found by fuzz_planner).
+  if (rope_dim > INT32_MAX - kv_lora_rank)
+    fail("kv_lora_rank + rope_dim", fmt::format("{} + {}", kv_lora_rank, rope_dim),
+         fmt::format("a latent width D that fits int32 (<= {})", INT32_MAX));
+}
+
+}  // namespace dcpmla

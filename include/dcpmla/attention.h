@@ -46,9 +46,16 @@ inline constexpr int kTraceSm = 4 * kTraceCtas;
 inline constexpr int kTraceCycles = 5 * kTraceCtas;
 inline constexpr int kTraceEntries = 7 * kTraceCtas;
 
+// The checks of a parameter struct that every backend makes before its kernels run: a plan view
+// with every buffer, a known kv_dtype, heads >= 1, 1 <= rank_dim < dim, the scales (kv_scale 1
+// for bf16), plan capacities >= 1. It reads no pointer (they may be device memory): each backend
+// checks its own pointers, and the CUDA one its sizes and alignment.
+void validate_attention_params(const AttentionParams& p);
+
 // Runs the plan's route over the sharded cache: one_stage and two_stage's stage A write
 // (out, lse) directly; split_k writes partials and merges them. Rows with no local key
-// get out = 0, lse = -inf.
+// get out = 0, lse = -inf. Validates p first (host pointers: q, kv, out and lse where the plan
+// has rows, the split-K workspace where it cut a request; no device scale).
 void attention_cpu(const AttentionParams& p);
 
 // Workspace floats split_k partials need for plans of these capacities
@@ -75,6 +82,8 @@ struct BlockAttentionParams {
   bf16* out;  // [batch, qlen, heads, R]
   float* lse; // [batch, qlen, heads]
 };
+// Validates p first: sizes (1 <= rank_dim < dim, heads [head_begin, head_begin + heads) within
+// q_heads), dtype and scales, the pointers where batch > 0, and every seq_lens entry 0 or >= qlen.
 void block_attention_cpu(const BlockAttentionParams& p);
 
 }  // namespace dcpmla

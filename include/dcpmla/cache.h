@@ -96,7 +96,8 @@ class PagedCache {
   std::vector<uint8_t> bytes_;
 };
 
-// Encode one bf16 latent row into the cache dtype (the write kernel's element rule).
+// Encode one bf16 latent row into the cache dtype (the write kernel's element rule); dim >= 1,
+// a known dtype and its scale (KvScale::validate), non-null pointers.
 void encode_latent(const bf16* src, int dim, KvDtype dtype, float scale, uint8_t* dst);
 
 }  // namespace dcpmla

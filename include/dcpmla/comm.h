@@ -95,6 +95,12 @@ inline constexpr int kMaxInProcessRanks = 256;
 // rank that failed without saying so or never calls the collective; it must exceed the
 // longest computation between two collectives (a large CPU attention step takes minutes).
 inline constexpr std::chrono::milliseconds kDefaultCollectiveTimeout = std::chrono::minutes(10);
+// Longest timeout any communicator takes: a year. Waits convert it to nanoseconds on the steady
+// clock, which a timeout of about 292 years overflows (milliseconds::max() then timed out at
+// once); a caller who wants no practical bound passes this.
+inline constexpr std::chrono::milliseconds kMaxCollectiveTimeout = std::chrono::hours(24 * 365);
+// Every communicator's check of its timeout: in (0, kMaxCollectiveTimeout].
+void require_timeout(std::chrono::milliseconds timeout);
 
 // Ranks as threads of one process over host memory, whoever drives them (run_ranks or the
 // caller's own threads). A rank that fails aborts the group, and the others' collectives

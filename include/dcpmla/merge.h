@@ -26,9 +26,13 @@ inline float nan_max(float a, float b) {
 
 // (o, lse) = merge of two partials over disjoint key sets, row by row:
 // lse = ln(e^a + e^b), o = e^(a-lse) o_a + e^(b-lse) o_b. -inf partials contribute nothing;
-// both -inf gives o = 0, lse = -inf. Output may alias either input.
+// both -inf gives o = 0, lse = -inf. An output may be either input of its kind (in place: o = o_a
+// or o_b, lse = lse_a or lse_b); any other overlap is refused.
 void merge_state(const bf16* o_a, const float* lse_a, const bf16* o_b, const float* lse_b, bf16* o,
                  float* lse, int64_t rows, int width);
+// merge_state's (and the CUDA form's) check of that rule; rows >= 0 and width >= 1 checked before.
+void require_merge_state_disjoint(const bf16* o_a, const float* lse_a, const bf16* o_b, const float* lse_b,
+                                  const bf16* o, const float* lse, int64_t rows, int width);
 
 // Combine n partials stacked [n, rows, width] / [n, rows] into one (the cross-rank merge
 // after an all-gather or all-to-all). The outputs may not share memory with the partials.

@@ -33,7 +33,8 @@ inline bf16 float_to_bf16(float f) {
 
 inline float round_to_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
-// Largest finite value of each fp8 format (e4m3fn: 448, e5m2: 57344).
+// Largest finite value of each fp8 format (e4m3fn: 448, e5m2: 57344). These three take an fp8
+// dtype only (dcpmla::Error naming kv_dtype otherwise).
 float fp8_max(KvDtype d);
 
 // x saturated to the format's range, rounded to nearest even (the caller divides by
@@ -54,7 +55,8 @@ float checked_scale(std::string_view field, double value);
 inline constexpr float kMaxSoftmaxScale = 65536.0f;
 void require_softmax_scale(float value);
 
-// One stored value of a cache of dtype d with the given scale, read back as float.
+// One stored value of a cache of dtype d with the given scale (1 for bf16, else a positive
+// normal float32), read back as float.
 float quantize_roundtrip(float x, KvDtype d, float scale);
 
 }  // namespace dcpmla

@@ -87,6 +87,8 @@ struct LatentDims {
   int kv_lora_rank = 512;  // R
   int rope_dim = 64;       // P
   int dim() const { return kv_lora_rank + rope_dim; }
+  // R >= 1, P >= 1 and D fitting int32 (dcpmla::Error naming the field otherwise).
+  void validate() const;
 };
 
 }  // namespace dcpmla

@@ -139,9 +139,38 @@ AttentionParams attention_params(const PlannerConfig& c, const bf16* q, const ui
                          workspace + parts * (R + 1), nullptr};
 }
 
+void validate_attention_params(const AttentionParams& p) {
+  const PlanView& v = p.plan;
+  require(v.header != nullptr && v.row_local_len != nullptr && v.q_start != nullptr && v.subpage_table != nullptr &&
+              v.work != nullptr && v.chunk_work != nullptr && v.split_request != nullptr && v.split_slot != nullptr,
+          "plan", "a view with null buffers", "a view over a copy of a plan (Plan::view_at)");
+  require_known("kv_dtype", p.kv_dtype);
+  // Every run passes here: messages are formatted only on failure.
+  if (p.heads < 1) fail("heads", p.heads, ">= 1");
+  if (p.rank_dim < 1) fail("rank_dim", p.rank_dim, ">= 1");
+  if (p.dim <= p.rank_dim) fail("dim", p.dim, fmt::format("> rank_dim ({}): D = R + the rope part", p.rank_dim));
+  require_softmax_scale(p.softmax_scale);
+  if (p.kv_dtype == KvDtype::bf16) {
+    if (p.kv_scale != 1.0f) fail("kv_scale", p.kv_scale, "1.0 for a bf16 cache (the scale is for fp8)");
+  } else {
+    require_scale("kv_scale", p.kv_scale);
+  }
+  if (v.max_qlen < 1 || v.max_batch < 1 || v.work_capacity < 1 || v.chunk_capacity < 1)
+    fail("plan capacities",
+         fmt::format("max_batch {}, max_qlen {}, work_capacity {}, chunk_capacity {}", v.max_batch, v.max_qlen,
+                     v.work_capacity, v.chunk_capacity),
+         ">= 1 each");
+}
+
 void attention_cpu(const AttentionParams& p) {
+  validate_attention_params(p);
   const PlanView& plan = p.plan;
   const PlanHeader& h = *plan.header;
+  if (p.kv_scale_dev != nullptr) fail("kv_scale_dev", "a device pointer", "null on the cpu backend (a host kv_scale)");
+  if (h.rows > 0 && (p.q == nullptr || p.kv == nullptr || p.out == nullptr || p.lse == nullptr))
+    fail(p.q == nullptr ? "q" : p.kv == nullptr ? "kv" : p.out == nullptr ? "out" : "lse", "null", "a host pointer");
+  if (h.split_requests > 0 && (p.part_o == nullptr || p.part_m == nullptr || p.part_l == nullptr))
+    fail("part_o/part_m/part_l", "null", "a split-K workspace (split_workspace_floats floats): the plan cut a request");
   const int R = p.rank_dim, H = p.heads;
   const int64_t slot_rows = int64_t(h.qlen) * H;  // rows of one partial slot
   const Dequantizer deq(p.kv_dtype, p.kv_scale);
@@ -197,6 +226,24 @@ void attention_cpu(const AttentionParams& p) {
 }
 
 void block_attention_cpu(const BlockAttentionParams& p) {
+  // Before the parallel loop: nothing may throw inside it.
+  if (p.batch < 0) fail("batch", p.batch, ">= 0");
+  if (p.qlen < 1) fail("qlen", p.qlen, ">= 1");
+  if (p.q_heads < 1) fail("q_heads", p.q_heads, ">= 1");
+  if (p.heads < 1) fail("heads", p.heads, ">= 1");
+  if (p.head_begin < 0 || int64_t(p.head_begin) + p.heads > p.q_heads)
+    fail("head_begin", p.head_begin, fmt::format("in [0, q_heads - heads] = [0, {}]", int64_t(p.q_heads) - p.heads));
+  if (p.rank_dim < 1) fail("rank_dim", p.rank_dim, ">= 1");
+  if (p.dim <= p.rank_dim) fail("dim", p.dim, fmt::format("> rank_dim ({}): D = R + the rope part", p.rank_dim));
+  require_known("kv_dtype", p.kv_dtype);
+  KvScale{p.kv_scale}.validate(p.kv_dtype);
+  require_softmax_scale(p.softmax_scale);
+  if (p.batch > 0 &&
+      (p.q == nullptr || p.block_kv == nullptr || p.seq_lens == nullptr || p.out == nullptr || p.lse == nullptr))
+    fail("q/block_kv/seq_lens/out/lse", "null", "host pointers");
+  for (int b = 0; b < p.batch; ++b)
+    if (p.seq_lens[b] != 0 && p.seq_lens[b] < p.qlen)
+      fail(fmt::format("seq_lens[{}]", b), p.seq_lens[b], fmt::format("0 (padding) or >= qlen ({})", p.qlen));
   const int D = p.dim, R = p.rank_dim;
   const int64_t rows = int64_t(p.batch) * p.qlen * p.heads;
 #pragma omp parallel for schedule(static) if (detail::omp_parallel_allowed())

@@ -352,6 +352,25 @@ TEST(Comm, Int32ReduceScatterIsExact) {
   });
 }
 
+// milliseconds::max() overflowed the steady clock's nanoseconds in every wait, which then timed
+// out at once; timeouts are bounded by a year.
+TEST(Comm, TimeoutsAreBoundedByAYear) {
+  testing::expect_error([] { InProcessGroup g(2, std::chrono::milliseconds::max()); }, "'timeout' = ");
+  testing::expect_error([] { InProcessGroup g(2, kMaxCollectiveTimeout + std::chrono::milliseconds(1)); },
+                        "at most a year");
+  testing::expect_error([] { InProcessGroup g(2, std::chrono::milliseconds(0)); }, "'timeout' = 0 ms");
+  // The longest allowed: two ranks meet at a barrier without a spurious timeout.
+  InProcessGroup group(2, kMaxCollectiveTimeout);
+  std::vector<std::unique_ptr<Communicator>> comms;
+  for (int r = 0; r < 2; ++r) comms.push_back(group.communicator(r));
+  std::thread peer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    comms[1]->barrier();
+  });
+  EXPECT_NO_THROW(comms[0]->barrier());
+  peer.join();
+}
+
 TEST(Comm, RefusesBadRanks) {
   EXPECT_THROW(InProcessGroup(0), Error);
   EXPECT_THROW(InProcessGroup(kMaxInProcessRanks + 1), Error);

@@ -477,6 +477,59 @@ TEST_F(Refusals, OutputsSharingMemoryWithInputs) {
           reinterpret_cast<float*>(both.data() + 16384));
 }
 
+// The CPU kernel's own entry checked nothing in its parameter struct (a bad dtype or scale ran
+// to zeros; a null buffer crashed); block_attention_cpu read past q for a head range beyond it.
+TEST_F(Refusals, KernelEntriesValidateTheirParameters) {
+  Attention att(config);
+  att.plan(batch);
+  const AttentionParams good = att.params(q.data(), cache.view(), KvScale{0.05f}, out.data(), lse.data());
+  auto expect = [&](auto spoil, const char* needle) {
+    AttentionParams p = good;
+    spoil(p);
+    EXPECT_REFUSED(attention_cpu(p), needle);
+  };
+  expect([](AttentionParams& p) { p.kv_dtype = KvDtype(7); }, "'kv_dtype' = 7");
+  expect([](AttentionParams& p) { p.heads = 0; }, "'heads' = 0");
+  expect([](AttentionParams& p) { p.rank_dim = 0; }, "'rank_dim' = 0");
+  expect([](AttentionParams& p) { p.dim = p.rank_dim; }, "'dim' = 512");
+  expect([](AttentionParams& p) { p.kv_scale = 0.0f; }, "'kv_scale' = 0");
+  expect([](AttentionParams& p) { p.softmax_scale = -1.0f; }, "'softmax_scale' = -1");
+  expect([](AttentionParams& p) { p.kv_scale_dev = &p.kv_scale; }, "'kv_scale_dev' = a device pointer");
+  expect([](AttentionParams& p) { p.q = nullptr; }, "'q' = null");
+  expect([](AttentionParams& p) { p.lse = nullptr; }, "'lse' = null");
+  expect([](AttentionParams& p) { p.plan.work = nullptr; }, "'plan' = a view with null buffers");
+  EXPECT_TRUE(untouched());
+
+  // Stage B over heads [head_begin, head_begin + heads) of q.
+  const std::vector<bf16> block(size_t(2 * 2 * kDim), float_to_bf16(0.5f));
+  const BlockAttentionParams ok{q.data(), block.data(), lens.data(), KvDtype::fp8_e4m3, 0.05f, 0.04f, 2, 2, 4, 0, 4,
+                                kDim, kRankDim, out.data(), lse.data()};
+  auto expect_block = [&](auto spoil, const char* needle) {
+    BlockAttentionParams p = ok;
+    spoil(p);
+    EXPECT_REFUSED(block_attention_cpu(p), needle);
+  };
+  expect_block([](BlockAttentionParams& p) { p.head_begin = 1; }, "'head_begin' = 1");
+  expect_block([](BlockAttentionParams& p) { p.heads = 0; }, "'heads' = 0");
+  expect_block([](BlockAttentionParams& p) { p.kv_dtype = KvDtype(7); }, "'kv_dtype' = 7");
+  expect_block([](BlockAttentionParams& p) { p.kv_scale = 0.0f; }, "'kv_scale' = 0");
+  expect_block([](BlockAttentionParams& p) { p.softmax_scale = 0.0f; }, "'softmax_scale' = 0");
+  expect_block([](BlockAttentionParams& p) { p.dim = p.rank_dim; }, "'dim' = 512");
+  expect_block([](BlockAttentionParams& p) { p.qlen = 4; }, "'seq_lens[1]' = 3");
+  expect_block([](BlockAttentionParams& p) { p.out = nullptr; }, "null");
+  EXPECT_TRUE(untouched());
+  EXPECT_NO_THROW(block_attention_cpu(ok));
+
+  // The softmax scale's default needs a valid latent width (D = 0 gave inf, a negative one NaN).
+  AttentionConfig bad = config;
+  bad.dims = LatentDims{0, 0};
+  EXPECT_REFUSED(softmax_scale_of(bad), "'kv_lora_rank' = 0");
+  bad.dims = LatentDims{-5, 1};
+  EXPECT_REFUSED(softmax_scale_of(bad), "'kv_lora_rank' = -5");
+  bad.dims = LatentDims{INT32_MAX, 1};
+  EXPECT_REFUSED(softmax_scale_of(bad), "fits int32");
+}
+
 TEST_F(Refusals, BatchBeyondTheCaptureLimitsLeavesThePlan) {
   Attention att(config);
   att.plan(batch);
@@ -589,6 +642,17 @@ TEST(WriteKvRefusals, BadSlotOrScaleWritesNothing) {
   EXPECT_REFUSED(write_kv(cache, latents.data(), reinterpret_cast<const int64_t*>(memory.data() + 760), 1, 0.05f),
                  "overlapping slot_mapping (8 bytes at");
   EXPECT_REFUSED(write_kv(cache, latents.data(), good.data(), int64_t(1) << 60, 0.05f), field("n", "1152921504606846976"));
+  // A one-value cache: the latents' bytes fit int64, the slots' did not (n x 8 overflowed).
+  const KvCache narrow{memory.data(), 3, 4, 1, KvDtype::fp8_e5m2};
+  EXPECT_REFUSED(write_kv(narrow, latents.data(), good.data(), (int64_t(1) << 61) + 1, 0.05f), "'n' = ");
+  // encode_latent, the write's element rule, checks its own arguments (dim -1 was a memcpy of
+  // -2 bytes).
+  std::vector<uint8_t> row(64);
+  EXPECT_REFUSED(encode_latent(latents.data(), -1, KvDtype::bf16, 1.0f, row.data()), field("dim", "-1"));
+  EXPECT_REFUSED(encode_latent(latents.data(), 64, KvDtype(7), 1.0f, row.data()), field("kv_dtype", "7"));
+  EXPECT_REFUSED(encode_latent(latents.data(), 64, KvDtype::fp8_e4m3, 0.0f, row.data()), field("kv_scale", "0"));
+  EXPECT_REFUSED(encode_latent(latents.data(), 64, KvDtype::bf16, 0.5f, row.data()), field("kv_scale", "0.5"));
+  EXPECT_REFUSED(encode_latent(nullptr, 64, KvDtype::bf16, 1.0f, row.data()), field("src", "null"));
   EXPECT_EQ(memory, before) << "a refused write changed the cache";
   write_kv(cache, latents.data(), good.data(), 2, 0.05f);
   EXPECT_NE(memory, before);

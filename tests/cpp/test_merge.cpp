@@ -145,6 +145,22 @@ TEST(Merge, MergesRejectBadInput) {
   expect_error([&] { merge_state(a, &lses[0], b, &lses[1], nullptr, lse.data(), 1, width); }, "'o' = null");
   expect_error([&] { merge_state(a, &lses[0], b, &lses[1], o.data(), nullptr, 1, width); }, "'lse' = null");
   EXPECT_NO_THROW(merge_state(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, width));
+  // In place (o = o_a or o_b, lse = lse_a or lse_b) is the documented use; any other overlap gave
+  // wrong rows (o one row past o_a: row 1 read what row 0 had just written).
+  {
+    std::vector<bf16> two(3 * width);
+    std::vector<float> two_lse{0.0f, 1.0f, 2.0f};
+    bf16* s = two.data();
+    float* ls = two_lse.data();
+    expect_error([&] { merge_state(s, ls, s, ls, s + width, ls, 2, width); }, "'o' = 32 bytes at");
+    expect_error([&] { merge_state(s, ls, s, ls, s, ls + 1, 2, width); }, "'lse' = 8 bytes at");
+    expect_error([&] { merge_state(s, ls, s, ls, s, reinterpret_cast<float*>(s + 2), 1, width); },
+                 "overlapping lse (4 bytes at");
+    expect_error([&] { merge_state(s, ls, s, ls, reinterpret_cast<bf16*>(ls), ls + 2, 1, width); },
+                 "overlapping lse_a");
+    EXPECT_NO_THROW(merge_state(s, ls, s + width, ls + 1, s, ls, 1, width));
+    EXPECT_NO_THROW(merge_state(s, ls, s + width, ls + 1, s + width, ls + 1, 1, width));
+  }
 
   // merge_split_k: two segments of `width` floats each.
   std::vector<float> po(2 * width, 1.0f), pm{0.0f, 1.0f}, pl{1.0f, 2.0f};

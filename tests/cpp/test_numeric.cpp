@@ -7,6 +7,7 @@
 #include <string>
 
 #include "dcpmla/error.h"
+#include "test_helpers.h"
 
 namespace dcpmla {
 
@@ -89,6 +90,22 @@ TEST(Numeric, SoftmaxScaleHasACeiling) {
       EXPECT_NE(std::string(e.what()).find("'softmax_scale'"), std::string::npos) << e.what();
     }
   }
+}
+
+// The fp8 helpers took any other dtype as e5m2 (fp8_max(bf16) was 57344), and quantize_roundtrip
+// took any scale (0 gave 0, a bf16 cache's 0.5 was ignored).
+TEST(Numeric, Fp8HelpersTakeFp8DtypesAndValidScales) {
+  using testing::expect_error;
+  expect_error([] { (void)fp8_max(KvDtype::bf16); }, "'kv_dtype' = bf16: expected an fp8 dtype");
+  expect_error([] { (void)fp8_max(KvDtype(9)); }, "'kv_dtype' = 9");
+  expect_error([] { (void)float_to_fp8(1.0f, KvDtype::bf16); }, "'kv_dtype' = bf16");
+  expect_error([] { (void)fp8_to_float(0x3c, KvDtype(-1)); }, "'kv_dtype' = -1");
+  expect_error([] { (void)quantize_roundtrip(3.0f, KvDtype::fp8_e4m3, 0.0f); }, "'kv_scale' = 0");
+  expect_error([] { (void)quantize_roundtrip(3.0f, KvDtype::fp8_e5m2, -1.0f); }, "'kv_scale' = -1");
+  expect_error([] { (void)quantize_roundtrip(3.0f, KvDtype::bf16, 0.5f); }, "'kv_scale' = 0.5");
+  expect_error([] { (void)quantize_roundtrip(3.0f, KvDtype(7), 1.0f); }, "'kv_dtype' = 7");
+  EXPECT_EQ(quantize_roundtrip(3.0f, KvDtype::bf16, 1.0f), 3.0f);
+  EXPECT_EQ(quantize_roundtrip(3.0f, KvDtype::fp8_e4m3, 1.0f), 3.0f);
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, Fp8, ::testing::Values(KvDtype::fp8_e4m3, KvDtype::fp8_e5m2));

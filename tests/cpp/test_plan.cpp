@@ -467,6 +467,17 @@ TEST(Plan, RefusesHostileCapacitiesCostsAndEnums) {
   expect_error([] { Plan p(PlanLimits{1, 1, 1}, 0, 1, 1); }, "'table_capacity' = 0");
   expect_error([] { (void)Plan::ints(PlanLimits{1, 1, 1}, -1, 1, 1); }, "'table_capacity' = -1");
   expect_error([] { Plan p(PlanLimits{1 << 20, 1, 1}, 1 << 20, 1, 1); }, "'plan capacities' = ");
+  // The capability query shifted by the enums' values (Mode(40): undefined behaviour); an
+  // unknown dtype took the fp8 calibration.
+  expect_error([] { (void)is_supported(Backend::cpu, Route::one_stage, Mode(40), KvDtype::bf16, 16); }, "'mode' = 40");
+  expect_error([] { (void)is_supported(Backend::cpu, Route::one_stage, Mode::verify, KvDtype(-1), 16); },
+               "'kv_dtype' = -1");
+  expect_error([] { (void)is_supported(Backend(5), Route::one_stage, Mode::verify, KvDtype::bf16, 16); },
+               "'backend' = 5");
+  expect_error([] { (void)is_supported(Backend::cpu, Route(8), Mode::verify, KvDtype::bf16, 16); }, "'route' = 8");
+  EXPECT_TRUE(is_supported(Backend::cpu, Route::two_stage, Mode::verify, KvDtype::bf16, 16));
+  EXPECT_FALSE(is_supported(Backend::cpu, Route::two_stage, Mode::decode, KvDtype::bf16, 16));
+  expect_error([] { (void)calibrated_schedule_cost(64, KvDtype(9), 1); }, "'kv_dtype' = 9");
 }
 
 // Moving a plan left the source pointing into the arena the new owner frees (a use after

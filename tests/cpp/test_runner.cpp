@@ -65,6 +65,15 @@ TEST(Runner, EntryPointRefusesBadInput) {
   expect_error([&] { call(o, {-2, 3}); }, "'seq_lens[0]' = -2");
   expect_error([&] { call(o, {8, 3}, 9); }, "'kv'");
   expect_error([&] { mla_attention(q, kv, lens, 2, 1, 2, 8, 576, [] { AttentionOptions a; a.kv_lora_rank = 576; return a; }()); }, "kv_lora_rank");
+  // A factory that makes no engine (null) was a null dereference.
+  expect_error([&] {
+    mla_attention(q, kv, lens, 2, 1, 2, 8, 576, AttentionOptions{},
+                  [](const AttentionConfig&, const CacheConfig&) { return std::unique_ptr<RankEngine>(); });
+  }, "'engines' = a factory that returned null");
+  // Mode and route are refused before any rank's cache is made (the planner refused them late).
+  expect_error([&] { call([] { AttentionOptions a; a.mode = Mode(7); return a; }()); }, "'mode' = 7");
+  expect_error([&] { call([] { AttentionOptions a; a.mode = Mode::draft; a.route = Route::two_stage; return a; }()); },
+               "(two_stage is verify-only)");
   o.world_size = 0;
   expect_error([&] { call(o); }, "world_size");
   o = {};

@@ -79,25 +79,10 @@ void validate_attention(const AttentionParams& p) {
   require(p.lse != nullptr, "lse", "null", "a device pointer");
   require(p.part_o != nullptr && p.part_m != nullptr && p.part_l != nullptr, "part_o/part_m/part_l", "null",
           "device pointers to a split-K workspace (split_workspace_floats floats)");
-  require(p.plan.header != nullptr && p.plan.row_local_len != nullptr && p.plan.q_start != nullptr &&
-              p.plan.subpage_table != nullptr && p.plan.work != nullptr && p.plan.chunk_work != nullptr &&
-              p.plan.split_request != nullptr && p.plan.split_slot != nullptr,
-          "plan", "a view with null buffers", "a view over a device copy of a plan (Plan::view_at)");
-  require_known("kv_dtype", p.kv_dtype);
-  require(p.heads >= 1 && p.heads <= kCudaMaxHeads, "heads", p.heads, "1..128 on the CUDA backend");
+  validate_attention_params(p);
+  require(p.heads <= kCudaMaxHeads, "heads", p.heads, "1..128 on the CUDA backend");
   require(p.dim == kCudaDim, "dim", p.dim, "576 (kv_lora_rank 512 + rope_dim 64) on the CUDA backend");
   require(p.rank_dim == kCudaRank, "rank_dim", p.rank_dim, "512 on the CUDA backend");
-  require_softmax_scale(p.softmax_scale);
-  if (p.kv_dtype == KvDtype::bf16)
-    require(p.kv_scale == 1.0f, "kv_scale", p.kv_scale, "1.0 for a bf16 cache (the scale is for fp8)");
-  else
-    require_scale("kv_scale", p.kv_scale);
-  // Every run passes here: the message is formatted only on failure.
-  if (p.plan.max_qlen < 1 || p.plan.max_batch < 1 || p.plan.work_capacity < 1 || p.plan.chunk_capacity < 1)
-    fail("plan capacities",
-         fmt::format("max_batch {}, max_qlen {}, work_capacity {}, chunk_capacity {}", p.plan.max_batch,
-                     p.plan.max_qlen, p.plan.work_capacity, p.plan.chunk_capacity),
-         ">= 1 each");
   require_aligned(p.kv, 16, "kv", "16-byte aligned device memory (the cache is read 16 bytes at a time)");
   require_io_aligned(p.q, p.out, p.lse, p.kv_scale_dev);
 }

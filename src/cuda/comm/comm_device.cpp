@@ -220,7 +220,7 @@ class DeviceGroupComm final : public DeviceCommunicator {
 DeviceGroup::DeviceGroup(int world_size, int device, std::chrono::milliseconds timeout) {
   require(world_size >= 1 && world_size <= kMaxDeviceGroupRanks, "world_size", world_size,
           fmt::format("in [1, {}] for a device group (ranks simulated on one GPU)", kMaxDeviceGroupRanks));
-  require(timeout.count() > 0, "timeout", fmt::format("{} ms", timeout.count()), "> 0");
+  require_timeout(timeout);
   cuda_detail::require_device(device);
   state_ = std::make_shared<State>(world_size, device, timeout);
   check(cudaSetDevice(device), "cudaSetDevice(device group)");

@@ -235,7 +235,7 @@ std::unique_ptr<NcclCommunicator> make_nccl_communicator(const NcclId& id, int w
                                                          cudaStream_t stream, const NcclOptions& options) {
   require(world_size >= 1, "world_size", world_size, ">= 1");
   require(rank >= 0 && rank < world_size, "rank", rank, fmt::format("0 <= rank < world_size ({})", world_size));
-  require(options.timeout.count() > 0, "timeout", fmt::format("{} ms", options.timeout.count()), "> 0");
+  require_timeout(options.timeout);
   cuda_detail::require_device(device);
   keep_nvls_off();
   auto impl = std::make_unique<NcclCommunicator::Impl>();

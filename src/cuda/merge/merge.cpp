@@ -12,6 +12,7 @@ void merge_state(const bf16* o_a, const float* lse_a, const bf16* o_b, const flo
   require(width >= 1, "width", width, ">= 1");
   if (rows == 0) return;
   require(o_a && lse_a && o_b && lse_b && o && lse, "o/lse", "null", "device pointers");
+  require_merge_state_disjoint(o_a, lse_a, o_b, lse_b, o, lse, rows, width);
   // Two partials as one stack: element distances between a and b (flat device addresses).
   const intptr_t do_bytes = reinterpret_cast<intptr_t>(o_b) - reinterpret_cast<intptr_t>(o_a);
   const intptr_t dl_bytes = reinterpret_cast<intptr_t>(lse_b) - reinterpret_cast<intptr_t>(lse_a);
