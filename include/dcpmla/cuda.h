@@ -56,8 +56,8 @@ struct AttentionTuning {
 // for a plan that cut none, header().split_requests = 0, as Attention::run does outside a
 // graph capture, or plans that can never cut). D = 576, R = 512, heads 1..128,
 // any kv dtype. num_sms = 0 asks the device. Alignment (refused otherwise, since a misaligned
-// vector access faults and kills the CUDA context): q, kv and out 16 bytes, lse and
-// kv_scale_dev 4.
+// vector access faults and kills the CUDA context): q, kv, out and part_o 16 bytes, lse,
+// kv_scale_dev, part_m and part_l 4.
 void attention(const AttentionParams& p, cudaStream_t stream, int num_sms = 0, bool merge = true,
                const AttentionTuning& tuning = {});
 
@@ -138,6 +138,9 @@ class Attention {
   // this rank's partial; rows whose rank-local window is empty give out 0, lse -inf.
   // q and out 16-byte aligned, lse and scale.device 4-byte aligned; out and lse share no byte
   // with q, the cache, scale.device or each other over the plan's rows (dcpmla::Error otherwise).
+  // A captured graph replays later plans on these pointers: size them for the rows of every
+  // plan replayed (the capture limits). plan() and run() refuse a call made while another
+  // device is current, and plan() one made while `stream` captures a graph.
   // Inside a capture (cudaStreamIsCapturing on `stream`) it records the cache's num_blocks for
   // plan()'s check above. A step of no query rows (every qlen 0) may pass null q/out/lse
   // outside a capture: nothing runs. Launches the attention kernel, then the combine of cut

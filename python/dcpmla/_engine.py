@@ -181,7 +181,9 @@ class Attention:
         block_size: tokens per cache block (``block_size % interleave == 0``).
         world_size, rank, interleave: the DCP group (N ranks, this one's rank, runs of I tokens).
         max_batch, max_qlen, max_local_len: capture limits; every plan must fit them, and a CUDA
-            graph captured once replays correctly for any plan within them.
+            graph captured once replays correctly for any plan within them of no more query rows
+            than its captured run's (capture with the largest batch you replay: a plan of more
+            rows is refused, its replay would write past the captured tensors).
         softmax_scale: score scale, a positive normal float32 up to 65536; None means
             ``D ** -0.5`` (D = kv_lora_rank + 64).
         kv_lora_rank: R, the value width (512 on CUDA).

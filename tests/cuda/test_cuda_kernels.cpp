@@ -309,7 +309,22 @@ TEST(CudaValidation, AttentionRefusesBadParamsBeforeLaunch) {
   bad = p;
   bad.kv_scale_dev = reinterpret_cast<const float*>(reinterpret_cast<const char*>(f) + 2);
   expect_field(bad, "'kv_scale' = address");
+  // The split-K workspace: partials move 16 bytes at a time, m and l as floats.
+  bad = p;
+  bad.part_o = f + 1;
+  expect_field(bad, "'part_o' = address");
+  bad = p;
+  bad.part_l = reinterpret_cast<float*>(reinterpret_cast<char*>(f) + 2);
+  expect_field(bad, "'part_l' = address");
+  // A negative SM count was taken as 0 ("ask the device").
+  try {
+    cuda::attention(p, nullptr, -1);
+    ADD_FAILURE() << "accepted num_sms -1";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'num_sms' = -1"), std::string::npos) << e.what();
+  }
 }
+
 
 // Bad batches at plan(), bad caches and scales at run(): refused before any launch, with an
 // error naming the field.
@@ -479,6 +494,47 @@ TEST(CudaValidation, WriteKvRefusesMisalignedPointers) {
                        nullptr);
       },
       {"'kv_scale' = address", "4-byte aligned"});
+  expect_error(
+      [&] {
+        cuda::write_kv(bf16_cache, latents, slots, 1, KvScale{}, nullptr,
+                       reinterpret_cast<int*>(reinterpret_cast<uint8_t*>(mem + 3072) + 2));
+      },
+      {"'errors' = address", "4-byte aligned"});
+}
+
+// The slot mapping and the merges read and write whole elements: misaligned pointers fault and
+// kill the context, so they are refused, as are outputs over inputs. Fake, never dereferenced
+// pointers: no device needed.
+TEST(CudaValidation, SlotMappingAndMergesRefuseMisalignedOrOverlappingPointers) {
+  alignas(256) static uint8_t mem[4096];
+  const auto* positions = reinterpret_cast<const int64_t*>(mem);
+  const auto* requests = reinterpret_cast<const int32_t*>(mem + 512);
+  const auto* tables = reinterpret_cast<const int32_t*>(mem + 1024);
+  auto* slots = reinterpret_cast<int64_t*>(mem + 1536);
+  const Layout layout{1, 0, 1};
+  auto map = [&](const int64_t* pos, const int32_t* req, const int32_t* tab, int64_t* out) {
+    cuda::slot_mapping(pos, req, 2, tab, 1, 1, 16, 4, layout, out, nullptr);
+  };
+  expect_error([&] { map(positions + 0, requests, tables, reinterpret_cast<int64_t*>(mem + 1540)); },
+               {"'slots' = address", "8-byte aligned"});
+  expect_error([&] { map(reinterpret_cast<const int64_t*>(mem + 4), requests, tables, slots); },
+               {"'positions' = address"});
+  expect_error([&] { map(positions, reinterpret_cast<const int32_t*>(mem + 514), tables, slots); },
+               {"'requests' = address"});
+  expect_error([&] { map(positions, requests, tables, reinterpret_cast<int64_t*>(mem + 8)); },
+               {"'slots' = 16 bytes at", "overlapping positions"});
+  const auto* o = reinterpret_cast<const bf16*>(mem + 2048);
+  const auto* l = reinterpret_cast<const float*>(mem + 3072);
+  auto* o_out = reinterpret_cast<bf16*>(mem + 2560);
+  auto* l_out = reinterpret_cast<float*>(mem + 3584);
+  const auto* odd = reinterpret_cast<const bf16*>(mem + 2049);
+  expect_error([&] { cuda::merge_state(odd, l, o + 8, l + 1, o_out, l_out, 1, 8, nullptr); }, {"'o_a' = address"});
+  // Both lse partials misaligned alike: their offset is a whole float, each is not.
+  const auto* l2 = reinterpret_cast<const float*>(mem + 3074);
+  expect_error([&] { cuda::merge_state(o, l2, o + 8, l2 + 1, o_out, l_out, 1, 8, nullptr); }, {"'lse_a' = address"});
+  expect_error([&] { cuda::combine_partials(o, l2, 2, o_out, l_out, 1, 8, nullptr); }, {"'lse_parts' = address"});
+  expect_error([&] { cuda::combine_partials(o, l, 2, const_cast<bf16*>(o) + 8, l_out, 1, 8, nullptr); },
+               {"'o' = 16 bytes at", "overlapping o_parts"});
 }
 
 // A device ordinal past the machine's GPUs is an input error naming `device` (not CUDA's
@@ -536,6 +592,9 @@ TEST(CudaGraphBound, PlanAfterCaptureRefusesTablesPastTheCapturedCache) {
   cudaGraph_t graph;
   cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
   a.run(q.get(), cache, KvScale{}, out.get(), lse.get(), stream);
+  // plan() inside the capture would record the upload of its staging copy: refused first, before
+  // any call the capture forbids.
+  expect_error([&] { plan(9); }, {"'plan' = called while its stream captures a CUDA graph"});
   cuda_ok(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
   expect_error([&] { plan(64); }, {"'block_tables' = block id 64", "a cache of 64 blocks would read past it"});
   EXPECT_EQ(a.current_plan().stats().max_block, 9);  // the refused batch left the previous plan

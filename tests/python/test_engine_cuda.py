@@ -231,6 +231,27 @@ def test_plan_inside_a_capture_is_refused():
             att.plan([5], [[0]], 1, mode="decode")
 
 
+def test_a_plan_of_more_rows_than_the_captured_run_is_refused():
+    """A replay writes the current plan's rows into the tensors of the captured run(): a plan of
+    more rows (one more request here) would write past them, so it is refused; fewer rows plan."""
+    step = Step(dtype="bf16")
+    q, kv, t, num_blocks, _ = make_inputs(step)
+    att = dcpmla.Attention(**attention_kwargs(step, 0, **LIMITS, device=DEV))
+    c, qd = cache(num_blocks, step), bf16(q)
+    lengths = list(step.lengths)
+    att.plan(lengths, t, step.qlen)
+    out, lse = att.run(qd, c)  # eager warm-up, and the captured run's outputs
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        att.run(qd, c, out=out, lse=lse)
+    with pytest.raises(ValueError, match=r"field 'batch' = 15 query rows: expected at most 12 \(the rows of a run"):
+        att.plan(lengths + [5], np.concatenate([t, t[:1]]), step.qlen)
+    att.plan(lengths[:-1], t[:-1], step.qlen)  # fewer rows: planned, and the replay writes fewer
+    graph.replay()
+    torch.cuda.synchronize()
+
+
 def test_bad_input_is_refused_before_launch():
     step = Step(dtype="fp8_e4m3", kv_scale=0.5)
     q, kv, t, num_blocks, _ = make_inputs(step)

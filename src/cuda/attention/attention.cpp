@@ -84,6 +84,10 @@ void validate_attention(const AttentionParams& p) {
   require(p.dim == kCudaDim, "dim", p.dim, "576 (kv_lora_rank 512 + rope_dim 64) on the CUDA backend");
   require(p.rank_dim == kCudaRank, "rank_dim", p.rank_dim, "512 on the CUDA backend");
   require_aligned(p.kv, 16, "kv", "16-byte aligned device memory (the cache is read 16 bytes at a time)");
+  // The split-K partials: o is stored and read 16 bytes at a time, m and l as floats.
+  require_aligned(p.part_o, 16, "part_o", "16-byte aligned device memory (partials move 16 bytes at a time)");
+  require_aligned(p.part_m, 4, "part_m", "4-byte aligned device memory (float32)");
+  require_aligned(p.part_l, 4, "part_l", "4-byte aligned device memory (float32)");
   require_io_aligned(p.q, p.out, p.lse, p.kv_scale_dev);
 }
 
@@ -133,7 +137,8 @@ AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const
 
 void attention(const AttentionParams& p, cudaStream_t stream, int num_sms, bool merge, const AttentionTuning& tuning) {
   validate_attention(p);
-  if (num_sms <= 0) num_sms = device_sms(current_device());
+  require(num_sms >= 0, "num_sms", num_sms, ">= 0 (0 asks the device)");
+  if (num_sms == 0) num_sms = device_sms(current_device());
   launch(p, stream, num_sms, merge, compiled(attention_variant(p.plan.max_qlen, p.heads, p.kv_dtype, tuning), p.kv_dtype));
 }
 
@@ -225,17 +230,23 @@ Attention::Attention(const AttentionConfig& config, void* workspace, size_t byte
     fail("workspace", "null",
          fmt::format("a device pointer to the {} bytes given (or null with bytes 0: the library allocates its own)",
                      bytes));
-  if (device >= 0) {
-    require_device(device, " (or < 0 for the current device)");
-    check(cudaSetDevice(device), "cudaSetDevice");
-  }
+  if (device >= 0) require_device(device, " (or < 0 for the current device)");
+  // Built on its device; the caller's current device is given back.
+  const DeviceScope scope(device >= 0 ? device : current_device());
   impl_ = std::make_unique<Impl>(config, device, workspace, bytes);
   set_tuning(AttentionTuning{});
 }
 
 Attention::~Attention() {
-  // Work in flight may still read the plan and the workspace.
-  if (impl_) cudaDeviceSynchronize();
+  // Work in flight may still read the plan and the workspace (on this object's device).
+  if (impl_) {
+    int previous = 0;
+    if (cudaGetDevice(&previous) == cudaSuccess && cudaSetDevice(impl_->device) == cudaSuccess) {
+      (void)cudaDeviceSynchronize();
+      (void)cudaSetDevice(previous);
+    }
+    (void)cudaGetLastError();  // a destructor reports nothing: no error is left for a later check
+  }
 }
 
 size_t Attention::workspace_bytes(const AttentionConfig& config, int device) {
@@ -253,6 +264,8 @@ const AttentionTuning& Attention::tuning() const { return impl_->tuning; }
 
 void Attention::plan(const BatchDesc& batch, cudaStream_t stream) {
   Impl& m = *impl_;
+  require_not_capturing(stream);
+  require_current_device(m.device, "Attention");
   const int k = 1 - m.current;
   // The copy two plans back read this staging copy; in practice it finished long ago.
   check(cudaEventSynchronize(m.staged[k].get()), "cudaEventSynchronize(plan staging)");
@@ -285,6 +298,7 @@ void Attention::run(const bf16* q, const KvCache& cache, const KvScale& scale, b
                     cudaStream_t stream) {
   Impl& m = *impl_;
   if (!m.planned) fail("plan", "none", "a plan: call plan(batch, stream) before run()");
+  require_current_device(m.device, "Attention");
   validate_run(m.planner.config(), current_plan(), cache, scale);
   // A host query of the stream's state, legal during capture; no synchronisation.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -315,6 +329,7 @@ void Attention::run(const bf16* q, const KvCache& cache, const KvScale& scale, b
 }
 
 void Attention::set_tuning(const AttentionTuning& tuning) {
+  require_current_device(impl_->device, "Attention");  // the opt-in below is per device
   const auto& c = impl_->planner.config();
   const KernelVariant& k = compiled(attention_variant(c.limits.max_qlen, c.heads, c.kv_dtype, tuning), c.kv_dtype);
   k.launch(params(nullptr, KvCache{}, KvScale{}, nullptr, nullptr), 0, nullptr);  // its shared memory, once

@@ -12,8 +12,12 @@ namespace dcpmla {
 namespace cuda_detail {
 
 void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess)
-    throw CudaError(std::string("dcpmla: CUDA call ") + what + " failed: " + cudaGetErrorName(e) + " (" +
+  if (e == cudaSuccess) return;
+  // A failed call also records its error as the thread's last one: cleared here, so that the
+  // next launch check (ours, or the framework's after the caller caught this) does not report
+  // it again as its own. A sticky error (a dead context) stays whatever this does.
+  (void)cudaGetLastError();
+  throw CudaError(std::string("dcpmla: CUDA call ") + what + " failed: " + cudaGetErrorName(e) + " (" +
                     cudaGetErrorString(e) + ")");
 }
 
@@ -43,6 +47,28 @@ void require_device(int device, const char* also) {
   const int count = device_count();
   if (device < 0 || device >= count)
     fail("device", device, fmt::format("a CUDA device in [0, {}) (this machine has {} GPU(s)){}", count, count, also));
+}
+
+void require_current_device(int device, const char* owner) {
+  const int current = current_device();
+  if (current != device)
+    fail("current device", current,
+         fmt::format("{} (the {}'s device: make it current, cudaSetDevice, before calling it)", device, owner));
+}
+
+void require_not_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing(plan stream)");
+  if (capture != cudaStreamCaptureStatusNone)
+    fail("plan", "called while its stream captures a CUDA graph",
+         "plan() outside the capture: a replay computes the batch of the last plan()");
+}
+
+DeviceScope::DeviceScope(int device) : previous_(current_device()), device_(device) {
+  if (previous_ != device_) check(cudaSetDevice(device_), "cudaSetDevice");
+}
+DeviceScope::~DeviceScope() {
+  if (previous_ != device_) (void)cudaSetDevice(previous_);
 }
 
 }  // namespace cuda_detail

@@ -101,5 +101,24 @@ int device_count();
 // (instead of CUDA's "invalid device ordinal" at the first call on it). `also` completes the
 // expectation ("or < 0 for the current device"), empty where no other value is meant.
 void require_device(int device, const char* also = "");
+// Refuses a call made while another device is current: its kernels and copies would go to that
+// device, against this object's plan and workspace (`owner` names the object). A host query,
+// no synchronisation: per step and per layer.
+void require_current_device(int device, const char* owner);
+// Refuses plan() while `stream` captures a CUDA graph: the graph would record the upload of
+// that plan's staging copy, and a replay would compute it instead of the latest plan.
+void require_not_capturing(cudaStream_t stream);
+
+// Makes `device` current for a scope and gives the caller's back at its end.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device);
+  ~DeviceScope();
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = 0, device_ = 0;
+};
 
 }  // namespace dcpmla::cuda_detail

@@ -230,6 +230,9 @@ DcpStep::~DcpStep() {
 }
 
 void DcpStep::plan(const BatchDesc& batch) {
+  // Before the agreement's exchange, so that a refusal leaves the peers no collective to wait in.
+  cuda_detail::require_not_capturing(comm_.stream());
+  cuda_detail::require_current_device(comm_.device(), "DcpStep");
   // The step's gathers and stage B move query blocks of one shape.
   if (!batch.qlens.empty())
     fail("qlens", fmt::format("{} entries", batch.qlens.size()), "none: the DCP step takes uniform query blocks");
@@ -294,6 +297,7 @@ void DcpStep::plan(const BatchDesc& batch) {
 void DcpStep::run(const bf16* q_local, const bf16* new_latents, const KvCache& cache, const KvScale& scale,
                   bf16* out, float* lse) {
   require(planned_, "plan", "none", "a plan: call plan(batch) before run()");
+  cuda_detail::require_current_device(comm_.device(), "DcpStep");
   require(q_local != nullptr && out != nullptr && lse != nullptr, "q_local/out/lse", "null", "device pointers");
   require(new_latents != nullptr || route_ != Route::two_stage, "new_latents", "null",
           "the verify block's latents (two_stage's stage B reads them)");
@@ -304,6 +308,10 @@ void DcpStep::run(const bf16* q_local, const bf16* new_latents, const KvCache& c
   cuda_detail::require_aligned(q_local, 2, "q_local", "2-byte aligned device memory (bf16)");
   cuda_detail::require_aligned(out, 2, "out", "2-byte aligned device memory (bf16)");
   cuda_detail::require_aligned(lse, 4, "lse", "4-byte aligned device memory (float32)");
+  // Checked here as well as by the write and the attention run: with no new_latents there is no
+  // write, and the run comes after the step's first collectives, where a throw leaves the
+  // peers waiting in the next one until their timeout.
+  cuda_detail::require_aligned(scale.device, 4, "kv_scale", "a 4-byte aligned device float (the device scale)");
   validate_run(attention_->planner().config(), attention_->current_plan(), cache, scale);
   const int64_t cells = rows_ * hl_;  // the caller's buffers hold row_capacity() rows
   require_disjoint({{"out", out, cells * kRank * 2}, {"lse", lse, cells * 4}},
@@ -311,6 +319,10 @@ void DcpStep::run(const bf16* q_local, const bf16* new_latents, const KvCache& c
                     {"new_latents", new_latents, new_latents != nullptr ? rows_ * kDim * 2 : 0},
                     {"kv_cache", cache.data, cache.num_slots() * cache.row_bytes()},
                     {"kv_scale", scale.device, scale.device != nullptr ? 4 : 0}});
+  // The write changes the cache before q_local is gathered.
+  if (new_latents != nullptr)
+    require_disjoint({{"kv_cache", cache.data, cache.num_slots() * cache.row_bytes()}},
+                     {{"q_local", q_local, cells * kDim * 2}});
   cudaStream_t stream = comm_.stream();
   if (new_latents) cuda::write_kv(cache, new_latents, slots_dev_, rows_, scale, stream);
 

@@ -20,6 +20,7 @@ void write_kv(const KvCache& cache, const bf16* latents, const int64_t* slots, i
                                "16-byte aligned device memory (the write reads latents 16 bytes at a time)");
   cuda_detail::require_aligned(slots, 8, "slot_mapping", "8-byte aligned device memory (int64)");
   cuda_detail::require_aligned(scale.device, 4, "kv_scale", "a 4-byte aligned device float (the device scale)");
+  cuda_detail::require_aligned(errors, 4, "errors", "a 4-byte aligned device int (an atomic count)");
   require_write_disjoint(cache, latents, slots, n, scale.device, errors);
   cuda_detail::launch_write_kv(cuda_detail::WriteKvParams{latents, slots, n, cache.num_slots(), cache.dim, cache.dtype,
                                                           scale.value, scale.device, errors,
@@ -38,6 +39,18 @@ void slot_mapping(const int64_t* positions, const int32_t* requests, int64_t n, 
   if (n == 0) return;
   require(positions && requests && slots && (block_tables || batch * int64_t(table_width) == 0),
           "positions/requests/block_tables/slots", "null", "device pointers");
+  // Every element is read or written whole: a misaligned one faults and kills the context.
+  cuda_detail::require_aligned(positions, 8, "positions", "8-byte aligned device memory (int64)");
+  cuda_detail::require_aligned(requests, 4, "requests", "4-byte aligned device memory (int32)");
+  cuda_detail::require_aligned(block_tables, 4, "block_tables", "4-byte aligned device memory (int32)");
+  cuda_detail::require_aligned(slots, 8, "slots", "8-byte aligned device memory (int64)");
+  cuda_detail::require_aligned(errors, 4, "errors", "a 4-byte aligned device int (an atomic count)");
+  if (!checked_product({n, 8}))
+    fail("n", n, "a count of positions whose bytes fit int64");
+  require_disjoint({{"slots", slots, n * 8}, {"errors", errors, errors != nullptr ? 4 : 0}},
+                   {{"positions", positions, n * 8},
+                    {"requests", requests, n * 4},
+                    {"block_tables", block_tables, int64_t(batch) * table_width * 4}});
   cuda_detail::launch_slot_mapping(
       cuda_detail::SlotMappingParams{positions, requests, n, block_tables, batch, table_width, block_size, num_blocks,
                                      layout.world_size, layout.rank, layout.interleave, slots, errors},
