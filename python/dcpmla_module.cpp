@@ -203,6 +203,11 @@ NB_MODULE(_dcpmla, m) {
         "SPEC §3 write: latent [T, D] into kv_cache at slot_mapping [T] (int64, -1 = PAD).");
   m.def("_check_merge_inputs", &dcpmla::python::check_merge_inputs, "out_parts"_a, "lse_parts"_a,
         "merge_states' checks of out_parts [N, ..., W] and lse_parts [N, ...] alone (before outputs are allocated).");
+  // Probes, called only after nanobind refused a call's arguments with a TypeError that names none:
+  // the Python layer finds the tensor it cannot import alone and names it.
+  m.def("_imports", [](const dcpmla::python::Tensor&) {}, "x"_a, "Imports x as a read-only tensor (a probe).");
+  m.def("_imports_writable", [](const dcpmla::python::OutTensor&) {}, "x"_a,
+        "Imports x as a writable tensor (a probe).");
   m.def("_merge_states", &dcpmla::python::merge_states, "out_parts"_a, "lse_parts"_a, "out"_a, "lse"_a, "stream"_a,
         "SPEC §2 merge of N partials [N, ..., W] / [N, ...] into out [..., W] / lse [...] (natural log).");
 }

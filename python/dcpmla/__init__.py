@@ -214,7 +214,7 @@ def slot_mapping(positions, block_table, block_size, num_blocks, world_size, ran
     ``table[local(p) // block_size] * block_size + local(p) % block_size`` on its owner, and
     ``-1`` (PAD: written nowhere) where ``rank`` does not own ``p``. The block table is the
     request's, shared by all ranks; its ids must lie in ``[0, num_blocks)``."""
-    positions = _int_array("positions", positions, np.int64, "[n]")
+    positions = _int_array("positions", positions, np.int64, "[n]", kept=8)  # and the int64 result
     block_table = _int_array("block_table", block_table, np.int32, "[table_width]")
     if positions.size and positions.min() < 0:
         bad = int(np.argmax(positions < 0))

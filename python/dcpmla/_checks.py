@@ -86,10 +86,12 @@ def _array(field, x, dtype, ndim, layout):
         raise _error(f"{field}.dtype", a.dtype, f"{dtype} {layout}")
     if a.ndim != ndim:
         raise _error(f"{field}.ndim", a.ndim, f"{ndim} {layout}")
-    if not a.flags.c_contiguous:
-        # The library's bf16 copy of the values is held beside this one: counted with it.
+    if not (a.flags.c_contiguous and a.flags.aligned):
+        # The library's bf16 copy of the values is held beside this one: counted with it. A
+        # misaligned view (a byte offset into another buffer) is copied too: the library reads
+        # whole float32 elements.
         _too_big_to_copy(field, a, dtype, "copy", kept=2)
-    return np.ascontiguousarray(a)
+    return np.require(a, requirements=["C_CONTIGUOUS", "ALIGNED"])
 
 
 def _too_big_to_copy(field, a, dtype, what, kept=0):
@@ -111,14 +113,15 @@ def _index(a, flat):
     return ", ".join(str(int(i)) for i in np.unravel_index(flat, a.shape))
 
 
-def _int_array(field, x, dtype, layout, ndim=1, check_shape=None):
+def _int_array(field, x, dtype, layout, ndim=1, check_shape=None, kept=0):
     """A C-contiguous integer array of `ndim` dimensions, converted losslessly to `dtype`: no copy
     when it already is one (numpy, or a host tensor through DLPack); lists and other integer
     dtypes are converted, and a value that does not fit is named.
 
     check_shape(shape), when given, checks the extents (e.g. B <= max_batch) before anything is
     copied or scanned; beyond that a copy or scan larger than the in-process limit is refused,
-    from the shape alone."""
+    from the shape alone (with `kept` bytes per value the call then holds beside it, e.g. its
+    result)."""
     a = _host_array(field, x)
     if a.ndim != ndim:
         raise _error(f"{field}.ndim", a.ndim, f"{ndim} {layout}")
@@ -127,7 +130,7 @@ def _int_array(field, x, dtype, layout, ndim=1, check_shape=None):
     dtype = np.dtype(dtype)
     if a.dtype == dtype and a.flags.c_contiguous and a.flags.aligned:
         return a
-    _too_big_to_copy(field, a, dtype, "copy" if a.dtype == dtype else "convert")
+    _too_big_to_copy(field, a, dtype, "copy" if a.dtype == dtype else "convert", kept)
     if a.dtype == dtype:
         return np.require(a, dtype, ["C_CONTIGUOUS", "ALIGNED"])
     info = np.iinfo(dtype)

@@ -19,8 +19,7 @@ import weakref
 import numpy as np
 
 from . import _dcpmla
-from ._checks import (_INT64_MAX, _error, _int, _int_array, _native_array, _require_usable_cuda,
-                      _scale, _str)
+from ._checks import _error, _int, _int_array, _native_array, _require_usable_cuda, _scale, _str
 
 _DL_CUDA = 2  # DLPack's device type of CUDA memory
 
@@ -112,7 +111,32 @@ def _dlpack(field, x, stream):
         raise _error(field, type(x).__name__, "an array or tensor (numpy, torch, or another DLPack producer)")
     if stream is None or isinstance(x, np.ndarray) or _is_torch(x):
         return x
-    return x.__dlpack__(stream=stream or 1)
+    try:
+        return x.__dlpack__(stream=stream or 1)
+    except Exception as e:
+        raise _error(field, f"a {type(x).__name__} whose __dlpack__() raised {type(e).__name__}: {e}",
+                     "an array or tensor that exports itself through DLPack") from e
+
+
+def _call(native, *args, tensors):
+    """native(*args); where nanobind refuses an argument (a TypeError naming none: a read-only
+    or non-native-byte-order array of a producer other than numpy, whose checks are ours, or a
+    producer whose __dlpack__() raises), the first of `tensors` ((field, value, writable)) that it
+    cannot import alone is named in a ValueError. Capsules (already exported) are not probed again."""
+    try:
+        return native(*args)
+    except TypeError:
+        for field, x, writable in tensors:
+            if x is None or type(x).__name__ == "PyCapsule":
+                continue
+            try:
+                (_dcpmla._imports_writable if writable else _dcpmla._imports)(x)
+            except Exception as e:
+                need = "a writable array" if writable else "an array"
+                raise _error(field, f"a {type(x).__name__} the native call cannot import ({type(e).__name__})",
+                             f"{need} in a plain numeric dtype and the machine's byte order, whose "
+                             f"__dlpack__() succeeds") from e
+        raise
 
 
 def _tensor(field, x, stream, expected, *, kv_dtype=None, raw=True, writable=False):
@@ -127,7 +151,10 @@ def _tensor(field, x, stream, expected, *, kv_dtype=None, raw=True, writable=Fal
 
 def _empty_like(field, like, shape, dtype_of_like):
     """A new output in `like`'s framework and on its device: torch.empty or np.empty. float32 when
-    `dtype_of_like` is False, else `like`'s dtype. Other producers must pass the buffer."""
+    `dtype_of_like` is False, else `like`'s dtype. Other producers must pass the buffer. `shape` may
+    be a function of `like`, called once `like` is known to have a shape."""
+    if callable(shape) and (_is_torch(like) or isinstance(like, np.ndarray)):
+        shape = shape(like)
     if _is_torch(like):
         torch = _torch()
         return torch.empty(shape, dtype=like.dtype if dtype_of_like else torch.float32, device=like.device)
@@ -166,10 +193,12 @@ def _device(device):
     text = _str("device", text)
     if text == "cpu":
         return "cpu", None
-    if text != "cuda" and not (text.startswith("cuda:") and text[5:].isdigit()):
-        raise _error("device", repr(device), "'cpu', 'cuda' or 'cuda:N'")
+    # N in ASCII digits within int32 (str.isdigit also takes '²' and other scripts' digits).
+    ordinal = text[5:] if text.startswith("cuda:") else ""
+    if text != "cuda" and not (ordinal and ordinal.isascii() and ordinal.isdigit() and int(ordinal) <= 2**31 - 1):
+        raise _error("device", repr(device), "'cpu', 'cuda' or 'cuda:N' (N a device ordinal)")
     _require_usable_cuda(text)
-    return "cuda", -1 if text == "cuda" else int(text[5:])
+    return "cuda", -1 if text == "cuda" else int(ordinal)
 
 
 class Attention:
@@ -215,7 +244,7 @@ class Attention:
             block_size=_int("block_size", block_size), world_size=_int("world_size", world_size),
             rank=_int("rank", rank), interleave=_int("interleave", interleave),
             max_batch=max_batch, max_qlen=_int("max_qlen", max_qlen),
-            max_local_len=_int("max_local_len", max_local_len, 0, _INT64_MAX), softmax_scale=softmax_scale,
+            max_local_len=_int("max_local_len", max_local_len, 1, 2**31 - 1), softmax_scale=softmax_scale,
             kv_lora_rank=kv_lora_rank, route=route, device=backend,
             device_index=-1 if index is None else index)
         self.heads = heads
@@ -280,8 +309,15 @@ class Attention:
                     raise _error(f"{field}.shape[0]", shape[0], f"{B} (B, the length of seq_lens){text}")
             return check
 
+        rows = per_request("block_tables", ": one table row per request")
+
+        def table_shape(shape):
+            rows(shape)
+            if shape[1] > 2**31 - 1:  # the library's own check, before a broadcast view is copied
+                raise _error("block_tables.shape[1]", shape[1], "a table width that fits int32")
+
         block_tables = _int_array("block_tables", block_tables, np.int32, "[B, table_width]", ndim=2,
-                                  check_shape=per_request("block_tables", ": one table row per request"))
+                                  check_shape=table_shape)
         if qlens is not None:
             qlens = _int_array("qlens", qlens, np.int32, "[B]", check_shape=per_request("qlens", ""))
         self._native.plan(seq_lens, block_tables, _int("qlen", qlen), _str("mode", mode), qlens,
@@ -323,8 +359,11 @@ class Attention:
                 out = _empty_like("out", q, rows + (self.heads, self.kv_lora_rank), True)
             if lse is None:
                 lse = _empty_like("lse", q, rows + (self.heads,), False)
-        self._native.run(q_in, cache_in, value, tensor, _tensor("out", out, s, _VALUES, writable=True),
-                         _tensor("lse", lse, s, "float32", raw=False, writable=True), s or 0)
+        out_in = _tensor("out", out, s, _VALUES, writable=True)
+        lse_out = _tensor("lse", lse, s, "float32", raw=False, writable=True)
+        _call(self._native.run, q_in, cache_in, value, tensor, out_in, lse_out, s or 0,
+              tensors=[("q", q_in, False), ("kv_cache", cache_in, False), ("kv_scale", tensor, False),
+                       ("out", out_in, True), ("lse", lse_out, True)])
         return out, lse
 
     def __repr__(self):
@@ -353,10 +392,12 @@ def write_kv(kv_cache, latent, slot_mapping, kv_dtype="bf16", kv_scale=1.0, stre
     kv_dtype = _str("kv_dtype", kv_dtype)
     value, tensor = _kv_scale(kv_scale, s)
     cache_text = _CACHE.get(kv_dtype, "the storage of kv_dtype")
-    _dcpmla._write_kv(_tensor("kv_cache", kv_cache, s, cache_text, kv_dtype=kv_dtype, writable=True),
-                      _tensor("latent", latent, s, _VALUES),
-                      _tensor("slot_mapping", slot_mapping, s, "int64 [T] (rank-local slots, -1 = PAD)", raw=False),
-                      kv_dtype, value, tensor, s or 0)
+    cache_in = _tensor("kv_cache", kv_cache, s, cache_text, kv_dtype=kv_dtype, writable=True)
+    latent_in = _tensor("latent", latent, s, _VALUES)
+    slots_in = _tensor("slot_mapping", slot_mapping, s, "int64 [T] (rank-local slots, -1 = PAD)", raw=False)
+    _call(_dcpmla._write_kv, cache_in, latent_in, slots_in, kv_dtype, value, tensor, s or 0,
+          tensors=[("kv_cache", cache_in, True), ("latent", latent_in, False), ("slot_mapping", slots_in, False),
+                   ("kv_scale", tensor, False)])
 
 
 def merge_states(out_parts, lse_parts, *, out=None, lse=None, stream=None):
@@ -381,11 +422,17 @@ def merge_states(out_parts, lse_parts, *, out=None, lse=None, stream=None):
         # The partials are checked before the outputs are allocated from their shapes: a
         # broadcast view would otherwise ask for petabytes before its strides are refused.
         # (numpy and torch are passed as they are, so they can be imported twice.)
-        _dcpmla._check_merge_inputs(parts, lse_in)
+        _call(_dcpmla._check_merge_inputs, parts, lse_in,
+              tensors=[("out_parts", parts, False), ("lse_parts", lse_in, False)])
+    # From out_parts alone (lse's shape is out_parts' without N and W, checked above), and only
+    # for producers that have shapes: any other is told to pass the buffers.
     if out is None:
-        out = _empty_like("out", out_parts, tuple(out_parts.shape[1:]), True)
+        out = _empty_like("out", out_parts, lambda a: tuple(a.shape[1:]), True)
     if lse is None:
-        lse = _empty_like("lse", out_parts, tuple(lse_parts.shape[1:]), False)
-    _dcpmla._merge_states(parts, lse_in, _tensor("out", out, s, _VALUES, writable=True),
-                          _tensor("lse", lse, s, "float32", raw=False, writable=True), s or 0)
+        lse = _empty_like("lse", out_parts, lambda a: tuple(a.shape[1:-1]), False)
+    out_in = _tensor("out", out, s, _VALUES, writable=True)
+    lse_out = _tensor("lse", lse, s, "float32", raw=False, writable=True)
+    _call(_dcpmla._merge_states, parts, lse_in, out_in, lse_out, s or 0,
+          tensors=[("out_parts", parts, False), ("lse_parts", lse_in, False), ("out", out_in, True),
+                   ("lse", lse_out, True)])
     return out, lse

@@ -165,8 +165,10 @@ BROADCASTS = """
         huge = np.broadcast_to(dtype(5), (2**40,))
         refused("field 'batch' = 1099511627776: expected 1..limits.max_batch (8)", att.plan, huge,
                 np.zeros((2, 1), np.int32), 1)
-        refused("field 'block_tables' = a non-contiguous view of shape (2, 1099511627776)", att.plan,
+        refused("field 'block_tables.shape[1]' = 1099511627776: expected a table width that fits int32", att.plan,
                 np.full(2, 5, np.int32), np.broadcast_to(dtype(0), (2, 2**40)), 1)
+        refused("field 'block_tables' = a non-contiguous view of shape (2, 2147483647)", att.plan,
+                np.full(2, 5, np.int32), np.broadcast_to(dtype(0), (2, 2**31 - 1)), 1)
         refused("field 'block_tables.shape[0]' = 1099511627776: expected 2 (B, the length of seq_lens)",
                 att.plan, np.full(2, 5, np.int32), np.broadcast_to(dtype(0), (2**40, 1)), 1)
         refused("field 'qlens.shape[0]' = 1099511627776: expected 2", att.plan, np.full(2, 5, np.int32),
@@ -305,6 +307,83 @@ def test_arrays_nanobind_cannot_import_are_named():
     for match, call in cases:
         with error(match):
             call()
+
+
+def test_other_producers_nanobind_cannot_import_are_named():
+    """The same refusals for a producer known only through DLPack (a read-only jax array, a torch
+    tensor that requires grad): nanobind refused them with a TypeError naming no argument."""
+    from engine_case import DLPackOnly
+
+    class Refusing:
+        def __dlpack__(self, **kwargs):
+            raise RuntimeError("cannot export")
+
+        def __dlpack_device__(self):
+            return (1, 0)
+
+    att, q, cache = planned()
+    out = np.zeros((2, 2, 2, R), np.float32)
+    lse = np.zeros((2, 2, 2), np.float32)
+    cases = [
+        (r"field 'out' = a DLPackOnly the native call cannot import \(TypeError\): expected a writable array",
+         lambda: att.run(q, cache, out=DLPackOnly(_readonly(out)), lse=lse)),
+        (r"field 'q' = a DLPackOnly the native call cannot import",
+         lambda: att.run(DLPackOnly(q.astype(">f4")), cache, out=out, lse=lse)),
+        (r"field 'kv_cache' = a DLPackOnly the native call cannot import",
+         lambda: dcpmla.write_kv(DLPackOnly(_readonly(cache)), np.ones((1, D), np.float32), [0])),
+        (r"field 'latent' = a Refusing the native call cannot import",
+         lambda: dcpmla.write_kv(cache, Refusing(), [0])),
+        (r"field 'lse' = a DLPackOnly the native call cannot import",
+         lambda: dcpmla.merge_states(np.zeros((2, 3, R), np.float32), np.zeros((2, 3), np.float32),
+                                     out=np.zeros((3, R), np.float32),
+                                     lse=DLPackOnly(_readonly(np.zeros(3, np.float32))))),
+        # Outputs are allocated for numpy and torch partials only; others were an AttributeError.
+        (r"field 'out' = None: expected a buffer \(out= and lse=\)",
+         lambda: dcpmla.merge_states(DLPackOnly(np.zeros((2, 3, R), np.float32)), np.zeros((2, 3), np.float32))),
+    ]
+    for match, call in cases:
+        with error(match):
+            call()
+    # numpy partials with a DLPack-only lse_parts: lse's shape comes from out_parts.
+    out, lse = dcpmla.merge_states(np.zeros((2, 3, R), np.float32), DLPackOnly(np.zeros((2, 3), np.float32)))
+    assert out.shape == (3, R) and lse.shape == (3,)
+
+
+def test_broadcast_tables_and_positions_are_refused_before_a_copy():
+    """An exactly-at-the-limit broadcast view was copied (8 GiB) before its width or the result's
+    size was refused."""
+    att, _, _ = planned()
+    with error(r"field 'block_tables.shape\[1\]' = 2147483648: expected a table width that fits int32"):
+        att.plan([40], np.broadcast_to(np.int32(0), (1, 2**31)), 2)
+    with error(r"field 'positions' = a non-contiguous view of shape \(1073741824,\)"):
+        dcpmla.slot_mapping(np.broadcast_to(np.int64(10**6), (2**30,)), [0], 16, 1, 1, 0)
+
+
+def test_device_strings_take_ascii_ordinals_only():
+    for bad in ["cuda:\u00b2", "cuda:\u0663", "cuda:2147483648", "cuda:", "cuda:-1", "cuda: 1"]:
+        with error(r"field 'device' = .*: expected 'cpu', 'cuda' or 'cuda:N'"):
+            dcpmla.Attention(heads=2, device=bad)
+    with error(r"field 'max_local_len' = -1: expected an integer in \[1, 2147483647\]"):
+        dcpmla.Attention(heads=2, device="cpu", max_local_len=-1)
+
+
+def test_misaligned_views_are_copied_before_the_library_reads_them():
+    """mla_attention's q and kv at a byte offset into another buffer: copied (aligned), the same
+    answer as the aligned arrays."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 1, 2, D)).astype(np.float32)
+    kv = rng.standard_normal((1, 8, D)).astype(np.float32)
+
+    def at_offset(a):
+        raw = np.zeros(a.nbytes + 4, np.uint8)
+        view = raw[2:2 + a.nbytes].view(np.float32).reshape(a.shape)
+        view[...] = a
+        assert not view.flags.aligned
+        return view
+
+    want = dcpmla.mla_attention(q, kv, np.array([8], np.int32), mode="decode")
+    got = dcpmla.mla_attention(at_offset(q), at_offset(kv), np.array([8], np.int32), mode="decode")
+    assert np.array_equal(want[0], got[0]) and np.array_equal(want[1], got[1])
 
 
 @pytest.mark.parametrize("name", ["float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3b11fnuz", "float8_e4m3",
