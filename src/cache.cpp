@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 #include "dcpmla/error.h"
 #include "dcpmla/layout.h"
@@ -46,31 +45,8 @@ void KvCache::validate() const {
     fail("kv_cache", fmt::format("address {}", data), "16-byte aligned memory");
 }
 
-namespace {
-
-// One rule for a cache scale given as a double (Python, CLI) or a float (C++): checked in the
-// caller's type, so the message shows the value as given.
-template <class T>
-float kv_scale_as_given(T value, KvDtype dtype) {
-  if (dtype == KvDtype::bf16) {
-    if (value != T(1)) fail("kv_scale", value, "1.0 for a bf16 cache (the scale is for fp8)");
-    return 1.0f;
-  }
-  if constexpr (std::is_same_v<T, float>) {
-    require_scale("kv_scale", value);
-    return value;
-  } else {
-    return checked_scale("kv_scale", value);
-  }
-}
-
-}  // namespace
-
-float checked_kv_scale(double value, KvDtype dtype) { return kv_scale_as_given(value, dtype); }
-
 void KvScale::validate(KvDtype dtype) const {
-  require_known("kv_dtype", dtype);
-  (void)kv_scale_as_given(value, dtype);
+  require_kv_scale(value, dtype);
   if (device != nullptr && dtype == KvDtype::bf16)
     fail("kv_scale", "a device tensor", "a plain 1.0 for a bf16 cache (the scale is for fp8)");
 }
@@ -116,8 +92,7 @@ PagedCache::PagedCache(const CacheConfig& config) : config_(config) {
 void encode_latent(const bf16* src, int dim, KvDtype dtype, float scale, uint8_t* dst) {
   // Per token of a write: messages formatted only on failure.
   if (dim < 1) fail("dim", dim, ">= 1");
-  require_known("kv_dtype", dtype);
-  KvScale{scale}.validate(dtype);
+  require_kv_scale(scale, dtype);
   if (src == nullptr || dst == nullptr) fail(src == nullptr ? "src" : "dst", "null", "a host pointer");
   if (dtype == KvDtype::bf16) {
     std::memcpy(dst, src, size_t(dim) * 2);

@@ -101,13 +101,30 @@ float checked_scale(std::string_view field, double value) {
   return float(value);
 }
 
-float quantize_roundtrip(float x, KvDtype d, float scale) {
-  const float b = round_to_bf16(x);
-  if (d == KvDtype::bf16) {
-    if (scale != 1.0f) fail("kv_scale", scale, "1.0 for a bf16 cache (the scale is for fp8)");
-    return b;
+namespace {
+
+// One rule for a cache scale given as a double (Python, CLI) or a float (C++): checked in the
+// caller's type, so the message shows the value as given.
+template <class T>
+float kv_scale_as_given(T value, KvDtype dtype) {
+  require_known("kv_dtype", dtype);
+  if (dtype == KvDtype::bf16) {
+    if (value != T(1)) fail("kv_scale", value, "1.0 for a bf16 cache (the scale is for fp8)");
+    return 1.0f;
   }
-  require_scale("kv_scale", scale);
+  check_scale("kv_scale", value);
+  return float(value);
+}
+
+}  // namespace
+
+void require_kv_scale(float value, KvDtype dtype) { (void)kv_scale_as_given(value, dtype); }
+float checked_kv_scale(double value, KvDtype dtype) { return kv_scale_as_given(value, dtype); }
+
+float quantize_roundtrip(float x, KvDtype d, float scale) {
+  require_kv_scale(scale, d);
+  const float b = round_to_bf16(x);
+  if (d == KvDtype::bf16) return b;
   return fp8_to_float(float_to_fp8(b / scale, d), d) * scale;
 }
 

@@ -56,10 +56,6 @@ struct KvScale {
   void validate(KvDtype dtype) const;
 };
 
-// Checks a cache scale given as a double (Python, CLI): a positive normal float32 (so it
-// survives the narrowing), exactly 1 for bf16. The message shows the value as given.
-float checked_kv_scale(double value, KvDtype dtype);
-
 // Refuses a write whose cache shares memory with its latents (bf16 [n, D]), slots (int64 [n]) or
 // device scale, or with `errors` (the CUDA write's device count); null pointers take no bytes
 // (require_disjoint). For a validated cache and n >= 0.

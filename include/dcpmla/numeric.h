@@ -55,8 +55,14 @@ float checked_scale(std::string_view field, double value);
 inline constexpr float kMaxSoftmaxScale = 65536.0f;
 void require_softmax_scale(float value);
 
-// One stored value of a cache of dtype d with the given scale (1 for bf16, else a positive
-// normal float32), read back as float.
+// A cache scale (read = stored * scale): exactly 1 for bf16, else a positive normal float32; the
+// dtype must be known. checked_kv_scale takes it as a double (Python, CLI), checked before it
+// narrows, the message showing the value as given.
+void require_kv_scale(float value, KvDtype dtype);
+float checked_kv_scale(double value, KvDtype dtype);
+
+// One stored value of a cache of dtype d with the given scale (require_kv_scale), read back as
+// float.
 float quantize_roundtrip(float x, KvDtype d, float scale);
 
 }  // namespace dcpmla

@@ -144,17 +144,12 @@ void validate_attention_params(const AttentionParams& p) {
   require(v.header != nullptr && v.row_local_len != nullptr && v.q_start != nullptr && v.subpage_table != nullptr &&
               v.work != nullptr && v.chunk_work != nullptr && v.split_request != nullptr && v.split_slot != nullptr,
           "plan", "a view with null buffers", "a view over a copy of a plan (Plan::view_at)");
-  require_known("kv_dtype", p.kv_dtype);
   // Every run passes here: messages are formatted only on failure.
+  require_kv_scale(p.kv_scale, p.kv_dtype);  // the dtype too
   if (p.heads < 1) fail("heads", p.heads, ">= 1");
   if (p.rank_dim < 1) fail("rank_dim", p.rank_dim, ">= 1");
   if (p.dim <= p.rank_dim) fail("dim", p.dim, fmt::format("> rank_dim ({}): D = R + the rope part", p.rank_dim));
   require_softmax_scale(p.softmax_scale);
-  if (p.kv_dtype == KvDtype::bf16) {
-    if (p.kv_scale != 1.0f) fail("kv_scale", p.kv_scale, "1.0 for a bf16 cache (the scale is for fp8)");
-  } else {
-    require_scale("kv_scale", p.kv_scale);
-  }
   if (v.max_qlen < 1 || v.max_batch < 1 || v.work_capacity < 1 || v.chunk_capacity < 1)
     fail("plan capacities",
          fmt::format("max_batch {}, max_qlen {}, work_capacity {}, chunk_capacity {}", v.max_batch, v.max_qlen,
@@ -235,8 +230,7 @@ void block_attention_cpu(const BlockAttentionParams& p) {
     fail("head_begin", p.head_begin, fmt::format("in [0, q_heads - heads] = [0, {}]", int64_t(p.q_heads) - p.heads));
   if (p.rank_dim < 1) fail("rank_dim", p.rank_dim, ">= 1");
   if (p.dim <= p.rank_dim) fail("dim", p.dim, fmt::format("> rank_dim ({}): D = R + the rope part", p.rank_dim));
-  require_known("kv_dtype", p.kv_dtype);
-  KvScale{p.kv_scale}.validate(p.kv_dtype);
+  require_kv_scale(p.kv_scale, p.kv_dtype);
   require_softmax_scale(p.softmax_scale);
   if (p.batch > 0 &&
       (p.q == nullptr || p.block_kv == nullptr || p.seq_lens == nullptr || p.out == nullptr || p.lse == nullptr))
