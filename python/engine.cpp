@@ -1,10 +1,8 @@
 #include "engine.h"
 
-#include <algorithm>
 #include <array>
 #include <initializer_list>
 #include <limits>
-#include <numeric>
 #include <vector>
 
 #include <fmt/format.h>
@@ -342,16 +340,9 @@ void Engine::plan(HostInts1 seq_lens, HostInts2 block_tables, int qlen, const st
   } else {
 #ifdef DCPMLA_HAS_CUDA
     DeviceScope scope(where_.device);
-    // A graph replays this plan on the tensors of its captured run(), which run() checked against
-    // the plan of the capture: a plan of more query rows would write past them.
-    int64_t rows = int64_t(batch.seq_lens.size()) * qlen;
-    if (!batch.qlens.empty()) rows = std::accumulate(batch.qlens.begin(), batch.qlens.end(), int64_t(0));
-    if (rows > captured_rows_)
-      fail("batch", fmt::format("{} query rows", rows),
-           fmt::format("at most {} (the rows of a run() captured into a CUDA graph, whose replays write this plan's "
-                       "rows into its tensors; capture with the largest batch to replay)",
-                       captured_rows_));
-    cuda_->attention.plan(batch, stream_of(stream));  // refused inside a capture
+    // run() checks its tensors against the current plan, and a graph replays later plans on the
+    // tensors of its captured run(): a plan of more rows than that run's would write past them.
+    cuda_->attention.plan(batch, stream_of(stream), /*fit_captured_rows=*/true);
 #else
     (void)stream;
 #endif
@@ -398,15 +389,8 @@ void Engine::run(Tensor q, Tensor kv_cache, double kv_scale, std::optional<Tenso
   }
 #ifdef DCPMLA_HAS_CUDA
   DeviceScope scope(where_.device);
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (const cudaError_t e = cudaStreamIsCapturing(stream_of(stream), &capture); e != cudaSuccess) {
-    (void)cudaGetLastError();
-    fail("stream", fmt::format("{:#x}", stream), fmt::format("a stream whose capture state reads ({})",
-                                                               cudaGetErrorString(e)));
-  }
   cuda_->attention.run(static_cast<const bf16*>(q.data()), cache, scale, static_cast<bf16*>(out.data()),
                        static_cast<float*>(lse.data()), stream_of(stream));
-  if (capture == cudaStreamCaptureStatusActive) captured_rows_ = std::min(captured_rows_, int64_t(h.rows));
 #else
   (void)stream;
 #endif

@@ -7,7 +7,6 @@
 #pragma once
 
 #include <cstdint>
-#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -78,7 +77,7 @@ class Engine {
   std::unique_lock<std::mutex> lock() const;
   const Plan& current_plan() const;
 
-  mutable std::mutex mutex_;  // guards the plan (cpu_ / cuda_, planned_, packed_, captured_rows_)
+  mutable std::mutex mutex_;  // guards the plan (cpu_ / cuda_, planned_, packed_)
 
   AttentionConfig config_;
   Placement where_;
@@ -87,9 +86,6 @@ class Engine {
   std::unique_ptr<Cuda> cuda_;
   bool planned_ = false;
   bool packed_ = false;
-  // CUDA: the fewest query rows of a run() captured into a graph (max: none), past which a plan
-  // is refused (its replay would write past the captured tensors).
-  int64_t captured_rows_ = std::numeric_limits<int64_t>::max();
 };
 
 // SPEC §3 write path on a tensor cache: latent [T, D], slot_mapping [T] int64 (-1 = PAD); the

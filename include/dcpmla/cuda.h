@@ -133,14 +133,17 @@ class Attention {
   // num_blocks of the smallest cache a captured run() used (field block_tables): a replay would
   // read past that cache. The bound holds for this object's lifetime (capture over a larger
   // cache with a new Attention); a refused batch leaves the previous plan current.
-  void plan(const BatchDesc& batch, cudaStream_t stream);
+  // fit_captured_rows: also refuse a batch of more query rows than the fewest of a run() captured
+  // so far (its replays write this plan's rows into that run's buffers): for callers whose
+  // buffers are sized for the batch they captured (the Python engine), not for the limits.
+  void plan(const BatchDesc& batch, cudaStream_t stream, bool fit_captured_rows = false);
   // q [B, qlen, H, D] -> out [B, qlen, H, R], lse [B, qlen, H] natural log (device pointers):
   // this rank's partial; rows whose rank-local window is empty give out 0, lse -inf.
   // q and out 16-byte aligned, lse and scale.device 4-byte aligned; out and lse share no byte
   // with q, the cache, scale.device or each other over the plan's rows (dcpmla::Error otherwise).
   // A captured graph replays later plans on these pointers: size them for the rows of every
-  // plan replayed (the capture limits). plan() and run() refuse a call made while another
-  // device is current, and plan() one made while `stream` captures a graph.
+  // plan replayed (the capture limits), or plan with fit_captured_rows. plan() and run() refuse
+  // a call made while another device is current, and plan() one made while `stream` captures.
   // Inside a capture (cudaStreamIsCapturing on `stream`) it records the cache's num_blocks for
   // plan()'s check above. A step of no query rows (every qlen 0) may pass null q/out/lse
   // outside a capture: nothing runs. Launches the attention kernel, then the combine of cut

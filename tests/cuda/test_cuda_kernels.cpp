@@ -598,6 +598,13 @@ TEST(CudaGraphBound, PlanAfterCaptureRefusesTablesPastTheCapturedCache) {
   cuda_ok(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
   expect_error([&] { plan(64); }, {"'block_tables' = block id 64", "a cache of 64 blocks would read past it"});
   EXPECT_EQ(a.current_plan().stats().max_block, 9);  // the refused batch left the previous plan
+  // The captured run had 1 query row (16 heads each): with fit_captured_rows a batch of 2 is
+  // refused (its replay would write past that run's buffers); without, the buffers are the caller's.
+  const std::vector<int32_t> two{100, 100}, two_tables{3, 9, 3, 9};
+  expect_error([&] { a.plan(BatchDesc{two, 1, two_tables, 2}, stream, true); }, {"'batch' = 2 query rows", "at most 1"});
+  EXPECT_EQ(a.current_plan().header().batch, 1);
+  a.plan(BatchDesc{two, 1, two_tables, 2}, stream);
+  EXPECT_EQ(a.current_plan().header().batch, 2);
   plan(63);                                          // inside the captured cache
   EXPECT_EQ(a.current_plan().stats().max_block, 63);
   cudaGraphExec_t exec;

@@ -219,6 +219,9 @@ struct Attention::Impl {
   // The fewest blocks of any cache a run() captured into a CUDA graph used (max: none): a
   // replay reads that cache with whatever plan is current, so plan() refuses tables past it.
   int64_t captured_blocks = std::numeric_limits<int64_t>::max();
+  // The fewest query rows of a run() captured into a graph (max: none): a replay writes the
+  // current plan's rows into that run's buffers (plan(..., fit_captured_rows)).
+  int64_t captured_rows = std::numeric_limits<int64_t>::max();
 };
 
 Attention::Attention(const AttentionConfig& config, int device) : Attention(config, nullptr, 0, device) {}
@@ -238,15 +241,15 @@ Attention::Attention(const AttentionConfig& config, void* workspace, size_t byte
 }
 
 Attention::~Attention() {
-  // Work in flight may still read the plan and the workspace (on this object's device).
-  if (impl_) {
-    int previous = 0;
-    if (cudaGetDevice(&previous) == cudaSuccess && cudaSetDevice(impl_->device) == cudaSuccess) {
-      (void)cudaDeviceSynchronize();
-      (void)cudaSetDevice(previous);
-    }
-    (void)cudaGetLastError();  // a destructor reports nothing: no error is left for a later check
+  // Work in flight may still read the plan and the workspace (on this object's device). A
+  // destructor reports nothing, and leaves no error behind for a later check.
+  if (!impl_) return;
+  try {
+    const DeviceScope scope(impl_->device);
+    (void)cudaDeviceSynchronize();
+  } catch (const CudaError&) {
   }
+  (void)cudaGetLastError();
 }
 
 size_t Attention::workspace_bytes(const AttentionConfig& config, int device) {
@@ -262,7 +265,7 @@ int Attention::device() const { return impl_->device; }
 int Attention::num_sms() const { return impl_->sms; }
 const AttentionTuning& Attention::tuning() const { return impl_->tuning; }
 
-void Attention::plan(const BatchDesc& batch, cudaStream_t stream) {
+void Attention::plan(const BatchDesc& batch, cudaStream_t stream, bool fit_captured_rows) {
   Impl& m = *impl_;
   require_not_capturing(stream);
   require_current_device(m.device, "Attention");
@@ -279,6 +282,11 @@ void Attention::plan(const BatchDesc& batch, cudaStream_t stream) {
          fmt::format("< {}: a graph captured over a cache of {} blocks would read past it (capture again over a "
                      "larger cache, with a new Attention)",
                      m.captured_blocks, m.captured_blocks));
+  if (fit_captured_rows && m.plans[k].header().rows > m.captured_rows)
+    fail("batch", fmt::format("{} query rows", m.plans[k].header().rows),
+         fmt::format("at most {} (the rows of a run() captured into a CUDA graph, whose replays write this plan's "
+                     "rows into its buffers; capture with the largest batch to replay)",
+                     m.captured_rows));
   check(cudaMemcpyAsync(m.plan_dev, m.plans[k].arena().data(), m.plans[k].used_ints() * sizeof(int32_t),
                         cudaMemcpyHostToDevice, stream),
         "cudaMemcpyAsync(plan upload)");
@@ -318,8 +326,11 @@ void Attention::run(const bf16* q, const KvCache& cache, const KvScale& scale, b
   // The rest of the parameters are the configuration's, checked when it was built.
   require_io_aligned(q, out, lse, scale.device);
   require_run_disjoint(m.planner.config(), current_plan().header().rows, q, cache, scale, out, lse);
-  // Inside a capture, remember the cache: later plans must fit it (plan()).
-  if (capturing) m.captured_blocks = std::min(m.captured_blocks, cache.num_blocks);
+  // Inside a capture, remember the cache and the rows: later plans must fit them (plan()).
+  if (capturing) {
+    m.captured_blocks = std::min(m.captured_blocks, cache.num_blocks);
+    m.captured_rows = std::min(m.captured_rows, int64_t(current_plan().header().rows));
+  }
   // The combine reads the cut requests from the device plan. Captured, it is launched wherever
   // this planner may cut (the graph replays later plans); run eagerly, only when this plan cut
   // a request: with none its grid would only wait for the attention grid and exit, a second
