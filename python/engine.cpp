@@ -219,24 +219,6 @@ void widen(const std::vector<bf16>& scratch, OutTensor& t) {
 
 #ifdef DCPMLA_HAS_CUDA
 cudaStream_t stream_of(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
-
-// Makes `device` current for the calls in scope (the caller's thread may have another current).
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    cudaGetDevice(&previous_);
-    if (previous_ != device) cudaSetDevice(device);
-    device_ = device;
-  }
-  ~DeviceScope() {
-    if (previous_ != device_) cudaSetDevice(previous_);
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int previous_ = 0, device_ = 0;
-};
 #endif
 
 }  // namespace
@@ -339,7 +321,7 @@ void Engine::plan(HostInts1 seq_lens, HostInts2 block_tables, int qlen, const st
     cpu_->plan(batch);
   } else {
 #ifdef DCPMLA_HAS_CUDA
-    DeviceScope scope(where_.device);
+    cuda::DeviceScope scope(where_.device);
     // run() checks its tensors against the current plan, and a graph replays later plans on the
     // tensors of its captured run(): a plan of more rows than that run's would write past them.
     cuda_->attention.plan(batch, stream_of(stream), /*fit_captured_rows=*/true);
@@ -388,7 +370,7 @@ void Engine::run(Tensor q, Tensor kv_cache, double kv_scale, std::optional<Tenso
     return;
   }
 #ifdef DCPMLA_HAS_CUDA
-  DeviceScope scope(where_.device);
+  cuda::DeviceScope scope(where_.device);
   cuda_->attention.run(static_cast<const bf16*>(q.data()), cache, scale, static_cast<bf16*>(out.data()),
                        static_cast<float*>(lse.data()), stream_of(stream));
 #else
@@ -420,7 +402,7 @@ void write_kv(OutTensor kv_cache, Tensor latent, Tensor slot_mapping, const std:
     return;
   }
 #ifdef DCPMLA_HAS_CUDA
-  DeviceScope scope(where.device);
+  cuda::DeviceScope scope(where.device);
   cuda::write_kv(cache, static_cast<const bf16*>(latent.data()), slots, n, scale, stream_of(stream));
 #else
   (void)stream;
@@ -497,7 +479,7 @@ void merge_states(Tensor out_parts, Tensor lse_parts, OutTensor out, OutTensor l
     return;
   }
 #ifdef DCPMLA_HAS_CUDA
-  DeviceScope scope(where.device);
+  cuda::DeviceScope scope(where.device);
   cuda::combine_partials(static_cast<const bf16*>(out_parts.data()), lp, int(n), static_cast<bf16*>(out.data()), lo,
                          rows, int(width), stream_of(stream));
 #else

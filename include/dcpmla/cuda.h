@@ -33,6 +33,20 @@ int cuda_device_count();
 
 namespace cuda {
 
+// Makes `device` current for a scope and gives the caller's back at its end (a failed switch
+// throws CudaError). Attention, DcpStep and the free functions run on the current device and
+// refuse another where they own device state; engines whose threads switch devices wrap calls in it.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device);
+  ~DeviceScope();
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = 0, device_ = 0;
+};
+
 // Kernel variant knobs; 0 leaves the choice to the library. Results do not depend on
 // them (every variant is tested); they exist for tuning and for the tests.
 struct AttentionTuning {

@@ -235,7 +235,7 @@ Attention::Attention(const AttentionConfig& config, void* workspace, size_t byte
                      bytes));
   if (device >= 0) require_device(device, " (or < 0 for the current device)");
   // Built on its device; the caller's current device is given back.
-  const DeviceScope scope(device >= 0 ? device : current_device());
+  const cuda::DeviceScope scope(device >= 0 ? device : current_device());
   impl_ = std::make_unique<Impl>(config, device, workspace, bytes);
   set_tuning(AttentionTuning{});
 }
@@ -245,7 +245,7 @@ Attention::~Attention() {
   // destructor reports nothing, and leaves no error behind for a later check.
   if (!impl_) return;
   try {
-    const DeviceScope scope(impl_->device);
+    const cuda::DeviceScope scope(impl_->device);
     (void)cudaDeviceSynchronize();
   } catch (const CudaError&) {
   }

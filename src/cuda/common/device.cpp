@@ -64,14 +64,18 @@ void require_not_capturing(cudaStream_t stream) {
          "plan() outside the capture: a replay computes the batch of the last plan()");
 }
 
-DeviceScope::DeviceScope(int device) : previous_(current_device()), device_(device) {
-  if (previous_ != device_) check(cudaSetDevice(device_), "cudaSetDevice");
+}  // namespace cuda_detail
+
+namespace cuda {
+
+DeviceScope::DeviceScope(int device) : previous_(cuda_detail::current_device()), device_(device) {
+  if (previous_ != device_) cuda_detail::check(cudaSetDevice(device_), "cudaSetDevice");
 }
 DeviceScope::~DeviceScope() {
   if (previous_ != device_) (void)cudaSetDevice(previous_);
 }
 
-}  // namespace cuda_detail
+}  // namespace cuda
 
 bool cuda_device_available() { return cuda_detail::device_count() > 0; }
 

@@ -109,16 +109,5 @@ void require_current_device(int device, const char* owner);
 // that plan's staging copy, and a replay would compute it instead of the latest plan.
 void require_not_capturing(cudaStream_t stream);
 
-// Makes `device` current for a scope and gives the caller's back at its end.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device);
-  ~DeviceScope();
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int previous_ = 0, device_ = 0;
-};
 
 }  // namespace dcpmla::cuda_detail
