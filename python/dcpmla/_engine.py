@@ -204,7 +204,7 @@ def _device(device):
 class Attention:
     """One rank's MLA attention over engine-owned paged latent caches (SPEC §6).
 
-    Args (keyword-only; fixed for the object's life, checked now):
+    Args (in SPEC §6's order, positional or keyword; fixed for the object's life, checked now):
         heads: query heads this rank computes (all the group's heads under DCP).
         kv_dtype: ``"bf16"``, ``"fp8_e4m3"`` or ``"fp8_e5m2"``: the caches' storage.
         block_size: tokens per cache block (``block_size % interleave == 0``).
@@ -226,7 +226,7 @@ class Attention:
     workspace, allocated here; :meth:`plan` and :meth:`run` allocate nothing.
     """
 
-    def __init__(self, *, heads, kv_dtype="bf16", block_size=64, world_size=1, rank=0, interleave=1,
+    def __init__(self, heads, kv_dtype="bf16", block_size=64, world_size=1, rank=0, interleave=1,
                  max_batch=256, max_qlen=8, max_local_len=131072, softmax_scale=None, kv_lora_rank=512,
                  route="auto", device="cuda"):
         backend, index = _device(device)
@@ -323,7 +323,7 @@ class Attention:
         self._native.plan(seq_lens, block_tables, _int("qlen", qlen), _str("mode", mode), qlens,
                           _stream(stream, None, self._cuda_index) or 0)
 
-    def run(self, q, kv_cache, *, kv_scale=1.0, out=None, lse=None, stream=None):
+    def run(self, q, kv_cache, kv_scale=1.0, out=None, lse=None, stream=None):
         """This rank's partial attention of the planned batch over one layer's cache.
 
         Args:
@@ -400,7 +400,7 @@ def write_kv(kv_cache, latent, slot_mapping, kv_dtype="bf16", kv_scale=1.0, stre
                    ("kv_scale", tensor, False)])
 
 
-def merge_states(out_parts, lse_parts, *, out=None, lse=None, stream=None):
+def merge_states(out_parts, lse_parts, out=None, lse=None, stream=None):
     """Merges N partials of the same rows with the LSE rule (SPEC §2):
     ``lse = ln sum_r exp(lse_r)``, ``out = sum_r exp(lse_r - lse) out_r``; -inf partials add
     nothing, all -inf gives out 0, lse -inf.

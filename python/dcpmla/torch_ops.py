@@ -68,7 +68,7 @@ def _scale_args(kv_scale):
     return (1.0, kv_scale) if isinstance(kv_scale, Tensor) else (float(kv_scale), None)
 
 
-def run(att: "_engine.Attention", q: Tensor, kv_cache: Tensor, *, kv_scale=1.0, out: Optional[Tensor] = None,
+def run(att: "_engine.Attention", q: Tensor, kv_cache: Tensor, kv_scale=1.0, out: Optional[Tensor] = None,
         lse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """:meth:`dcpmla.Attention.run` through ``torch.ops.dcpmla.run``: the same checks and result;
     outputs not given are allocated from q's shape (``[*q.shape[:-1], R]`` of q's dtype, bf16

@@ -130,6 +130,46 @@ def test_outputs_are_reused_and_plans_replace_each_other():
     assert att.batch == 4 and att.qlen == 3 and att.route in ("one_stage", "split_k")
 
 
+def test_the_calls_take_their_arguments_in_spec_order():
+    """SPEC §6 writes run(q, kv_cache, kv_scale=1.0, out=None, lse=None, stream=None) and the
+    constructor's arguments in one order: each may be passed by position as well as by name."""
+    import inspect
+    spec = {
+        dcpmla.Attention.__init__: ["self", "heads", "kv_dtype", "block_size", "world_size", "rank", "interleave",
+                                    "max_batch", "max_qlen", "max_local_len", "softmax_scale", "kv_lora_rank",
+                                    "route", "device"],
+        dcpmla.Attention.plan: ["self", "seq_lens", "block_tables", "qlen", "mode"],
+        dcpmla.Attention.run: ["self", "q", "kv_cache", "kv_scale", "out", "lse", "stream"],
+        dcpmla.write_kv: ["kv_cache", "latent", "slot_mapping", "kv_dtype", "kv_scale", "stream"],
+        dcpmla.merge_states: ["out_parts", "lse_parts"],
+    }
+    for fn, names in spec.items():
+        positional = [p.name for p in inspect.signature(fn).parameters.values()
+                      if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        assert positional[:len(names)] == names, fn.__qualname__
+    step = Step(dtype="fp8_e4m3", kv_scale=0.37)
+    q, kv, t, num_blocks, _ = make_inputs(step)
+    by_name = dcpmla.Attention(**attention_kwargs(step, 0, **LIMITS))
+    kw = attention_kwargs(step, 0, **LIMITS)
+    by_position = dcpmla.Attention(kw["heads"], kw["kv_dtype"], kw["block_size"], kw["world_size"], kw["rank"],
+                                   kw["interleave"], kw["max_batch"], kw["max_qlen"], kw["max_local_len"],
+                                   kw.get("softmax_scale"), kw.get("kv_lora_rank", R), kw.get("route", "auto"),
+                                   kw["device"])
+    cache = numpy_cache(num_blocks, step)
+    latents, slots = slots_and_latents(step, kv, t, num_blocks, 0)
+    dcpmla.write_kv(cache, latents, slots, step.dtype, scale_of(step), None)
+    got = []
+    for att in (by_name, by_position):
+        att.plan(np.array(step.lengths, dtype=np.int32), t, step.qlen, step.mode)
+        out = np.zeros((len(step.lengths), step.qlen, step.heads, R), dtype=np.float32)
+        lse = np.zeros((len(step.lengths), step.qlen, step.heads), dtype=np.float32)
+        assert att.run(q, cache, scale_of(step), out, lse, None)[0] is out
+        got.append((out, lse))
+    np.testing.assert_array_equal(got[0][0], got[1][0])
+    np.testing.assert_array_equal(got[0][1], got[1][1])
+    np.testing.assert_array_equal(by_name.run(q, cache, kv_scale=scale_of(step))[0], got[0][0])
+
+
 def test_plan_takes_lists_and_other_integer_arrays():
     att, q, cache, t = planned()
     att.plan([37, 0, 5, 129], t.tolist(), 3, mode="verify")
