@@ -68,7 +68,7 @@ void fail_disagreement(const PublishedCall& rank0, const PublishedCall& other, i
 // Ranks meet at a generation barrier; each collective publishes its send buffer, lets every
 // rank read what it needs, and meets again before anyone reuses a buffer.
 struct InProcessGroup::State {
-  State(int n, std::chrono::milliseconds t) : world(n), timeout(t), calls(size_t(n)), rendezvous(n, t) {}
+  State(int n, std::chrono::milliseconds t) : world(n), timeout(t), calls(size_t(n)), rendezvous(n, t), claims(n) {}
 
   void barrier(int rank) {
     switch (rendezvous.arrive_and_wait()) {
@@ -96,6 +96,7 @@ struct InProcessGroup::State {
   const std::chrono::milliseconds timeout;
   std::vector<detail::PublishedCall> calls;  // each rank's call of the current collective
   RankBarrier rendezvous;
+  RankClaims claims;
   std::atomic<int> failed_rank{-1};  // -1: aborted by InProcessGroup::abort(), or not at all
 };
 
@@ -125,11 +126,14 @@ void store_from(const float* acc, void* dst, size_t count, DataType t) {
 class InProcessComm final : public Communicator {
  public:
   InProcessComm(std::shared_ptr<InProcessGroup::State> state, int rank)
-      : state_(std::move(state)), rank_(rank), unwinding_at_birth_(std::uncaught_exceptions()) {}
+      : state_(std::move(state)), rank_(rank), unwinding_at_birth_(std::uncaught_exceptions()) {
+    state_->claims.claim(rank_);  // a refused claim constructs nothing, so releases nothing
+  }
   // Destroyed by an exception on its way out of the rank's code: that rank has failed, and
   // no peer may wait for it.
   ~InProcessComm() override {
     if (std::uncaught_exceptions() > unwinding_at_birth_) abort();
+    state_->claims.release(rank_);
   }
 
   int rank() const override { return rank_; }
@@ -196,7 +200,7 @@ class InProcessComm final : public Communicator {
       first = calls[0];
       other = calls[size_t(bad)];
     }
-    state_->barrier(rank_);
+    state_->rendezvous.arrive_and_wait_all();  // every rank has passed the first: none may leave early
     if (bad >= 0) [[unlikely]]
       detail::fail_disagreement(first, other, bad);
   }

@@ -2,14 +2,18 @@
 // in-process host group (comm.cpp) and the device group (cuda/comm_device.cpp) share both.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include "dcpmla/error.h"
 
 namespace dcpmla {
 
@@ -47,6 +51,21 @@ class RankBarrier {
     return generation_ != gen ? Outcome::passed : Outcome::aborted;
   }
 
+  // The end of a read phase that every rank entered together (arrive_and_wait passed): no rank
+  // can fail inside it, and one released early would free a buffer its peers still copy from.
+  // So neither abort() nor the timeout releases this wait; an abort holds for the next one.
+  void arrive_and_wait_all() {
+    std::unique_lock lock(mutex_);
+    const uint64_t gen = generation_;
+    if (++arrived_ == world_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return;
+    }
+    cv_.wait(lock, [&] { return generation_ != gen; });
+  }
+
   void abort() {
     std::lock_guard lock(mutex_);
     aborted_ = true;
@@ -61,6 +80,21 @@ class RankBarrier {
   uint64_t generation_ = 0;
   int arrived_ = 0;
   bool aborted_ = false;
+};
+
+// One live communicator per rank of a group: a second one for a rank would take a peer's place
+// at the barrier, and the collective would read that peer's stale buffers.
+class RankClaims {
+ public:
+  explicit RankClaims(int world) : taken_(std::make_unique<std::atomic<bool>[]>(size_t(world))) {}
+  void claim(int rank) {
+    if (taken_[size_t(rank)].exchange(true))
+      fail("rank", rank, "a rank of this group with no live communicator (one communicator per rank at a time)");
+  }
+  void release(int rank) { taken_[size_t(rank)].store(false); }
+
+ private:
+  std::unique_ptr<std::atomic<bool>[]> taken_;
 };
 
 // Runs body(rank) on `world` threads. The first exception is kept and abort() is called at

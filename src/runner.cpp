@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <random>
 
 #include <fmt/ranges.h>
@@ -340,28 +342,64 @@ void check_memory(const Inputs& in, const AttentionOptions& o, int ranks_here, b
                       kMaxInProcessBytes >> 30));
 }
 
-AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, Communicator& comm,
-                         const RankEngineFactory& engines) {
-  const int rank = comm.rank(), N = o.world_size, R = o.kv_lora_rank, heads = in.heads, qlen = in.qlen;
-  const int64_t rows = in.rows;
-  const auto engine = (engines ? engines : RankEngineFactory(make_cpu_rank))(rank_config(in, o, rank), cache_config(in, o));
+// This rank's engine with its shard written and the batch planned: everything a rank can
+// refuse on its own, done before its first collective.
+std::unique_ptr<RankEngine> set_up_rank(const Inputs& in, const AttentionOptions& o, int rank,
+                                        const RankEngineFactory& engines) {
+  auto engine = (engines ? engines : RankEngineFactory(make_cpu_rank))(rank_config(in, o, rank), cache_config(in, o));
   if (engine == nullptr) fail("engines", "a factory that returned null", fmt::format("a RankEngine for rank {}", rank));
   if (o.poison) engine->poison();
   const BatchDesc desc = in.desc();
   engine->write(in.latents, in.positions, in.requests, desc);
   engine->plan(desc);
-  const Route route = engine->current_plan().route();
-  // FNV-1a over the lengths: ranks handed different batches must not merge them.
-  uint32_t lens_hash = 2166136261u;
-  for (int32_t len : in.seq_lens) lens_hash = (lens_hash ^ uint32_t(len)) * 16777619u;
-  // Whether stage B runs must agree; split_k or one_stage is each rank's own schedule.
-  const int32_t signature[] = {in.batch, qlen, heads, R, int32_t(route == Route::two_stage), int32_t(o.merge),
-                               int32_t(lens_hash)};
-  check_ranks_agree(comm, signature, "batch, qlen, heads, R, two_stage, merge, seq_lens hash");
+  return engine;
+}
+
+// FNV-1a: ranks handed different lengths must not merge their partials.
+uint32_t hash_step(uint32_t h, int32_t v) { return (h ^ uint32_t(v)) * 16777619u; }
+int32_t hash_of(std::span<const int32_t> values) {
+  uint32_t h = 2166136261u;
+  for (int32_t v : values) h = hash_step(h, v);
+  return int32_t(h);
+}
+// The rows of each request: qlens, or qlen each when none are given (the same batch either way).
+int32_t rows_hash(const Inputs& in) {
+  if (!in.qlens.empty()) return hash_of(in.qlens);
+  uint32_t h = 2166136261u;
+  for (int b = 0; b < in.batch; ++b) h = hash_step(h, in.qlen);
+  return int32_t(h);
+}
+
+AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, RankEngine& engine, Communicator& comm) {
+  const int rank = comm.rank(), N = o.world_size, R = o.kv_lora_rank, heads = in.heads, qlen = in.qlen;
+  const int64_t rows = in.rows;
+  const Route route = engine.current_plan().route();
+  // Everything the ranks' partials depend on but the block tables (a table or block size of
+  // its own gives the same partial). Whether stage B runs must agree too; split_k or one_stage
+  // is each rank's own schedule.
+  const int32_t signature[] = {in.batch,
+                               qlen,
+                               heads,
+                               R,
+                               in.dim,
+                               int32_t(rows),
+                               int32_t(rows >> 32),
+                               hash_of(in.seq_lens),
+                               rows_hash(in),
+                               int32_t(in.mode),
+                               o.interleave,
+                               int32_t(o.kv_dtype),
+                               std::bit_cast<int32_t>(o.kv_scale),
+                               std::bit_cast<int32_t>(in.softmax_scale),
+                               int32_t(route == Route::two_stage),
+                               int32_t(o.merge)};
+  check_ranks_agree(comm, signature,
+                    "batch, qlen, heads, R, D, rows (low, high), seq_lens hash, rows per request hash, mode, interleave, "
+                    "kv_dtype, kv_scale bits, softmax_scale bits, two_stage, merge");
 
   std::vector<bf16> part(size_t(rows * heads * R));
   std::vector<float> part_lse(size_t(rows * heads));
-  engine->attend(in.q16.data(), part.data(), part_lse.data());
+  engine.attend(in.q16.data(), part.data(), part_lse.data());
 
   const bool scatter = o.merge == MergeForm::scatter_heads;
   const int kept = scatter ? heads / N : heads, head_begin = scatter ? rank * kept : 0;
@@ -423,13 +461,24 @@ AttentionResult mla_attention_on_rank(std::span<const float> q, std::span<const 
                                       std::span<const int32_t> seq_lens, int batch, int qlen, int heads,
                                       int64_t max_len, int dim, const AttentionOptions& options,
                                       Communicator& comm, const RankEngineFactory& engines) {
+  std::optional<Inputs> in;
+  std::unique_ptr<RankEngine> engine;
+  std::exception_ptr refused;
   try {
     require(comm.world_size() == options.world_size, "world_size", options.world_size,
             fmt::format("the communicator's size ({})", comm.world_size()));
-    Inputs in = prepare(q, kv, seq_lens, batch, qlen, heads, max_len, dim, options, engines);
-    check_memory(in, options, 1, !engines);
-    load(in, q, kv, options);
-    return run_rank(in, options, comm, engines);
+    in.emplace(prepare(q, kv, seq_lens, batch, qlen, heads, max_len, dim, options, engines));
+    check_memory(*in, options, 1, !engines);
+    load(*in, q, kv, options);
+    engine = set_up_rank(*in, options, comm.rank(), engines);
+  } catch (...) {
+    refused = std::current_exception();
+  }
+  try {
+    // A communicator may have no way to abort its peers (MPI): a rank that refused its inputs
+    // says so in the first collective, and every rank raises there.
+    refuse_together(comm, refused, "mla_attention_on_rank");
+    return run_rank(*in, options, *engine, comm);
   } catch (...) {
     comm.abort();  // the peers' collectives raise instead of waiting for this rank
     throw;
@@ -445,7 +494,8 @@ AttentionResult mla_attention(std::span<const float> q, std::span<const float> k
   load(in, q, kv, options);
   AttentionResult result;
   run_ranks(options.world_size, [&](int rank, Communicator& comm) {
-    AttentionResult mine = run_rank(in, options, comm, engines);
+    const auto engine = set_up_rank(in, options, rank, engines);
+    AttentionResult mine = run_rank(in, options, *engine, comm);
     if (rank == 0) result = std::move(mine);
   });
   return result;

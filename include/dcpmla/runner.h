@@ -32,7 +32,10 @@ inline std::string_view to_string(MergeForm f) { return enum_name(f); }
 // Merges this rank's partial (o, lse over all H heads of `rows` query rows) with the
 // other ranks'. all_heads: out/lse hold [rows, H, R] / [rows, H]. scatter_heads: they
 // hold this rank's heads [rows, H/N, R] / [rows, H/N] (H % N == 0 required). out and out_lse
-// may not share memory with o and lse.
+// may not share memory with o and lse. Every rank must pass the same form, rows, heads and
+// width: it checks nothing across ranks (that would cost a collective per merge). In-process
+// and device groups refuse calls that differ in collective, count or dtype; MPI may hang or
+// merge wrong rows, so agree first (check_ranks_agree, as mla_attention_on_rank does).
 void merge_across_ranks(Communicator& comm, MergeForm form, const bf16* o, const float* lse,
                         int64_t rows, int heads, int width, bf16* out, float* out_lse);
 
@@ -98,8 +101,11 @@ struct AttentionResult {
 // (in-process threads, MPI processes): this rank writes only the tokens it owns, attends
 // its shard and merges with the others. Every rank returns the whole merged result
 // (with scatter_heads the kept heads are all-gathered at the end). comm.world_size()
-// must equal options.world_size. A rank that throws calls comm.abort() first, so that its
-// peers raise instead of waiting for it.
+// must equal options.world_size. A rank that refuses its inputs or fails to set up says so in
+// the first collective (refuse_together), where every rank raises: MPI has no abort that a
+// peer would see. Ranks whose inputs or options differ (anything the partials depend on) are
+// refused on every rank by check_ranks_agree. A rank that throws later calls comm.abort(),
+// so that in-process peers raise instead of waiting for it.
 // `engines` makes each rank's engine; empty = make_cpu_rank (options.backend must
 // then be cpu). The CUDA backend passes its own (dcpmla::cuda::rank_engine_factory).
 AttentionResult mla_attention_on_rank(std::span<const float> q, std::span<const float> kv,

@@ -1,13 +1,18 @@
 #include "dcpmla/comm.h"
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <exception>
 #include <functional>
+#include <iterator>
+#include <latch>
 #include <numeric>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -101,7 +106,9 @@ TEST(Comm, ARankThatThrowsAbortsAGroupDrivenByUserThreads) {
   t0.join();
   t1.join();
   EXPECT_NE(errors[1].find("'seq_lens[0]' = -1"), std::string::npos) << errors[1];
-  EXPECT_NE(errors[0].find("aborted: rank 1 failed"), std::string::npos) << errors[0];
+  // Rank 1 refused before the first collective: rank 0 learns it there (refuse_together), as
+  // it must under MPI, whose ranks cannot abort each other.
+  EXPECT_NE(errors[0].find("refused by rank 1"), std::string::npos) << errors[0];
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
 }
 
@@ -369,6 +376,108 @@ TEST(Comm, TimeoutsAreBoundedByAYear) {
   });
   EXPECT_NO_THROW(comms[0]->barrier());
   peer.join();
+}
+
+// Ranks whose options differ in what their partials depend on used to be merged into a wrong
+// answer (interleave: out off by 0.9; qlens {1, 3} against {3, 1}: by 1.3). Each is refused on
+// every rank before any partial is exchanged.
+TEST(Comm, RanksThatDisagreeOnTheirOptionsAreRefused) {
+  const int heads = 2, dim = 576, qlen = 3;
+  const int64_t max_len = 40;
+  const auto q = testing::random_normal(size_t(2) * qlen * heads * dim, 1);
+  const auto kv = testing::random_normal(size_t(2) * max_len * dim, 2);
+  const std::vector<int32_t> lens{40, 33};
+  AttentionOptions base;
+  base.world_size = 2;
+  base.mode = Mode::draft;
+  base.block_size = 16;
+  const std::vector<std::pair<std::string, std::function<void(AttentionOptions&)>>> changes{
+      {"interleave", [](AttentionOptions& o) { o.interleave = 2; }},
+      {"mode", [](AttentionOptions& o) { o.mode = Mode::verify; }},
+      {"softmax_scale", [](AttentionOptions& o) { o.softmax_scale = 0.01f; }},
+      {"kv_dtype", [](AttentionOptions& o) {
+         o.kv_dtype = KvDtype::fp8_e4m3;
+         o.kv_scale = 0.05f;
+       }},
+      {"qlens", [](AttentionOptions& o) { o.qlens = {3, 1}; }}};
+  for (const auto& [what, change] : changes) {
+    InProcessGroup group(2, std::chrono::seconds(20));
+    const auto errors = errors_on_ranks(group, [&](int r, Communicator& comm) {
+      AttentionOptions o = base;
+      if (what == "qlens") o.qlens = {1, 3};  // 4 rows on both ranks
+      if (r == 1) change(o);
+      const auto rows = o.qlens.empty() ? size_t(2 * qlen) : size_t(4);
+      const std::span<const float> mine(q.data(), rows * heads * dim);
+      (void)mla_attention_on_rank(mine, kv, lens, 2, qlen, heads, max_len, dim, o, comm);
+    });
+    for (const std::string& e : errors) EXPECT_TRUE(has(e, "expected the same on every rank")) << what << ": " << e;
+  }
+  // The same options in another spelling agree: qlens of qlen each are no qlens.
+  InProcessGroup group(2, std::chrono::seconds(20));
+  const auto errors = errors_on_ranks(group, [&](int r, Communicator& comm) {
+    AttentionOptions o = base;
+    if (r == 1) o.qlens = {qlen, qlen};
+    (void)mla_attention_on_rank(q, kv, lens, 2, qlen, heads, max_len, dim, o, comm);
+  });
+  EXPECT_EQ(errors[0] + errors[1], "");
+}
+
+// A second live communicator for a rank took its peer's place at the barrier, and the
+// collective read that peer's freed buffer from an earlier call (heap-use-after-free).
+TEST(Comm, ARankHasOneLiveCommunicator) {
+  InProcessGroup group(2);
+  {
+    auto first = group.communicator(0);
+    testing::expect_error([&] { (void)group.communicator(0); }, "'rank' = 0");
+    auto other = group.communicator(1);  // another rank is free
+  }
+  EXPECT_NO_THROW((void)group.communicator(0)) << "released with its communicator";
+}
+
+// An abort (or a peer's timeout) while the ranks copy each other's buffers released a rank at
+// the exchange's second barrier: it returned, its caller freed its send buffer, and a slower
+// peer went on copying from it (a crash here: each send buffer is unmapped the moment its
+// collective returns). The read phase now ends for all ranks together: a collective raises on
+// every rank (aborted before the ranks met) or completes on every rank with the right data.
+TEST(Comm, AnAbortNeverSplitsACollective) {
+  const size_t count = size_t(8) << 20, bytes = count * sizeof(float);  // 32 MiB a rank
+  int completed = 0;
+  const int delays_us[] = {0, 500, 1000, 2000, 4000, 6000, 9000, 13000, 20000};
+  for (int delay_us : delays_us) {
+    InProcessGroup group(2);
+    std::latch ready(3);  // the delay counts from the ranks' calls
+    std::string errors[2];
+    bool right[2] = {false, false};
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < 2; ++r)
+      ranks.emplace_back([&, r] {
+        auto comm = group.communicator(r);
+        void* mapped = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        ASSERT_NE(mapped, MAP_FAILED);
+        auto* send = static_cast<float*>(mapped);
+        std::fill(send, send + count, float(r + 1));
+        // Rank 0 gathers into pages never touched (a fault each: the slower reader), rank 1 into touched ones.
+        void* recv_mapped = mmap(nullptr, 2 * bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        ASSERT_NE(recv_mapped, MAP_FAILED);
+        std::span<float> recv(static_cast<float*>(recv_mapped), 2 * count);
+        if (r == 1) std::fill(recv.begin(), recv.end(), 0.0f);
+        ready.arrive_and_wait();
+        errors[r] = testing::error_of([&] { comm->all_gather(send, recv.data(), count, DataType::f32); });
+        munmap(mapped, bytes);  // a peer still reading it would fault
+        right[r] = recv[count - 1] == 1.0f && recv[2 * count - 1] == 2.0f;
+        munmap(recv_mapped, 2 * bytes);
+      });
+    ready.arrive_and_wait();
+    std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+    group.abort();
+    for (auto& t : ranks) t.join();
+    EXPECT_EQ(errors[0].empty(), errors[1].empty()) << "delay " << delay_us << " us: " << errors[0] << errors[1];
+    if (errors[0].empty() && errors[1].empty()) {
+      ++completed;
+      EXPECT_TRUE(right[0] && right[1]) << "delay " << delay_us << " us";
+    }
+  }
+  std::printf("collectives completed despite a later abort: %d of %zu\n", completed, std::size(delays_us));
 }
 
 TEST(Comm, RefusesBadRanks) {

@@ -88,6 +88,40 @@ int main(int argc, char** argv) {
     expect_error([&] { mla_attention_on_rank(q, kv, mine, 1, 1, H, 20, 576, o, *comm); }, "expected the same on every rank",
                  "ranks that disagree on the batch");
 
+  // A rank that refuses its own inputs before any collective: MPI has no abort its peers see, so
+  // every rank must raise in the first collective (they waited in MPI_Allgather forever).
+  const std::vector<int32_t> refused{rank == n - 1 ? 21 : 20};  // 21 > max_len on the last rank
+  if (n > 1)
+    expect_error([&] { mla_attention_on_rank(q, kv, refused, 1, 1, H, 20, 576, o, *comm); },
+                 rank == n - 1 ? "'seq_lens[0]' = 21" : "refused by rank " + std::to_string(n - 1),
+                 "a rank that refuses its inputs");
+  // Ranks whose options differ in what the partials depend on (each used to merge wrong numbers,
+  // or with other row counts to fail inside MPI naming no field).
+  const auto differ = [&](const char* what, const std::function<void(AttentionOptions&)>& change) {
+    AttentionOptions d = o;
+    d.mode = Mode::draft;
+    if (rank == n - 1) change(d);
+    const auto q3 = dcpmla::testing::random_normal(size_t(1) * 3 * H * 576, 3);
+    if (n > 1)
+      expect_error([&] { mla_attention_on_rank(q3, kv, twenty, 1, 3, H, 20, 576, d, *comm); },
+                   "expected the same on every rank", std::string("ranks that disagree on ") + what);
+  };
+  differ("interleave", [](AttentionOptions& d) { d.interleave = 2; });
+  differ("mode", [](AttentionOptions& d) { d.mode = Mode::verify; });
+  differ("softmax_scale", [](AttentionOptions& d) { d.softmax_scale = 0.01f; });
+  differ("kv_dtype", [](AttentionOptions& d) { d.kv_dtype = KvDtype::fp8_e4m3; });
+  {  // the same rows in all, other rows per request
+    AttentionOptions d = o;
+    d.mode = Mode::draft;
+    d.qlens = rank == n - 1 ? std::vector<int32_t>{3, 1} : std::vector<int32_t>{1, 3};
+    const auto q4 = dcpmla::testing::random_normal(size_t(4) * H * 576, 4);
+    const auto kv2 = dcpmla::testing::random_normal(size_t(2) * 20 * 576, 5);
+    const std::vector<int32_t> both{20, 20};
+    if (n > 1)
+      expect_error([&] { mla_attention_on_rank(q4, kv2, both, 2, 3, H, 20, 576, d, *comm); },
+                   "expected the same on every rank", "ranks that disagree on qlens");
+  }
+
   // Collective arguments, refused on every rank before any MPI call (every rank passes the
   // same ones, so none is left waiting). An unknown DataType used to travel as 16-bit words,
   // and a count past int was cast to int: 2**32 + 5 moved 5 elements.

@@ -72,7 +72,7 @@ void HostStagedCommunicator::barrier() { dev_.barrier(); }
 // ---- DeviceGroup ---------------------------------------------------------------------------
 
 struct DeviceGroup::State {
-  State(int n, int dev, std::chrono::milliseconds t) : world(n), device(dev), timeout(t), calls(size_t(n)), rendezvous(n, t) {}
+  State(int n, int dev, std::chrono::milliseconds t) : world(n), device(dev), timeout(t), calls(size_t(n)), rendezvous(n, t), claims(n) {}
 
   // Host barrier with abort and timeout: only used while enqueueing, to exchange addresses.
   // Either failure also raises the device-side abort flag, so no device barrier waits on.
@@ -96,6 +96,7 @@ struct DeviceGroup::State {
   const std::chrono::milliseconds timeout;
   std::vector<detail::PublishedCall> calls;  // each rank's call of the collective being enqueued
   RankBarrier rendezvous;
+  RankClaims claims;
   cuda_detail::DeviceBuffer flags;       // device unsigned long long [world]
   cuda_detail::PinnedBuffer abort_buffer;  // mapped
   volatile int* abort_host = nullptr;   // mapped pinned [2]: abort, status, in abort_buffer
@@ -107,7 +108,10 @@ namespace {
 class DeviceGroupComm final : public DeviceCommunicator {
  public:
   DeviceGroupComm(std::shared_ptr<DeviceGroup::State> s, int rank, cudaStream_t stream)
-      : s_(std::move(s)), rank_(rank), stream_(stream) {}
+      : s_(std::move(s)), rank_(rank), stream_(stream) {
+    s_->claims.claim(rank_);  // a refused claim constructs nothing, so releases nothing
+  }
+  ~DeviceGroupComm() override { s_->claims.release(rank_); }
 
   int rank() const override { return rank_; }
   int world_size() const override { return s_->world; }
