@@ -47,8 +47,8 @@ test: ctest pytest install-check
 # The GPU run is checked against the same references; exit 3 means no usable GPU (or no
 # CUDA backend) and skips it.
 demo: build
-	./$(BUILD_DIR)/apps/dcpmla demo
-	@rc=0; ./$(BUILD_DIR)/apps/dcpmla demo --device cuda || rc=$$?; \
+	$(BUILD_DIR)/apps/dcpmla demo
+	@rc=0; $(BUILD_DIR)/apps/dcpmla demo --device cuda || rc=$$?; \
 	if [ $$rc -eq 3 ]; then echo "make demo: no usable CUDA GPU here: the GPU demo (dcpmla demo --device cuda) is skipped"; \
 	else exit $$rc; fi
 
@@ -57,14 +57,14 @@ demo: build
 BENCH_JSON ?= bench/results/latest.json
 bench: build
 	@test -x $(BUILD_DIR)/bench/dcpmla_bench || { echo "make bench: the CUDA backend is not built (nvcc not found?)"; exit 1; }
-	./$(BUILD_DIR)/bench/dcpmla_bench --json $(BENCH_JSON)
+	$(BUILD_DIR)/bench/dcpmla_bench --json $(BENCH_JSON)
 
 # Planner::plan per step on one core (CPU only; Google Benchmark): median of 10 repetitions
 # per shape, targets in docs/perf.md. BENCH_PLAN_JSON=path also writes the run as JSON.
 BENCH_PLAN_JSON ?=
 bench-plan: configure
 	cmake --build $(BUILD_DIR) --target dcpmla_plan_bench -j$(JOBS)
-	./$(BUILD_DIR)/bench/dcpmla_plan_bench $(if $(BENCH_PLAN_JSON),--benchmark_out=$(BENCH_PLAN_JSON) --benchmark_out_format=json)
+	$(BUILD_DIR)/bench/dcpmla_plan_bench $(if $(BENCH_PLAN_JSON),--benchmark_out=$(BENCH_PLAN_JSON) --benchmark_out_format=json)
 
 # docs/perf.md's current table and the SVG plots (docs/img/), from bench/results/*.json.
 perf-table: setup
@@ -80,7 +80,7 @@ install-check: build
 	cmake --install $(BUILD_DIR) --prefix $(INSTALL_PREFIX)
 	cmake -S tests/install -B $(BUILD_DIR)/install-check -DCMAKE_PREFIX_PATH=$(INSTALL_PREFIX)
 	cmake --build $(BUILD_DIR)/install-check -j$(JOBS)
-	./$(BUILD_DIR)/install-check/install_check
+	$(BUILD_DIR)/install-check/install_check
 
 # ASan + UBSan + LSan build of the CPU library, the C++ tests and the CLI in build-sanitize/
 # (no CUDA; no Python: the extension would need the ASan runtime preloaded into python).

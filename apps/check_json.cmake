@@ -1,4 +1,5 @@
-# ctest helper: runs ${CLI} ${ARGS} and checks that stdout is the JSON object of `demo --json`:
+# ctest helper: runs ${CLI} ${ARGS} and checks that stdout is the JSON object of `demo --json`
+# and nothing else:
 # the run's version, commit, seed, seq_lens, heads, ranks and device, and rows carrying the
 # documented keys, each with "ok": true.
 execute_process(COMMAND ${CLI} ${ARGS} OUTPUT_VARIABLE out RESULT_VARIABLE rc)
@@ -8,6 +9,13 @@ endif()
 string(JSON type ERROR_VARIABLE err TYPE "${out}")
 if(err OR NOT type STREQUAL "OBJECT")
   message(FATAL_ERROR "not a JSON object (${err}):\n${out}")
+endif()
+# Nothing but that object: string(JSON) reads the first value and ignores what follows it, so
+# the text is read again inside [ ], where anything after the object breaks the array or
+# adds to its length.
+string(JSON values ERROR_VARIABLE err LENGTH "[${out}]")
+if(err OR NOT values EQUAL 1)
+  message(FATAL_ERROR "text besides the JSON object (${err}):\n${out}")
 endif()
 foreach(key version commit seed seq_lens heads ranks device rows)
   string(JSON v ERROR_VARIABLE err GET "${out}" ${key})

@@ -11,8 +11,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <exception>
+#include <iostream>
 #include <limits>
 #include <random>
 #include <string>
@@ -178,6 +181,9 @@ std::string routes_text(const std::vector<dcpmla::Route>& routes) {
 // NaN and inf are not JSON numbers; an error of that kind becomes null (and ok = false).
 nlohmann::json number(double x) { return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(nullptr); }
 
+// A float32 as the shortest decimal that reads back as it (0.05f: 0.05, not 0.0500000007...).
+double shortest(float x) { return std::stod(fmt::format("{}", x)); }
+
 nlohmann::json report_json(const dcpmla::ErrorReport& e) {
   return {{"rel_l2", number(e.max_rel_l2)}, {"lse_err", number(e.max_lse_err)}, {"nan_count", e.nan_count}};
 }
@@ -189,7 +195,7 @@ nlohmann::json row_json(const Row& r) {
           {"mode", std::string(dcpmla::to_string(r.c.mode))},
           {"qlen", r.c.qlen},
           {"kv_dtype", std::string(dcpmla::to_string(r.c.dtype))},
-          {"kv_scale", r.c.kv_scale},
+          {"kv_scale", shortest(r.c.kv_scale)},
           {"ranks", r.ranks},
           {"interleave", r.c.interleave},
           {"routes", routes},
@@ -285,7 +291,7 @@ int run_bench(const BenchOptions& b, int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run_cli(int argc, char** argv) {
   CLI::App app{"dcpmla: MLA attention (DeepSeek-V3 style latent attention) for decoding with the\n"
                "KV cache sharded across ranks (decode context parallelism). demo runs the whole path\n"
                "(CPU, or the GPU with --device cuda); bench times the GPU DCP step (CUDA builds)."};
@@ -307,7 +313,9 @@ int main(int argc, char** argv) {
       "Each case runs on --ranks ranks and on 1 rank (DCP1) and is compared with the float64\n"
       "reference: rel L2 of out and |lse error| must stay within 1e-2, with no NaN.\n"
       "time ms is the whole N-rank call: shard, write, plan, attend, merge.\n"
-      "--json prints one object: version, commit, seed, seq_lens, heads, ranks, device and the rows.\n\n"
+      "--json prints one object: version, commit, seed, seq_lens, heads, ranks, device and the rows.\n"
+      "Threads share one process's memory: a --ranks x --heads pair whose case needs more than the\n"
+      "library's in-process bound (8 GiB) is refused when that case starts (exit 2).\n\n"
       "Exit status: 0 every case passed, 1 a case exceeded the bound or gave NaN,\n"
       "2 an error (bad option, or the library refused the input), 3 --device cuda or bench without a usable GPU.");
   demo->add_flag("--json", opt.json, "Print the run as JSON instead of a table");
@@ -352,8 +360,10 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    // An unknown word where the subcommand goes is named as such, with the valid ones.
-    if (dynamic_cast<const CLI::ExtrasError*>(&e) && app.get_subcommands().empty() && !app.remaining().empty()) {
+    // An unknown word where the subcommand goes is named as such, with the valid ones (an
+    // unknown option is CLI11's to report).
+    if (dynamic_cast<const CLI::ExtrasError*>(&e) && app.get_subcommands().empty() && !app.remaining().empty() &&
+        !app.remaining()[0].starts_with('-')) {
       fmt::print(stderr, "dcpmla: unknown subcommand '{}': expected demo or bench (dcpmla --help)\n", app.remaining()[0]);
       return kExitError;
     }
@@ -417,8 +427,21 @@ int main(int argc, char** argv) {
   try {
     if (*demo) return run_demo(opt);
   } catch (const std::exception& e) {
-    fmt::print(stderr, "dcpmla: error: {}\n", e.what());
+    // The library names its own fields (world_size, heads): say which options set them.
+    fmt::print(stderr, "dcpmla: error (demo --ranks {} --heads {}): {}\n", opt.ranks, opt.heads, e.what());
     return kExitError;
   }
   return 0;
+}
+
+int main(int argc, char** argv) {
+  const int rc = run_cli(argc, argv);
+  // A full disk or a closed pipe must not pass for a run whose output (strict JSON with
+  // --json) was cut short: exit 2 unless the run already failed.
+  std::cout.flush();
+  if (std::fflush(stdout) != 0 || std::ferror(stdout) || !std::cout) {
+    std::fprintf(stderr, "dcpmla: error: writing the output failed: %s\n", std::strerror(errno));
+    return rc == 0 ? kExitError : rc;
+  }
+  return rc;
 }
