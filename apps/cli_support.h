@@ -1,11 +1,15 @@
-// Shared by the dcpmla tool and the bench binaries: a CLI11 check that an argument is a
-// plain decimal integer of type T within [lo, hi], applied to the text before CLI11
-// converts it. CLI11's own conversion lets "-1" wrap to 2^64 - 1 for unsigned options and
-// saturates values beyond the type; this refuses both and names the option and the value.
+// Shared by the dcpmla tool and the bench binaries: CLI11 checks applied to an argument's text
+// before anything runs. integer_in: a plain decimal integer of type T within [lo, hi] (CLI11's
+// own conversion lets "-1" wrap to 2^64 - 1 for unsigned options and saturates values beyond
+// the type; this refuses both and names the option and the value). writable_file: an output
+// file that can be written, checked before a benchmark of minutes instead of after it.
 #pragma once
 
 #include <charconv>
+#include <filesystem>
 #include <string>
+
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 
@@ -28,6 +32,22 @@ CLI::Validator integer_in(T lo, T hi) {
         return "'" + text + "': expected a decimal integer in " + range(lo, hi);
       },
       "INT in " + range(lo, hi));
+}
+
+inline CLI::Validator writable_file() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        namespace fs = std::filesystem;
+        if (text.empty()) return "'': expected a file path";
+        const fs::path path(text);
+        std::error_code ec;
+        if (fs::is_directory(path, ec)) return "'" + text + "': expected a file, not a directory";
+        const fs::path dir = path.has_parent_path() ? path.parent_path() : fs::path(".");
+        if (fs::exists(path, ec) ? access(text.c_str(), W_OK) != 0 : access(dir.c_str(), W_OK) != 0)
+          return "'" + text + "': expected a file that can be written (in an existing, writable directory)";
+        return {};
+      },
+      "FILE (written)");
 }
 
 }  // namespace dcpmla::cli

@@ -301,6 +301,7 @@ int run_cli(int argc, char** argv) {
   app.footer("Exit status: 0 every case passed, 1 a case exceeded the bound or gave NaN,\n"
              "2 an error (bad option, or the library refused the input), 3 --device cuda or bench without a usable GPU.");
   using dcpmla::cli::integer_in;
+  using dcpmla::cli::writable_file;
 
   DemoOptions opt;
   CLI::App* demo = app.add_subcommand(
@@ -355,7 +356,8 @@ int run_cli(int argc, char** argv) {
       ->check(CLI::IsMember({"bf16", "fp8_e4m3", "fp8_e5m2"}))
       ->capture_default_str();
   bench->add_option("--runs", bopt.runs, "Timed runs per measurement (median)")->check(integer_in(1, 1000))->capture_default_str();
-  bench->add_option("--json", bopt.json, "Also write the rows and their metadata (date, commit, GPU, clocks, command) as JSON");
+  bench->add_option("--json", bopt.json, "Also write the rows and their metadata (date, commit, GPU, clocks, command) as JSON")
+      ->check(writable_file());
 
   try {
     app.parse(argc, argv);

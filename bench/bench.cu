@@ -784,7 +784,8 @@ int main(int argc, char** argv) {
                "dcpmla's attention at uniform and varlen shapes, on GPU 0: device time queued behind a spin\n"
                "kernel, the mean of calls queued back to back with no event between them, CUDA-graph replay\n"
                "time and synchronous per-call time. Needs a CUDA GPU."};
-  app.add_option("--json", json_path, "Also write the rows and their metadata as JSON to this file");
+  app.add_option("--json", json_path, "Also write the rows and their metadata as JSON to this file")
+      ->check(dcpmla::cli::writable_file());
   app.add_option("--runs", runs, "Timed calls per measurement (median)")
       ->check(dcpmla::cli::integer_in(3, 100000))
       ->capture_default_str();

@@ -18,7 +18,8 @@ int main(int argc, char** argv) {
   std::string json;
   CLI::App app{"dcpmla_dcp_bench: what each of N DCP ranks does per step on this GPU (attention over its share,\n"
                "merge kernels, bytes sent). Needs a CUDA GPU."};
-  app.add_option("--json", json, "Also write the rows and their metadata as JSON to this file");
+  app.add_option("--json", json, "Also write the rows and their metadata as JSON to this file")
+      ->check(dcpmla::cli::writable_file());
   app.add_option("--runs", o.runs, "Timed runs per measurement (median)")->check(integer_in(1, 1000))->capture_default_str();
   app.add_option("--ranks", o.world_sizes, "World sizes N to measure")->check(integer_in(1, 64))->delimiter(',');
   app.add_option("--heads-local", o.heads_local, "Query heads per rank")->check(integer_in(1, 128))->delimiter(',');

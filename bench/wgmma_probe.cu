@@ -50,6 +50,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "../apps/cli_support.h"
 #include "attention/swizzle.cuh"
 #include "attention/tile_maps.h"
 #include "attention/wgmma.cuh"
@@ -418,7 +419,8 @@ int main(int argc, char** argv) {
                "and share (each CTA its own tiles, pairs of CTAs on the same tiles, clusters of two multicasting "
                "them). Needs an sm_90a GPU."};
   std::string json_path;
-  app.add_option("--json", json_path, "Also write the rows and their metadata as JSON to this file");
+  app.add_option("--json", json_path, "Also write the rows and their metadata as JSON to this file")
+      ->check(dcpmla::cli::writable_file());
   CLI11_PARSE(app, argc, argv);
   try {
     cudaDeviceProp prop{};
