@@ -27,7 +27,8 @@ A kernel with one consumer warpgroup needs no split (the launch allocation holds
 cubins after --unsplit are checked for the serialisation only.
 
     check_register_split.py CUBIN... [--unsplit CUBIN...]
-                                          exit 0: all kept and within; 1: not; 77: no nvdisasm
+                                          exit 0: all kept and within; 1: not, or a cubin nvdisasm
+                                          cannot read or with no kernel; 2: no cubins; 77: no nvdisasm
 """
 import glob
 import os
@@ -54,10 +55,16 @@ def find_nvdisasm():
     return next((c for c in candidates if os.access(c, os.X_OK)), None)
 
 
+class Unreadable(Exception):
+    """nvdisasm refused a cubin (missing, truncated, not an ELF): its message, for the FAIL line."""
+
+
 def functions(nvdisasm, cubin):
     """Per kernel: its instructions as (address, text, highest live register index, labels)."""
-    text = subprocess.run([nvdisasm, "-c", "-lrm", "narrow", cubin], check=True, capture_output=True,
-                          text=True).stdout.splitlines()
+    run = subprocess.run([nvdisasm, "-c", "-lrm", "narrow", cubin], capture_output=True, text=True)
+    if run.returncode != 0:
+        raise Unreadable(run.stderr.strip() or f"nvdisasm exited {run.returncode}")
+    text = run.stdout.splitlines()
     result, name, col0, pending = {}, None, None, []
     for line in text:
         if line.startswith("//---") and ".text." in line:
@@ -113,8 +120,16 @@ def serialised(instrs):
 
 
 def check(nvdisasm, cubin, split=True):
+    try:
+        kernels = functions(nvdisasm, cubin)
+    except Unreadable as e:
+        print(f"FAIL {cubin}: nvdisasm cannot read it: {e}")
+        return False
+    if not kernels:  # a kernel gone from its instantiation file must not pass for want of anything to check
+        print(f"FAIL {cubin}: no kernel functions in the SASS")
+        return False
     ok = True
-    for name, instrs in functions(nvdisasm, cubin).items():
+    for name, instrs in kernels.items():
         splits = [(i, SETMAXREG.search(ins)) for i, (_, ins, _, _) in enumerate(instrs) if "USETMAXREG" in ins]
         kinds = {m.group(1) for _, m in splits if m}
         short = name if len(name) < 70 else name[:67] + "..."
@@ -148,14 +163,18 @@ def main(argv):
     if len(argv) < 2:
         print(__doc__)
         return 2
+    args = argv[1:]
+    cut = args.index("--unsplit") if "--unsplit" in args else len(args)
+    split, unsplit = args[:cut], args[cut + 1:]
+    if not split and not unsplit:  # checking nothing must not pass (an empty cubin list in the ctest)
+        print("check_register_split.py: no cubins given", file=sys.stderr)
+        return 2
     nvdisasm = find_nvdisasm()
     if nvdisasm is None:
         print("skipped: no nvdisasm (CUDA toolkit, or pip install nvidia-cuda-nvdisasm)")
         return SKIP
-    args = argv[1:]
-    cut = args.index("--unsplit") if "--unsplit" in args else len(args)
-    results = [check(nvdisasm, cubin) for cubin in args[:cut]]
-    results += [check(nvdisasm, cubin, split=False) for cubin in args[cut + 1:]]
+    results = [check(nvdisasm, cubin) for cubin in split]
+    results += [check(nvdisasm, cubin, split=False) for cubin in unsplit]
     return 0 if all(results) else 1
 
 

@@ -24,14 +24,57 @@ import sys
 
 import numpy as np
 
+CTA_KEYS = ("busy_us", "tiles", "pieces", "cut_pieces")  # one entry per CTA in each
+
+
+def traced_rows(path):
+    """The rows of a results file that carry trace.ctas; exits naming the file and what is wrong
+    with it, rather than a traceback from numpy that names neither."""
+    def bad(what):
+        sys.exit(f"{path}: {what}")
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        bad(f"cannot be read ({e.strerror})")
+    except ValueError as e:  # not JSON, or not UTF-8
+        bad(f"not JSON ({e})")
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        bad('not a results file (a JSON object with a "rows" array)')
+    rows = []
+    for i, r in enumerate(data["rows"]):
+        if not isinstance(r, dict):
+            bad(f"rows[{i}] is not an object")
+        what, trace = f"rows[{i}] ({r.get('name', 'no name')})", r.get("trace") or {}
+        if not isinstance(trace, dict):
+            bad(f"{what}: trace is not an object")
+        c = trace.get("ctas")
+        if not c:
+            continue
+        if not isinstance(c, dict):
+            bad(f"{what}: trace.ctas is not an object")
+        missing = [k for k in ("name", "variant") if not isinstance(r.get(k), str)]
+        missing += [f"trace.ctas.{k}" for k in CTA_KEYS if k not in c]
+        if missing:
+            bad(f"{what} lacks {', '.join(missing)}")
+        for k in CTA_KEYS + (("mhz",) if c.get("mhz") else ()):
+            if not isinstance(c[k], list) or not all(isinstance(v, (int, float)) for v in c[k]):
+                bad(f"{what}: trace.ctas.{k} is not a list of numbers")
+        if len({len(c[k]) for k in CTA_KEYS}) != 1:
+            bad(f"{what}: trace.ctas's lists differ in length")
+        if not c["tiles"]:
+            bad(f"{what}: trace.ctas holds no CTA")
+        rows.append(r)
+    return rows
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", help="a dcpmla_bench --json file written with --trace")
     ap.add_argument("--only", nargs="*", default=None, help="these shapes only")
     args = ap.parse_args()
-    data = json.load(open(args.results))
-    rows = [r for r in data["rows"] if r.get("trace") and r["trace"].get("ctas")]
+    rows = traced_rows(args.results)
     if not rows:
         sys.exit(f"{args.results}: no row has trace.ctas (run dcpmla_bench with --trace)")
     for r in rows:

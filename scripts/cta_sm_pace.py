@@ -28,21 +28,67 @@ def sm_paces(row, min_tiles):
     return {sm: float(np.mean(v)) for sm, v in per_sm.items()}
 
 
+def traced_runs(path, shape):
+    """The rows of `shape` in a results file with trace.ctas and SM ids; exits naming the file and
+    what is wrong with it, rather than a traceback that names neither."""
+    def bad(what):
+        sys.exit(f"{path}: {what}")
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        bad(f"cannot be read ({e.strerror})")
+    except ValueError as e:  # not JSON, or not UTF-8
+        bad(f"not JSON ({e})")
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        bad('not a results file (a JSON object with a "rows" array)')
+    rows = []
+    for i, r in enumerate(data["rows"]):
+        if not isinstance(r, dict):
+            bad(f"rows[{i}] is not an object")
+        trace = r.get("trace") or {}
+        ctas = trace.get("ctas") if isinstance(trace, dict) else None
+        if r.get("name") != shape or not isinstance(ctas, dict) or "sm" not in ctas:
+            continue
+        missing = [k for k in ("busy_us", "tiles") if k not in ctas]
+        if missing:
+            bad(f"rows[{i}] ({shape}): trace.ctas lacks {', '.join(missing)}")
+        for k in ("busy_us", "tiles", "sm"):
+            if not isinstance(ctas[k], list) or not all(isinstance(v, (int, float)) for v in ctas[k]):
+                bad(f"rows[{i}] ({shape}): trace.ctas.{k} is not a list of numbers")
+        if len({len(ctas[k]) for k in ("busy_us", "tiles", "sm")}) != 1:
+            bad(f"rows[{i}] ({shape}): trace.ctas's lists differ in length")
+        rows.append(r)
+    return rows
+
+
+def count(text):
+    """A non-negative integer, for argparse."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+", help="dcpmla_bench --json files written with --trace")
     ap.add_argument("--shape", required=True, help="the shape (row name) to compare")
-    ap.add_argument("--min-tiles", type=int, default=8, help="CTAs with fewer tiles are left out")
+    ap.add_argument("--min-tiles", type=count, default=8, help="CTAs with fewer tiles are left out")
     args = ap.parse_args()
     runs = []
     for path in args.results:
-        for r in json.load(open(path))["rows"]:
-            ctas = (r.get("trace") or {}).get("ctas")
-            if r["name"] == args.shape and ctas and "sm" in ctas:
-                label = f"{path}" + (f" [{r['tree']} r{r['round']}]" if "tree" in r else "")
-                runs.append((label, sm_paces(r, args.min_tiles)))
+        for r in traced_runs(path, args.shape):
+            label = f"{path}" + (f" [{r['tree']} r{r.get('round', '?')}]" if "tree" in r else "")
+            runs.append((label, sm_paces(r, args.min_tiles)))
     if len(runs) < 2:
         sys.exit(f"{args.shape}: fewer than two traced runs with SM ids in {args.results}")
+    # A run with no CTA left has no pace to compare (numpy would fail on its empty median).
+    empty = [label for label, paces in runs if not paces]
+    if empty:
+        sys.exit(f"{args.shape}: no CTA of at least {args.min_tiles} tiles (and some time) in {', '.join(empty)}; "
+                 "lower --min-tiles")
     for i, (label, p) in enumerate(runs):
         v = np.array(list(p.values()))
         print(f"run {i}: {label}: {len(p)} SMs, pace median {np.median(v):.3f} tiles/us, "

@@ -23,13 +23,26 @@ def number(text):
         return 0.0
 
 
+def positive(text):
+    """A count of at least one, for argparse (a negative --top would slice from the end)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive count")
+    return value
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("page", help="the CSV of ncu --page source --csv --print-source sass")
-    ap.add_argument("--top", type=int, default=30, help="rows to print")
+    ap.add_argument("--top", type=positive, default=30, help="rows to print")
     args = ap.parse_args()
-    with open(args.page, newline="") as f:
-        lines = [line for line in f if line.startswith('"')]  # ncu prints ==PROF== lines around the table
+    try:
+        with open(args.page, newline="") as f:
+            lines = [line for line in f if line.startswith('"')]  # ncu prints ==PROF== lines around the table
+    except OSError as e:
+        sys.exit(f"{args.page}: cannot be read ({e.strerror})")
+    except UnicodeDecodeError as e:
+        sys.exit(f"{args.page}: not text ({e})")
     # Each kernel's table follows a "Kernel Name" line; the first table is the first launch's.
     header = next((i for i, line in enumerate(lines) if "Warp Stall Sampling" in line), None)
     if header is None:

@@ -22,22 +22,72 @@ IMG = ROOT / "docs" / "img"
 BEGIN, END = "<!-- perf_record.py table: begin -->", "<!-- perf_record.py table: end -->"
 
 
+# What the table and the plots read of a row; a row without one fails here, naming its file.
+ATTENTION_KEYS = ("name", "batch", "context", "heads", "qlen", "kv_dtype", "route", "variant", "us", "kv_GBps",
+                  "TFLOPs")
+DCP_KEYS = ("name", "heads_local", "qlen", "world_size", "attention_us")
+NUMBERS = ("us", "graph_us", "sync_us", "kv_GBps", "TFLOPs", "copy_ratio", "gemm_ratio", "copy_GBps", "gemm_TFLOPs",
+           "baseline_us", "speedup", "world_size", "attention_us")  # formatted or divided: a number or null
+JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
+              bool: "a boolean", type(None): "null"}
+
+
+def read(path):
+    """A results file's (meta, rows), or None where it is not a run of the defaults. Exits with the
+    file's name and what is wrong, rather than a traceback from the table that names no file."""
+    def bad(what):
+        sys.exit(f"{path}: {what}")
+
+    try:
+        data = json.loads(path.read_text(), parse_constant=lambda c: bad(f"not strict JSON ({c})"))
+    except json.JSONDecodeError as e:
+        bad(f"not JSON ({e})" if e.doc.strip() else "empty")
+    except (OSError, UnicodeDecodeError) as e:
+        bad(f"cannot be read ({e})")
+    if not isinstance(data, dict):
+        bad(f"not a JSON object but {JSON_TYPES.get(type(data), type(data).__name__)}")
+    if "benchmarks" in data:  # Google Benchmark's own format (make bench-plan): its own section
+        return None
+    meta, rows = data.get("meta"), data.get("rows")
+    if not isinstance(meta, dict):
+        bad('no "meta" object')
+    if not isinstance(meta.get("date"), str):
+        bad("meta.date is missing or not a string")
+    if not isinstance(rows, list):
+        bad('no "rows" array')
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            bad(f"rows[{i}] is not an object")
+    if rows and "form" in rows[0]:  # dcpmla_wgmma_probe's rates: bench/NOTES.md
+        return None
+    if rows and "schedule" in rows[0]:  # a schedule-cost grid, not the defaults: NOTES
+        return None
+    if rows and "tree" in rows[0]:  # an ab of several trees (device.sh ab): NOTES
+        return None
+    if meta.get("probe_no_fill"):  # a measuring build with no loads: wrong results, NOTES
+        return None
+    dcp = bool(rows) and "attention_us" in rows[0]
+    if dcp and not isinstance(meta.get("gpu"), str):
+        bad("meta.gpu is missing or not a string")
+    for i, row in enumerate(rows):
+        missing = [key for key in (DCP_KEYS if dcp else ATTENTION_KEYS) if key not in row]
+        if missing:
+            bad(f"rows[{i}] ({row.get('name', 'no name')}) lacks {', '.join(missing)}")
+        if not isinstance(row["name"], str):
+            bad(f"rows[{i}].name is not a string")
+        for key in NUMBERS:
+            if not isinstance(row.get(key), (int, float, type(None))):
+                bad(f"rows[{i}] ({row['name']}).{key} is {JSON_TYPES[type(row[key])]}, not a number or null")
+    return meta, rows
+
+
 def load():
     """(attention files, dcp files), each a list of (path, meta, rows), oldest first."""
     runs = []
     for path in sorted(RESULTS.glob("*.json")):
-        data = json.loads(path.read_text(), parse_constant=lambda c: sys.exit(f"{path}: not strict JSON ({c})"))
-        if "benchmarks" in data:  # Google Benchmark's own format (make bench-plan): its own section
-            continue
-        if data["rows"] and "form" in data["rows"][0]:  # dcpmla_wgmma_probe's rates: bench/NOTES.md
-            continue
-        if data["rows"] and "schedule" in data["rows"][0]:  # a schedule-cost grid, not the defaults: NOTES
-            continue
-        if data["rows"] and "tree" in data["rows"][0]:  # an ab of several trees (device.sh ab): NOTES
-            continue
-        if data["meta"].get("probe_no_fill"):  # a measuring build with no loads: wrong results, NOTES
-            continue
-        runs.append((path, data["meta"], data["rows"]))
+        record = read(path)
+        if record is not None:
+            runs.append((path, *record))
     runs.sort(key=lambda run: (run[1]["date"], run[0].name))
     dcp = [run for run in runs if run[2] and "attention_us" in run[2][0]]
     return [run for run in runs if run not in dcp], dcp
@@ -76,13 +126,15 @@ def table(runs):
             r["variant"], fmt(r["us"], ".1f"), fmt(r.get("graph_us"), ".1f"), fmt(r.get("sync_us"), ".1f"),
             fmt(r["kv_GBps"], ".0f"), fmt(r["TFLOPs"], ".1f"),
             fmt(measured(r, "copy_ratio"), ".2f"), fmt(measured(r, "gemm_ratio"), ".2f"),
-            fmt(anchor, ".1f"), fmt(anchor / r["us"] if anchor else None, ".2f"),
+            fmt(anchor, ".1f"), fmt(anchor / r["us"] if anchor and r["us"] else None, ".2f"),
             fmt(measured(r, "baseline_us"), ".1f"), fmt(measured(r, "speedup"), ".2f"),
             meta["date"][:16].replace("T", " "), f"[{path.name}](../bench/results/{path.name})"]) + " |")
     return "\n".join(lines)
 
 
 def dcp_note(dcp):
+    if not dcp:
+        sys.exit(f"{RESULTS}: no DCP results file (dcpmla_dcp_bench --json)")
     path, meta, _ = dcp[-1]
     return (f"DCP scaling (plot below): [{path.name}](../bench/results/{path.name}), {meta['gpu']}, "
             f"{meta['date'][:16].replace('T', ' ')}.")
@@ -110,7 +162,11 @@ def plots():
     plt.rcParams["svg.hashsalt"] = "dcpmla"  # the same SVG for the same data
     IMG.mkdir(exist_ok=True)
     attention, dcp = load()
-    shapes = list(current_rows(attention).items())
+    # A shape whose current row did not measure its rate (null: not measured) has no point to plot.
+    shapes = [(name, run) for name, run in current_rows(attention).items()
+              if run[0]["TFLOPs"] is not None and run[0]["kv_GBps"]]
+    if not shapes or not dcp:
+        sys.exit(f"{RESULTS}: " + ("no shape with a measured rate to plot" if dcp else "no DCP results file"))
 
     # Roofline per shape: achieved TFLOP/s at its arithmetic intensity (FLOP per KV byte)
     # under the ceilings its own run measured (device copy rate, cuBLAS bf16 GEMM).
@@ -131,7 +187,9 @@ def plots():
         ax.set_xlabel("FLOP per KV byte", fontsize=8)
         ax.set_ylabel("TFLOP/s", fontsize=8)
         ax.tick_params(labelsize=7)
-        ax.annotate(f"{r['us']:.0f} µs", (intensity, r["TFLOPs"]), fontsize=7, xytext=(4, -10), textcoords="offset points")
+        if r["us"] is not None:
+            ax.annotate(f"{r['us']:.0f} µs", (intensity, r["TFLOPs"]), fontsize=7, xytext=(4, -10),
+                        textcoords="offset points")
     for ax in axes.flat[len(shapes):]:
         ax.set_visible(False)
     axes.flat[0].legend(fontsize=7)
@@ -145,7 +203,10 @@ def plots():
     fig, ax = plt.subplots(figsize=(6, 4))
     series = sorted({(r["heads_local"], r["qlen"]) for r in rows})
     for i, (h, q) in enumerate(series):
-        pts = sorted((r["world_size"], r["attention_us"]) for r in rows if (r["heads_local"], r["qlen"]) == (h, q))
+        pts = sorted((r["world_size"], r["attention_us"]) for r in rows
+                     if (r["heads_local"], r["qlen"]) == (h, q) and r["attention_us"] is not None and r["world_size"])
+        if not pts:
+            continue
         ax.plot([n for n, _ in pts], [us for _, us in pts], "o-", color=f"C{i}", label=f"{h} heads/rank, qlen {q}")
         ax.plot([n for n, _ in pts], [pts[0][1] / n for n, _ in pts], ":", color=f"C{i}")
     ax.set_xscale("log", base=2)

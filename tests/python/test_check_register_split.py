@@ -72,3 +72,33 @@ def test_unsplit_kernels_are_checked_for_serialisation_only(monkeypatch, capsys)
     monkeypatch.setattr(check, "functions", lambda nvdisasm, cubin: {"kernel": sass(*pipelined)})
     assert check.main(["x", "--unsplit", "a.cubin"]) == 0
     assert check.main(["x", "a.cubin", "--unsplit", "b.cubin"]) == 1  # a.cubin has no split
+
+
+def test_no_cubins_fails(monkeypatch, capsys):
+    """Checking nothing must not pass: `--unsplit` alone, or an empty list from the ctest."""
+    monkeypatch.setattr(check, "find_nvdisasm", lambda: "nvdisasm")
+    monkeypatch.setattr(check, "functions", lambda nvdisasm, cubin: {"kernel": sass("EXIT")})
+    assert check.main(["x", "--unsplit"]) == 2
+    assert "no cubins given" in capsys.readouterr().err
+
+
+def test_a_cubin_without_kernels_fails(monkeypatch, capsys):
+    """A kernel gone from its instantiation file leaves a cubin with no functions: not a pass."""
+    monkeypatch.setattr(check, "find_nvdisasm", lambda: "nvdisasm")
+    monkeypatch.setattr(check, "functions", lambda nvdisasm, cubin: {})
+    assert check.main(["x", "a.cubin"]) == 1
+    assert check.main(["x", "--unsplit", "b.cubin"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL a.cubin: no kernel functions" in out and "FAIL b.cubin: no kernel functions" in out
+
+
+def test_nvdisasm_errors_name_the_file(tmp_path, monkeypatch, capsys):
+    """A missing or unreadable cubin: nvdisasm's own message with the file's name, not a traceback."""
+    nvdisasm = tmp_path / "nvdisasm"
+    nvdisasm.write_text('#!/bin/sh\necho "nvdisasm fatal   : Cannot open object file $4" >&2\nexit 1\n')
+    nvdisasm.chmod(0o755)
+    monkeypatch.setattr(check, "find_nvdisasm", lambda: str(nvdisasm))
+    missing = str(tmp_path / "missing.cubin")
+    assert check.main(["x", missing]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL {missing}: nvdisasm cannot read it: nvdisasm fatal   : Cannot open object file {missing}" in out

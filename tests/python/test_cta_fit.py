@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,3 +38,40 @@ def test_flags_a_piece_cost_the_trace_does_not_fit(tmp_path):
         assert "tile 2.00 piece 10.00 (5.0 tiles)" in lines[name], lines[name]
     assert "schedule's piece 2 tiles (differs" in lines["planned_2"]
     assert "schedule's piece 5 tiles" in lines["planned_5"] and "differs" not in lines["planned_5"]
+
+
+def _without(mapping, key):
+    return {k: v for k, v in mapping.items() if k != key}
+
+
+_ROW = traced_row("decode16", 5.0, np.random.default_rng(0))
+_CTAS = _ROW["trace"]["ctas"]
+
+
+@pytest.mark.parametrize("text, wrong", [
+    (None, "cannot be read (No such file or directory)"),
+    ("", "not JSON (Expecting value: line 1 column 1 (char 0))"),
+    ('{"meta": {}, "rows": [', "not JSON ("),
+    ("[]", 'not a results file (a JSON object with a "rows" array)'),
+    (json.dumps({"meta": {}}), 'not a results file (a JSON object with a "rows" array)'),
+    (json.dumps({"meta": {}, "rows": [None]}), "rows[0] is not an object"),
+    (json.dumps({"meta": {}, "rows": [{**_ROW, "trace": {"ctas": _without(_CTAS, "tiles")}}]}),
+     "rows[0] (decode16) lacks trace.ctas.tiles"),
+    (json.dumps({"meta": {}, "rows": [_without(_ROW, "variant")]}), "rows[0] (decode16) lacks variant"),
+    (json.dumps({"meta": {}, "rows": [{**_ROW, "trace": {"ctas": {**_CTAS, "tiles": _CTAS["tiles"][1:]}}}]}),
+     "rows[0] (decode16): trace.ctas's lists differ in length"),
+    (json.dumps({"meta": {}, "rows": [{**_ROW, "trace": {"ctas": {**_CTAS, "busy_us": [None] * 132}}}]}),
+     "rows[0] (decode16): trace.ctas.busy_us is not a list of numbers"),
+    (json.dumps({"meta": {}, "rows": [{**_ROW, "trace": {"ctas": {k: [] for k in _CTAS}}}]}),
+     "rows[0] (decode16): trace.ctas holds no CTA"),
+], ids=["missing", "empty", "truncated", "array", "no_rows", "row_not_object", "no_tiles", "no_variant",
+        "lengths_differ", "busy_null", "no_ctas"])
+def test_refuses_a_bad_file_naming_it(tmp_path, text, wrong):
+    """A missing or malformed results file: one line, `<path>: <what is wrong>`, no traceback."""
+    path = tmp_path / "trace.json"
+    if text is not None:
+        path.write_text(text)
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "cta_fit.py"), str(path)],
+                         capture_output=True, text=True)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.startswith(f"{path}: {wrong}"), run.stderr

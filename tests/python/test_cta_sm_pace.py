@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -60,3 +62,36 @@ def test_refuses_fewer_than_two_traced_runs(tmp_path):
     a = results(tmp_path / "a.json", [0.4, 0.5, 0.45])
     out = run(a, "--shape", "decode16")
     assert out.returncode != 0 and "fewer than two traced runs" in out.stderr
+
+
+@pytest.mark.parametrize("text, wrong", [
+    (None, "cannot be read (No such file or directory)"),
+    ("", "not JSON (Expecting value: line 1 column 1 (char 0))"),
+    ("[]", 'not a results file (a JSON object with a "rows" array)'),
+    (json.dumps({"meta": {}, "rows": [None]}), "rows[0] is not an object"),
+    (json.dumps({"meta": {}, "rows": [{"name": "decode16", "trace": {"ctas": {"busy_us": [1.0], "sm": [0]}}}]}),
+     "rows[0] (decode16): trace.ctas lacks tiles"),
+    (json.dumps({"meta": {}, "rows": [{"name": "decode16",
+                                       "trace": {"ctas": {"busy_us": [1.0, 2.0], "tiles": [8], "sm": [0, 1]}}}]}),
+     "rows[0] (decode16): trace.ctas's lists differ in length"),
+], ids=["missing", "empty", "array", "row_not_object", "no_tiles", "lengths_differ"])
+def test_refuses_a_bad_file_naming_it(tmp_path, text, wrong):
+    """A missing or malformed results file: one line, `<path>: <what is wrong>`, no traceback."""
+    good = results(tmp_path / "a.json", [0.4, 0.5, 0.45])
+    bad = tmp_path / "bad.json"
+    if text is not None:
+        bad.write_text(text)
+    out = run(good, str(bad), "--shape", "decode16")
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith(f"{bad}: {wrong}"), out.stderr
+
+
+def test_refuses_a_min_tiles_that_leaves_no_cta(tmp_path):
+    a = results(tmp_path / "a.json", [0.4, 0.5, 0.45])
+    b = results(tmp_path / "b.json", [0.4, 0.5, 0.45])
+    out = run(a, b, "--shape", "decode16", "--min-tiles", "100000")
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith(f"decode16: no CTA of at least 100000 tiles (and some time) in {a}, {b}; "
+                                 "lower --min-tiles"), out.stderr
+    out = run(a, b, "--shape", "decode16", "--min-tiles", "-1")
+    assert out.returncode == 2 and "argument --min-tiles: -1 is negative" in out.stderr, out.stderr

@@ -48,3 +48,18 @@ def test_hottest_of_the_first_launch(tmp_path):
 def test_refuses_a_page_without_a_source_table(tmp_path):
     out = run(tmp_path, "==PROF== Connected to process 1\n==PROF== No kernels were profiled.\n")
     assert out.returncode != 0 and "no source table" in out.stderr
+
+
+def test_refuses_a_top_that_is_not_a_positive_count(tmp_path):
+    """--top -1 once printed all but the last row (a slice from the end); 0 prints nothing."""
+    text = page([("attention_wgmma_kernel<0>", [("0x10", "FFMA R1, R2, R3, R4", "5", "0")])])
+    for top in ("-1", "0"):
+        out = run(tmp_path, text, "--top", top)
+        assert out.returncode == 2 and f"argument --top: {top} is not a positive count" in out.stderr, out.stderr
+
+
+def test_refuses_a_missing_page_naming_it(tmp_path):
+    path = tmp_path / "missing.csv"
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "ncu_hot.py"), str(path)], capture_output=True,
+                         text=True)
+    assert out.returncode == 1 and out.stderr.strip() == f"{path}: cannot be read (No such file or directory)"
