@@ -28,13 +28,6 @@ constexpr std::array<Capability, 6> kCapabilities{{
     {Backend::cuda, Route::split_k, kAllModes, kAllDtypes, 1, kCudaMaxHeads},
 }};
 
-int max_heads(Backend backend) {
-  int most = 0;
-  for (const Capability& c : kCapabilities)
-    if (c.backend == backend) most = std::max(most, c.max_heads);
-  return most;
-}
-
 constexpr int64_t kMaxArenaInts = int64_t(1) << 30;
 constexpr double kMaxScheduleCost = 1e6;
 // More chunks than any GPU has SMs (times CTAs per SM) buy nothing and cost host time per step.
@@ -80,6 +73,13 @@ ArenaOffsets checked_offsets(const PlanLimits& limits, int64_t table_capacity, i
 }
 
 }  // namespace
+
+int max_heads(Backend backend) {
+  int most = 0;
+  for (const Capability& c : kCapabilities)
+    if (c.backend == backend) most = std::max(most, c.max_heads);
+  return most;
+}
 
 std::span<const Capability> capability_table() { return kCapabilities; }
 

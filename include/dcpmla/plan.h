@@ -221,6 +221,8 @@ struct Capability {
   int max_heads;
 };
 std::span<const Capability> capability_table();
+// The most heads any route serves on `backend` (the table's; CUDA: one kernel launch's).
+int max_heads(Backend backend);
 bool is_supported(Backend backend, Route route, Mode mode, KvDtype dtype, int heads);
 
 class Planner {

@@ -21,7 +21,13 @@ namespace {
 
 using namespace cuda_detail;
 
-constexpr int kCudaDim = 576, kCudaRank = 512, kCudaMaxHeads = 128;
+constexpr int kCudaDim = 576, kCudaRank = 512;
+
+// The heads one launch serves (the planner's capability table), refused by name past it.
+void require_cuda_heads(int heads) {
+  if (heads < 1 || heads > max_heads(Backend::cuda))
+    fail("heads", heads, fmt::format("1..{} on the CUDA backend", max_heads(Backend::cuda)));
+}
 
 // What the kernels read and write in vectors (a misaligned address faults and kills the
 // context): q 16 bytes at a time (cp.async), the cache 16 (KvCache::validate checks it on
@@ -80,7 +86,7 @@ void validate_attention(const AttentionParams& p) {
   require(p.part_o != nullptr && p.part_m != nullptr && p.part_l != nullptr, "part_o/part_m/part_l", "null",
           "device pointers to a split-K workspace (split_workspace_floats floats)");
   validate_attention_params(p);
-  require(p.heads <= kCudaMaxHeads, "heads", p.heads, "1..128 on the CUDA backend");
+  require_cuda_heads(p.heads);
   require(p.dim == kCudaDim, "dim", p.dim, "576 (kv_lora_rank 512 + rope_dim 64) on the CUDA backend");
   require(p.rank_dim == kCudaRank, "rank_dim", p.rank_dim, "512 on the CUDA backend");
   require_aligned(p.kv, 16, "kv", "16-byte aligned device memory (the cache is read 16 bytes at a time)");
@@ -105,7 +111,7 @@ AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const
   // Public: its arguments reach the variant table (a bit per dtype) and the row arithmetic.
   require_known("kv_dtype", dtype);
   if (max_qlen < 1 || max_qlen > kMaxQlen) fail("max_qlen", max_qlen, fmt::format("in [1, {}]", kMaxQlen));
-  require(heads >= 1 && heads <= kCudaMaxHeads, "heads", heads, "1..128 on the CUDA backend");
+  require_cuda_heads(heads);
   validate_tuning(tuning);
   const bool fp8 = dtype != KvDtype::bf16;
   AttentionVariant v{};
@@ -180,7 +186,7 @@ struct Attention::Impl {
     // no variant serves gets a placeholder here: the Planner built from it refuses it, naming
     // limits.max_qlen, heads or kv_dtype (every caller builds one).
     const bool servable = c.limits.max_qlen >= 1 && c.limits.max_qlen <= kMaxQlen && c.heads >= 1 &&
-                          c.heads <= kCudaMaxHeads && is_known(c.kv_dtype);
+                          c.heads <= max_heads(Backend::cuda) && is_known(c.kv_dtype);
     return planner_config(c, Backend::cuda, device < 0 ? 1 : device_sms(device),
                           servable ? attention_variant(c.limits.max_qlen, c.heads, c.kv_dtype).rows_per_cta : 16);
   }

@@ -24,7 +24,12 @@ using cuda_detail::check;
 
 namespace {
 
-constexpr int kDim = 576, kRank = 512, kMaxHeads = 128;
+constexpr int kDim = 576, kRank = 512;
+
+void require_heads_local(int heads_local) {
+  if (heads_local < 1 || heads_local > max_heads(Backend::cuda))
+    fail("heads_local", heads_local, fmt::format("1..{} (the CUDA kernel's heads per launch)", max_heads(Backend::cuda)));
+}
 
 int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
@@ -59,11 +64,10 @@ DcpTraffic dcp_traffic(int world_size, int64_t rows, int heads_local, int rank_d
 
 int dcp_ranks_per_group(int world_size, int heads_local) {
   require(world_size >= 1, "world_size", world_size, ">= 1");
-  require(heads_local >= 1 && heads_local <= kMaxHeads, "heads_local", heads_local,
-          "1..128 (the CUDA kernel's heads per launch)");
+  require_heads_local(heads_local);
   int best = 1;
   for (int d = 1; d <= world_size; ++d)
-    if (world_size % d == 0 && int64_t(d) * heads_local <= kMaxHeads) best = d;
+    if (world_size % d == 0 && int64_t(d) * heads_local <= max_heads(Backend::cuda)) best = d;
   return best;
 }
 
@@ -98,8 +102,7 @@ DcpStep::DcpStep(const DcpConfig& config, DeviceCommunicator& comm)
 void DcpStep::build(const DcpConfig& config) {
   require(config.world_size == 0 || config.world_size == world_, "world_size", config.world_size,
           fmt::format("the communicator's size ({}) (or 0 to take it)", world_));
-  require(config.heads_local >= 1 && config.heads_local <= kMaxHeads, "heads_local", config.heads_local,
-          "1..128 (the CUDA kernel's heads per launch)");
+  require_heads_local(config.heads_local);
   require(config.reduce_dtype == DataType::bf16 || config.reduce_dtype == DataType::f32, "reduce_dtype",
           int(config.reduce_dtype), "bf16 or f32");
   require_known("merge", config.merge);
