@@ -10,6 +10,7 @@
 #include "dcpmla/cuda.h"
 #include "dcpmla/error.h"
 #include "dcpmla/layout.h"
+#include "attention/config.h"
 #include "attention/variants.h"
 #include "common/host_checks.h"
 #include "common/resources.h"
@@ -20,8 +21,6 @@ namespace dcpmla {
 namespace {
 
 using namespace cuda_detail;
-
-constexpr int kCudaDim = 576, kCudaRank = 512;
 
 // The heads one launch serves (the planner's capability table), refused by name past it.
 void require_cuda_heads(int heads) {
@@ -87,8 +86,8 @@ void validate_attention(const AttentionParams& p) {
           "device pointers to a split-K workspace (split_workspace_floats floats)");
   validate_attention_params(p);
   require_cuda_heads(p.heads);
-  require(p.dim == kCudaDim, "dim", p.dim, "576 (kv_lora_rank 512 + rope_dim 64) on the CUDA backend");
-  require(p.rank_dim == kCudaRank, "rank_dim", p.rank_dim, "512 on the CUDA backend");
+  require(p.dim == kDim, "dim", p.dim, "576 (kv_lora_rank 512 + rope_dim 64) on the CUDA backend");
+  require(p.rank_dim == kRank, "rank_dim", p.rank_dim, "512 on the CUDA backend");
   require_aligned(p.kv, 16, "kv", "16-byte aligned device memory (the cache is read 16 bytes at a time)");
   // The split-K partials: o is stored and read 16 bytes at a time, m and l as floats.
   require_aligned(p.part_o, 16, "part_o", "16-byte aligned device memory (partials move 16 bytes at a time)");
@@ -178,7 +177,7 @@ struct Attention::Impl {
 
   // device < 0: checks only (one worker), without touching the device.
   static PlannerConfig checked_config(const AttentionConfig& c, int device) {
-    require(c.dims.kv_lora_rank == kCudaRank && c.dims.rope_dim == kCudaDim - kCudaRank, "dims",
+    require(c.dims.kv_lora_rank == kRank && c.dims.rope_dim == kDim - kRank, "dims",
             fmt::format("kv_lora_rank {}, rope_dim {}", c.dims.kv_lora_rank, c.dims.rope_dim),
             "kv_lora_rank 512, rope_dim 64 on the CUDA backend");
     (void)softmax_scale_of(c);

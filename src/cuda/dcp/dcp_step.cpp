@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include "attention/config.h"
 #include "attention/variants.h"
 #include "dcp/dcp_kernels.h"
 #include "dcpmla/error.h"
@@ -24,7 +25,8 @@ using cuda_detail::check;
 
 namespace {
 
-constexpr int kDim = 576, kRank = 512;
+using cuda_detail::kDim;
+using cuda_detail::kRank;
 
 void require_heads_local(int heads_local) {
   if (heads_local < 1 || heads_local > max_heads(Backend::cuda))
