@@ -403,6 +403,13 @@ TEST(DcpStepBadInput, DeviceBarrierTimesOut) {
   for (auto& x : s) cuda_ok(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking), "cudaStreamCreate");
   auto c0 = group.communicator(0, s[0]);
   auto c1 = group.communicator(1, s[1]);
+  // One live communicator per rank: a second would take the peer's place at the barrier.
+  try {
+    (void)group.communicator(0, s[1]);
+    ADD_FAILURE() << "a second communicator for rank 0";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'rank' = 0"), std::string::npos) << e.what();
+  }
   DeviceBuffer<float> a(4), b(8), x(4), y(8);
   // Rank 1's stream is held by a host callback for 2 s, so its barrier kernel starts late.
   std::atomic<bool> release{false};
