@@ -192,8 +192,6 @@ NB_MODULE(_dcpmla, m) {
       .def("run", &Engine::run, "q"_a, "kv_cache"_a, "kv_scale"_a, "kv_scale_tensor"_a.none(), "out"_a, "lse"_a,
            "stream"_a, "This rank's partial into out [B, qlen, H, R] and lse [B, qlen, H] (natural log).")
       .def_prop_ro("batch", &Engine::batch, "B of the current plan (0 before the first plan).")
-      .def_prop_ro("rows", &Engine::rows, "Query rows of the current plan: B x qlen, or sum(qlens).")
-      .def_prop_ro("packed", &Engine::packed, "True when the current plan has per-request qlens.")
       .def_prop_ro("qlen", &Engine::qlen, "qlen of the current plan (0 before the first plan).")
       .def_prop_ro("route", &Engine::route, "The route of the current plan ('none' before the first plan).")
       .def_prop_ro("device_index", [](const Engine& e) { return e.placement().device; },

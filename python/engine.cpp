@@ -280,17 +280,9 @@ bool Engine::planned() const {
   const auto held = lock();
   return planned_;
 }
-bool Engine::packed() const {
-  const auto held = lock();
-  return planned_ && packed_;
-}
 int Engine::batch() const {
   const auto held = lock();
   return planned_ ? current_plan().header().batch : 0;
-}
-int Engine::rows() const {
-  const auto held = lock();
-  return planned_ ? current_plan().header().rows : 0;
 }
 int Engine::qlen() const {
   const auto held = lock();

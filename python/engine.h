@@ -67,8 +67,6 @@ class Engine {
   // The current plan's properties, each read under the mutex (0 / "none" before the first plan).
   bool planned() const;
   int batch() const;  // of the current plan
-  int rows() const;   // query rows of the current plan (B x qlen, or sum(qlens))
-  bool packed() const;  // planned with qlens
   int qlen() const;
   std::string route() const;  // the current plan's route
 

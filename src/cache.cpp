@@ -74,10 +74,15 @@ void write_kv(const KvCache& cache, const bf16* latents, const int64_t* slots, i
   for (int64_t k = 0; k < n; ++k)
     if (slots[k] != kPadSlot && (slots[k] < 0 || slots[k] >= num_slots))
       fail(fmt::format("slot_mapping[{}]", k), slots[k], fmt::format("-1 (PAD) or a slot in [0, {})", num_slots));
+  // Each slot is read once more and bounded again: the caller's array may change under a call
+  // made without the GIL (a Python thread writing it), and a changed slot must not reach past
+  // the cache. Such a slot is skipped, as the device path skips one.
   auto* base = static_cast<uint8_t*>(cache.data);
-  for (int64_t k = 0; k < n; ++k)
-    if (slots[k] != kPadSlot)
-      encode_latent(latents + k * cache.dim, cache.dim, cache.dtype, scale, base + slots[k] * cache.row_bytes());
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t slot = slots[k];
+    if (slot >= 0 && slot < num_slots)
+      encode_latent(latents + k * cache.dim, cache.dim, cache.dtype, scale, base + slot * cache.row_bytes());
+  }
 }
 
 PagedCache::PagedCache(const CacheConfig& config) : config_(config) {

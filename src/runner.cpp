@@ -166,7 +166,7 @@ struct Inputs {
   int64_t tokens;  // sum(seq_lens): the latents written
   int64_t max_len, longest, num_blocks, width;
   float softmax_scale;
-  std::span<const int32_t> seq_lens, qlens;
+  std::vector<int32_t> seq_lens, qlens;  // copies: what was checked is what is used
   std::vector<bf16> q16, kv16, latents;
   std::vector<int32_t> tables, requests;
   std::vector<int64_t> positions;
@@ -184,7 +184,7 @@ int64_t checked_count(std::string_view field, int64_t a, int64_t b, int64_t c) {
 
 // Validates the conformance path's arguments and sizes its inputs (rows, tokens, tables),
 // allocating nothing: load() makes the copies once the memory check has passed.
-Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<const int32_t> seq_lens, int batch,
+Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<const int32_t> seq_lens_in, int batch,
                int qlen, int heads, int64_t max_len, int dim, const AttentionOptions& o,
                const RankEngineFactory& engines) {
   require(o.backend == Backend::cpu || bool(engines), "device", to_string(o.backend),
@@ -202,7 +202,10 @@ Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<co
   require(max_len >= 0, "max_len", max_len, ">= 0");
   require(o.kv_lora_rank >= 1 && o.kv_lora_rank < dim, "kv_lora_rank", o.kv_lora_rank,
           fmt::format("in [1, D) with D = {}", dim));
-  const std::span<const int32_t> qlens = o.qlens;
+  // Copies, read from here on: the caller's arrays may change under a call made without the
+  // GIL (another Python thread writing them), and the lengths that were checked must be the
+  // ones that size and fill the tables.
+  std::vector<int32_t> qlens(o.qlens.begin(), o.qlens.end());
   require(qlens.empty() || qlens.size() == size_t(batch), "qlens", fmt::format("{} entries", qlens.size()),
           fmt::format("none or batch = {}", batch));
   int64_t rows = int64_t(batch) * qlen;
@@ -220,8 +223,9 @@ Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<co
           fmt::format("{} x heads x D = {}", qlens.empty() ? "batch x qlen" : "sum(qlens)", q_values));
   require(kv.size() == uint64_t(kv_values), "kv", fmt::format("{} values", kv.size()),
           fmt::format("batch x max_len x D = {}", kv_values));
-  require(seq_lens.size() == size_t(batch), "seq_lens", fmt::format("{} entries", seq_lens.size()),
+  require(seq_lens_in.size() == size_t(batch), "seq_lens", fmt::format("{} entries", seq_lens_in.size()),
           fmt::format("batch = {}", batch));
+  std::vector<int32_t> seq_lens(seq_lens_in.begin(), seq_lens_in.end());
   for (int b = 0; b < batch; ++b) {
     validate_seq_len(o.mode, seq_lens[size_t(b)], qlens.empty() ? qlen : qlens[size_t(b)], b);
     require(seq_lens[size_t(b)] <= max_len, fmt::format("seq_lens[{}]", b), seq_lens[size_t(b)],
@@ -237,8 +241,8 @@ Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<co
   Inputs in;
   in.batch = batch, in.qlen = qlen, in.heads = heads, in.dim = dim, in.max_len = max_len, in.mode = o.mode;
   in.rows = rows;
-  in.seq_lens = seq_lens;
-  in.qlens = qlens;
+  in.seq_lens = std::move(seq_lens);
+  in.qlens = std::move(qlens);
   AttentionConfig scale_config;
   scale_config.softmax_scale = o.softmax_scale;
   scale_config.dims = LatentDims{o.kv_lora_rank, dim - o.kv_lora_rank};
@@ -251,11 +255,11 @@ Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<co
   in.longest = 1;
   int64_t total = 0;
   for (int b = 0; b < batch; ++b) {
-    const int64_t largest = group.local_length_of(seq_lens[size_t(b)], 0);
+    const int64_t largest = group.local_length_of(in.seq_lens[size_t(b)], 0);
     total += ceil_div(largest, o.block_size);
     in.width = std::max(in.width, ceil_div(largest, o.block_size));
     in.longest = std::max(in.longest, largest);
-    in.tokens += seq_lens[size_t(b)];
+    in.tokens += in.seq_lens[size_t(b)];
   }
   in.num_blocks = total + 1;
   return in;

@@ -122,6 +122,8 @@ void combine_partials(const bf16* o_parts, const float* lse_parts, int n, bf16* 
 //  - run(): validation on host scalars, then launches; no allocation, no synchronisation, no
 //    host read of device memory: capturable in a CUDA graph, and a replay after a new plan()
 //    computes the new batch.
+//  - No lock: calls on one object must not overlap (its plans and workspace are the object's);
+//    use one per thread, or serialise them.
 class Attention {
  public:
   // device < 0: the current device, else one in [0, device count) (dcpmla::Error otherwise).

@@ -78,8 +78,10 @@ class Attention {
 
   // This rank's partial over `cache` (this layer's) with the current plan:
   // q [rows, H, D] bf16 -> out [rows, H, R] bf16, lse [rows, H] natural log (-inf where the rank
-  // holds no key of the row's window); rows = B x qlen, or sum(qlens), packed by request. Takes no cache or workspace memory (the CPU
-  // kernels use per-call scratch of their own; the CUDA backend allocates nothing).
+  // holds no key of the row's window); rows = B x qlen, or sum(qlens), packed by request.
+  // The CPU kernels take per-call scratch of their own, but cut requests' partials go to this
+  // object's split-K workspace: calls on one Attention must not overlap (one object per
+  // thread, or serialise them).
   void run(const bf16* q, const KvCache& cache, const KvScale& scale, bf16* out, float* lse);
 
   // The parameters run() computes with (tests).

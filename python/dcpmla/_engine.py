@@ -354,11 +354,12 @@ class Attention:
         cache_in = _tensor("kv_cache", kv_cache, s, _CACHE[self.kv_dtype], kv_dtype=self.kv_dtype)
         value, tensor = _kv_scale(kv_scale, s)
         if out is None or lse is None:
-            rows = (self._native.rows,) if self._native.packed else (self.batch, self.qlen)
+            # q's leading shape, not the plan's: a plan() in another thread may replace the plan
+            # before the run takes it, and a q that does not fit the plan is refused by name.
             if out is None:
-                out = _empty_like("out", q, rows + (self.heads, self.kv_lora_rank), True)
+                out = _empty_like("out", q, lambda q: (*q.shape[:-2], self.heads, self.kv_lora_rank), True)
             if lse is None:
-                lse = _empty_like("lse", q, rows + (self.heads,), False)
+                lse = _empty_like("lse", q, lambda q: (*q.shape[:-2], self.heads), False)
         out_in = _tensor("out", out, s, _VALUES, writable=True)
         lse_out = _tensor("lse", lse, s, "float32", raw=False, writable=True)
         _call(self._native.run, q_in, cache_in, value, tensor, out_in, lse_out, s or 0,

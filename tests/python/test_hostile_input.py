@@ -450,7 +450,7 @@ def test_empty_step_returns_empty_outputs():
     out [0, H, R] and lse [0, H] without calling the kernels, and still checks the cache."""
     att, q, cache = planned()
     att.plan(np.full(2, 40, np.int32), np.arange(8, dtype=np.int32).reshape(2, 4), 2, qlens=[0, 0])
-    assert att.batch == 2 and att._native.rows == 0
+    assert att.batch == 2 and att.qlen == 2
     for empty_q in (np.zeros((0, 2, D), np.float32), np.zeros((0, 2, D), np.uint16)):
         out, lse = att.run(empty_q, cache)
         assert out.shape == (0, 2, R) and out.dtype == empty_q.dtype and lse.shape == (0, 2) and lse.dtype == np.float32
