@@ -155,6 +155,7 @@ NB_MODULE(_dcpmla, m) {
   m.attr("__version__") = DCPMLA_VERSION_STRING;
   m.attr("cuda_available") = kCudaBuilt;
   m.attr("max_in_process_bytes") = dcpmla::kMaxInProcessBytes;
+  m.attr("max_local_kv_len") = dcpmla::kMaxLocalKvLen;
   m.attr("cuda_architectures") = DCPMLA_CUDA_ARCHITECTURES;  // "" without the CUDA backend
   m.def("cuda_device_available", [] {
 #ifdef DCPMLA_HAS_CUDA

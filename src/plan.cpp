@@ -160,10 +160,9 @@ Planner::Planner(const PlannerConfig& config) : config_(config) {
   require(c.limits.max_batch >= 1, "limits.max_batch", c.limits.max_batch, ">= 1");
   require(c.limits.max_qlen >= 1 && c.limits.max_qlen <= kMaxQlen, "limits.max_qlen", c.limits.max_qlen,
           fmt::format("in [1, {}]", kMaxQlen));
-  // Row lengths are int32 in the plan (and seq_lens are int32), so a longer limit means nothing
-  // and would overflow the table arithmetic (found by fuzz_planner).
-  require(c.limits.max_local_kv_len >= 1 && c.limits.max_local_kv_len <= INT32_MAX, "limits.max_local_kv_len",
-          c.limits.max_local_kv_len, fmt::format("in [1, {}]", INT32_MAX));
+  // Row lengths are int32 in the plan and in the kernels (kMaxLocalKvLen).
+  require(c.limits.max_local_kv_len >= 1 && c.limits.max_local_kv_len <= kMaxLocalKvLen, "limits.max_local_kv_len",
+          c.limits.max_local_kv_len, fmt::format("in [1, {}]", kMaxLocalKvLen));
   require(c.num_workers >= 1 && c.num_workers <= kMaxWorkers, "num_workers", c.num_workers,
           fmt::format("in [1, {}]", kMaxWorkers));
   require(c.rows_per_unit >= 1, "rows_per_unit", c.rows_per_unit, ">= 1");

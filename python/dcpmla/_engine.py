@@ -244,7 +244,7 @@ class Attention:
             block_size=_int("block_size", block_size), world_size=_int("world_size", world_size),
             rank=_int("rank", rank), interleave=_int("interleave", interleave),
             max_batch=max_batch, max_qlen=_int("max_qlen", max_qlen),
-            max_local_len=_int("max_local_len", max_local_len, 1, 2**31 - 1), softmax_scale=softmax_scale,
+            max_local_len=_int("max_local_len", max_local_len, 1, _dcpmla.max_local_kv_len), softmax_scale=softmax_scale,
             kv_lora_rank=kv_lora_rank, route=route, device=backend,
             device_index=-1 if index is None else index)
         self.heads = heads

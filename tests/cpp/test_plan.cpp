@@ -424,6 +424,13 @@ TEST(Plan, RefusesConfigurationsWhoseArithmeticWouldOverflow) {
   c = config();
   c.limits.max_local_kv_len = INT64_MAX - 3;  // table stride ceil(len / page)
   expect_error([&] { Planner p(c); }, "'limits.max_local_kv_len' = 9223372036854775804");
+  // The kernels count a request's tokens in int32 and step a tile past its end: at 2^31 - 63
+  // local tokens (a table that repeats one block) that wrapped (a hang, or a wrong answer).
+  c = config();
+  c.limits.max_local_kv_len = INT32_MAX;
+  expect_error([&] { Planner p(c); }, "'limits.max_local_kv_len' = 2147483647: expected in [1, 1073741824]");
+  c.limits.max_local_kv_len = kMaxLocalKvLen;
+  EXPECT_NO_THROW(Planner{c});
   c = config();
   c.dims = LatentDims{512, INT32_MAX - 3};  // D = R + P
   expect_error([&] { Planner p(c); }, "'kv_lora_rank + rope_dim' = 512 + 2147483644");

@@ -78,7 +78,7 @@ bool config_is_valid(const PlannerConfig& c) {
   if (c.dims.kv_lora_rank < 1 || c.dims.rope_dim < 1) return false;
   if (int64_t(c.dims.kv_lora_rank) + c.dims.rope_dim > INT32_MAX) return false;
   if (c.limits.max_batch < 1 || c.limits.max_qlen < 1 || c.limits.max_qlen > kMaxQlen) return false;
-  if (c.limits.max_local_kv_len < 1 || c.limits.max_local_kv_len > INT32_MAX) return false;
+  if (c.limits.max_local_kv_len < 1 || c.limits.max_local_kv_len > kMaxLocalKvLen) return false;
   if (c.num_workers < 1 || c.num_workers > (1 << 16) || c.rows_per_unit < 1 || c.min_segment_tokens < 1 ||
       c.heads < 1)
     return false;
