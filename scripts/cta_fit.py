@@ -19,10 +19,11 @@ twenty-second session).
     scripts/cta_fit.py bench/results/h200_2026-12-02_s11.json [--only NAME ...]
 """
 import argparse
-import json
 import sys
 
 import numpy as np
+
+from results_file import fail, rows_of
 
 CTA_KEYS = ("busy_us", "tiles", "pieces", "cut_pieces")  # one entry per CTA in each
 
@@ -31,21 +32,10 @@ def traced_rows(path):
     """The rows of a results file that carry trace.ctas; exits naming the file and what is wrong
     with it, rather than a traceback from numpy that names neither."""
     def bad(what):
-        sys.exit(f"{path}: {what}")
+        fail(path, what)
 
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as e:
-        bad(f"cannot be read ({e.strerror})")
-    except ValueError as e:  # not JSON, or not UTF-8
-        bad(f"not JSON ({e})")
-    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
-        bad('not a results file (a JSON object with a "rows" array)')
     rows = []
-    for i, r in enumerate(data["rows"]):
-        if not isinstance(r, dict):
-            bad(f"rows[{i}] is not an object")
+    for i, r in enumerate(rows_of(path)):
         what, trace = f"rows[{i}] ({r.get('name', 'no name')})", r.get("trace") or {}
         if not isinstance(trace, dict):
             bad(f"{what}: trace is not an object")

@@ -13,10 +13,11 @@ runs of the same allocations (bench/NOTES.md, thirteenth session: 0.81-0.93 with
     scripts/cta_sm_pace.py A.json B.json ... --shape decode16
 """
 import argparse
-import json
 import sys
 
 import numpy as np
+
+from results_file import fail, rows_of
 
 
 def sm_paces(row, min_tiles):
@@ -32,21 +33,10 @@ def traced_runs(path, shape):
     """The rows of `shape` in a results file with trace.ctas and SM ids; exits naming the file and
     what is wrong with it, rather than a traceback that names neither."""
     def bad(what):
-        sys.exit(f"{path}: {what}")
+        fail(path, what)
 
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as e:
-        bad(f"cannot be read ({e.strerror})")
-    except ValueError as e:  # not JSON, or not UTF-8
-        bad(f"not JSON ({e})")
-    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
-        bad('not a results file (a JSON object with a "rows" array)')
     rows = []
-    for i, r in enumerate(data["rows"]):
-        if not isinstance(r, dict):
-            bad(f"rows[{i}] is not an object")
+    for i, r in enumerate(rows_of(path)):
         trace = r.get("trace") or {}
         ctas = trace.get("ctas") if isinstance(trace, dict) else None
         if r.get("name") != shape or not isinstance(ctas, dict) or "sm" not in ctas:
