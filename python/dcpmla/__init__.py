@@ -50,6 +50,14 @@ def _device(device):
     return device
 
 
+def _one_value(x):
+    """A 0-d or one-element float array as its value (what the engine API's run() and write_kv()
+    take for kv_scale); anything else as given, for _scale to check."""
+    if isinstance(x, np.ndarray) and x.size == 1 and x.dtype.kind == "f":
+        return x.reshape(()).item()
+    return x
+
+
 def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_dtype, kv_scale,
                softmax_scale, kv_lora_rank, route, device, merge, seed, qlens=None):
     # The shapes first, the values after: seq_lens and qlens are checked against the batch from
@@ -106,7 +114,7 @@ def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_
         interleave=_int("interleave", interleave),
         block_size=_int("block_size", block_size),
         kv_dtype=_str("kv_dtype", kv_dtype),
-        kv_scale=_scale("kv_scale", kv_scale),
+        kv_scale=_scale("kv_scale", _one_value(kv_scale)),
         softmax_scale=softmax_scale,
         kv_lora_rank=_int("kv_lora_rank", kv_lora_rank),
         route=_str("route", route),
@@ -143,7 +151,8 @@ def mla_attention(q, kv, seq_lens, *, mode="verify", world_size=1, interleave=1,
         block_size: tokens per cache block, 1..65536.
         kv_dtype: ``"bf16"``, ``"fp8_e4m3"`` or ``"fp8_e5m2"``; fp8 stores
             ``rne(sat(bf16(x) / kv_scale))`` and reads ``stored * kv_scale``.
-        kv_scale: the fp8 cache scale, a positive normal float32; must stay 1.0 for a bf16 cache.
+        kv_scale: the fp8 cache scale, a positive normal float32 (a Python or numpy float, or a
+            one-element float array); must stay 1.0 for a bf16 cache.
         softmax_scale: score scale, a positive normal float32 up to 65536 (larger overflows the
             float32 scores); ``None`` means ``D ** -0.5``.
         kv_lora_rank: R, the value width (``R < D``; the rest of D is the rope part).

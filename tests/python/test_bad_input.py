@@ -154,6 +154,18 @@ def test_smallest_and_largest_normal_scales_run():
     call(kv_dtype="fp8_e4m3", kv_scale=tiny)
 
 
+def test_kv_scale_as_a_one_element_array():
+    """As the engine API's run() and write_kv() take it: a 0-d or one-element float array is its
+    value; more elements, or an integer array, are refused by name."""
+    want = call(kv_dtype="fp8_e4m3", kv_scale=0.37)
+    for scale in (np.array(0.37), np.array([0.37], np.float32), np.array([[0.37]])):
+        got = call(kv_dtype="fp8_e4m3", kv_scale=scale)
+        np.testing.assert_array_equal(got[0], want[0])
+    for scale in (np.array([0.37, 0.37]), np.array([1])):
+        raises(r"field 'kv_scale' = array", call, kv_dtype="fp8_e4m3", kv_scale=scale)
+    raises(r"field 'kv_scale' = 1e-46", call, kv_dtype="fp8_e4m3", kv_scale=np.array([1e-46]))
+
+
 def test_scatter_heads_needs_divisible_heads():
     # H = 2 heads over 3 ranks cannot be reduce-scattered.
     raises(r"heads|merge|world_size", call, world_size=3, merge="scatter_heads")
