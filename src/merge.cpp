@@ -47,17 +47,20 @@ void merge_row(int n, OAt o_at, LseAt lse_at, int width, bf16* o, float* lse) {
     *lse = kNegInf;
     return;
   }
-  float* acc = zeroed_scratch(width);
   float sum = 0.0f;
+  for (int k = 0; k < n; ++k)
+    if (lse_at(k) != kNegInf) sum += std::exp(lse_at(k) - m);
+  // Weights normalised before they scale a partial: the sum of two partials near FLT_MAX
+  // overflowed where their mean is finite.
+  float* acc = zeroed_scratch(width);
   for (int k = 0; k < n; ++k) {
     const float l = lse_at(k);
     if (l == kNegInf) continue;
-    const float w = std::exp(l - m);
-    sum += w;
+    const float w = std::exp(l - m) / sum;
     const bf16* src = o_at(k);
     for (int j = 0; j < width; ++j) acc[j] += w * bf16_to_float(src[j]);
   }
-  for (int j = 0; j < width; ++j) o[j] = float_to_bf16(acc[j] / sum);
+  for (int j = 0; j < width; ++j) o[j] = float_to_bf16(acc[j]);
   *lse = m + std::log(sum);
 }
 

@@ -113,6 +113,12 @@ float kv_scale_as_given(T value, KvDtype dtype) {
     return 1.0f;
   }
   check_scale("kv_scale", value);
+  // Every stored value must read back finite in float32: the largest is fp8_max * scale.
+  const double most = double(std::numeric_limits<float>::max()) / fp8_max(dtype);
+  if (double(value) > most)
+    fail("kv_scale", value,
+         fmt::format("<= {:.4g} for {} (its largest value {} times the scale must stay a finite float32)", most,
+                     to_string(dtype), fp8_max(dtype)));
   return float(value);
 }
 

@@ -63,10 +63,14 @@ void merge_across_ranks(Communicator& comm, MergeForm form, const bf16* o, const
       for (int k = 0; k < n; ++k) sum += std::exp(all_lse[size_t(k * cells + c)] - m);
     const float global = m == kNegInf ? kNegInf : m + std::log(sum);
     const float own = lse[c];
-    const float scale = (global == kNegInf || own == kNegInf) ? 0.0f : std::exp(own - global);
+    // exp(own - m) / sum, not exp(own - global): at a large |lse| the log of the sum rounds
+    // away in m + log(sum), and the weights summed to N instead of 1. An empty partial adds
+    // nothing, whatever its out holds (SPEC §2: 0 x NaN would poison the row).
+    const bool empty = m == kNegInf || own == kNegInf;
+    const float scale = empty ? 0.0f : std::exp(own - m) / sum;
     const int64_t row = c / heads, h = c % heads, dest_rank = h / kept;
     float* dst = chunks.data() + ((dest_rank * rows + row) * kept + h % kept) * width;
-    for (int j = 0; j < width; ++j) dst[j] = scale * bf16_to_float(o[c * width + j]);
+    for (int j = 0; j < width; ++j) dst[j] = empty ? 0.0f : scale * bf16_to_float(o[c * width + j]);
     if (dest_rank == me) out_lse[row * kept + h % kept] = global;
   }
   std::vector<float> mine(size_t(rows * kept * width));

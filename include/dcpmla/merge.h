@@ -25,8 +25,9 @@ inline float nan_max(float a, float b) {
 // be checked here.
 
 // (o, lse) = merge of two partials over disjoint key sets, row by row:
-// lse = ln(e^a + e^b), o = e^(a-lse) o_a + e^(b-lse) o_b. -inf partials contribute nothing;
-// both -inf gives o = 0, lse = -inf. An output may be either input of its kind (in place: o = o_a
+// lse = ln(e^a + e^b), o = e^(a-lse) o_a + e^(b-lse) o_b. -inf partials contribute nothing,
+// whatever their o holds; both -inf gives o = 0, lse = -inf; a +inf lse (no attention gives
+// one) makes the row NaN, as a NaN does. An output may be either input of its kind (in place: o = o_a
 // or o_b, lse = lse_a or lse_b); any other overlap is refused.
 void merge_state(const bf16* o_a, const float* lse_a, const bf16* o_b, const float* lse_b, bf16* o,
                  float* lse, int64_t rows, int width);

@@ -55,8 +55,9 @@ float checked_scale(std::string_view field, double value);
 inline constexpr float kMaxSoftmaxScale = 65536.0f;
 void require_softmax_scale(float value);
 
-// A cache scale (read = stored * scale): exactly 1 for bf16, else a positive normal float32; the
-// dtype must be known. checked_kv_scale takes it as a double (Python, CLI), checked before it
+// A cache scale (read = stored * scale): exactly 1 for bf16, else a positive normal float32 at
+// most FLT_MAX / fp8_max (about 7.6e35 for e4m3, 5.9e33 for e5m2: beyond, the largest stored
+// value reads back as inf and its scores as NaN); the dtype must be known. checked_kv_scale takes it as a double (Python, CLI), checked before it
 // narrows, the message showing the value as given.
 void require_kv_scale(float value, KvDtype dtype);
 float checked_kv_scale(double value, KvDtype dtype);

@@ -149,10 +149,12 @@ struct PlanView {
 // Statistics the planner computed, for tests, logs and the bench (padding excluded).
 struct PlanStats {
   int active_requests = 0;
+  // Local lengths of the active requests as rank 0 holds them (the largest share): the same on
+  // every rank, so that the ranks' planners agree.
   int64_t min_local_len = 0;
   int64_t max_local_len = 0;
   int64_t total_local_len = 0;
-  int max_segments = 0;  // most pieces of one request (1: no request is cut)
+  int max_segments = 0;  // most pieces of one request (1: no request is cut; 0: no active request)
   int64_t max_block = -1;  // largest block id the tables name (-1: none); the cache must hold it
 };
 

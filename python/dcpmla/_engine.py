@@ -404,7 +404,8 @@ def write_kv(kv_cache, latent, slot_mapping, kv_dtype="bf16", kv_scale=1.0, stre
 def merge_states(out_parts, lse_parts, out=None, lse=None, stream=None):
     """Merges N partials of the same rows with the LSE rule (SPEC §2):
     ``lse = ln sum_r exp(lse_r)``, ``out = sum_r exp(lse_r - lse) out_r``; -inf partials add
-    nothing, all -inf gives out 0, lse -inf.
+    nothing (whatever their out holds), all -inf gives out 0, lse -inf; a NaN or +inf lse makes
+    its row NaN.
 
     Args:
         out_parts: ``[N, ..., W]`` bfloat16 (CPU: float32 or bfloat16), e.g. the all-gathered

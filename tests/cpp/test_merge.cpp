@@ -188,6 +188,62 @@ TEST(Merge, MergesRejectBadInput) {
   EXPECT_NEAR(slse, 0.0f, 1e-6);
 }
 
+// The merges at the edges of float32, both forms against the exact answer:
+// - scatter_heads weighted rank r by exp(lse_r - lse) with lse = m + log(sum) in float32: at
+//   lse 1e30 the log rounded away and N equal partials of out 1 merged to N (all_heads gave 1);
+// - an empty partial (lse -inf) with NaN in its out poisoned scatter_heads' row (0 x NaN);
+// - two partials of out 3e38 merged to inf (the weights were applied before they were
+//   normalised), where their mean is finite.
+TEST(Merge, MergesAtTheEdgesOfFloat32) {
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  struct Case {
+    const char* what;
+    std::vector<float> lse, out;  // per rank (one cell of width 1)
+    float want_out, want_lse;
+  };
+  const std::vector<Case> cases{
+      {"lse 1e30 twice", {1e30f, 1e30f}, {1.0f, 1.0f}, 1.0f, 1e30f},
+      {"lse 1e30 four times", {1e30f, 1e30f, 1e30f, 1e30f}, {1.0f, 1.0f, 1.0f, 1.0f}, 1.0f, 1e30f},
+      {"lse -FLT_MAX twice", {-3.4e38f, -3.4e38f}, {1.0f, 1.0f}, 1.0f, -3.4e38f},
+      {"an empty partial holding NaN", {0.0f, -inf}, {1.0f, nan}, 1.0f, 0.0f},
+      {"every partial empty, NaN in out", {-inf, -inf}, {nan, nan}, 0.0f, -inf},
+      {"out 3e38 twice", {0.0f, 0.0f}, {3e38f, 3e38f}, bf16_to_float(float_to_bf16(3e38f)), std::log(2.0f)},
+  };
+  for (const Case& c : cases)
+    for (MergeForm form : {MergeForm::all_heads, MergeForm::scatter_heads}) {
+      const int n = int(c.lse.size());
+      std::vector<float> outs(static_cast<size_t>(n)), lses(static_cast<size_t>(n));
+      run_ranks(n, [&](int r, Communicator& comm) {
+        // scatter_heads keeps heads / N each: N heads of one row, every head the same cell.
+        const int heads = n;
+        std::vector<bf16> o(size_t(heads), float_to_bf16(c.out[size_t(r)]));
+        std::vector<float> lse(size_t(heads), c.lse[size_t(r)]);
+        const int kept = form == MergeForm::all_heads ? heads : 1;
+        std::vector<bf16> out(static_cast<size_t>(kept));
+        std::vector<float> out_lse(static_cast<size_t>(kept));
+        merge_across_ranks(comm, form, o.data(), lse.data(), 1, heads, 1, out.data(), out_lse.data());
+        outs[size_t(r)] = bf16_to_float(out[0]);
+        lses[size_t(r)] = out_lse[0];
+      });
+      for (int r = 0; r < n; ++r) {
+        EXPECT_EQ(outs[size_t(r)], c.want_out) << c.what << ", " << to_string(form) << ", rank " << r;
+        if (std::isinf(c.want_lse))
+          EXPECT_EQ(lses[size_t(r)], c.want_lse) << c.what;
+        else
+          EXPECT_NEAR(lses[size_t(r)], c.want_lse, std::abs(c.want_lse) * 1e-6f + 1e-6f) << c.what;
+      }
+    }
+  // combine_partials (all_heads' local merge) and merge_state alike.
+  const std::vector<bf16> big{float_to_bf16(3e38f), float_to_bf16(3e38f)};
+  const std::vector<float> zeros{0.0f, 0.0f};
+  bf16 o;
+  float lse;
+  combine_partials(big.data(), zeros.data(), 2, &o, &lse, 1, 1);
+  EXPECT_EQ(bf16_to_float(o), bf16_to_float(float_to_bf16(3e38f)));
+  merge_state(&big[0], &zeros[0], &big[1], &zeros[1], &o, &lse, 1, 1);
+  EXPECT_EQ(bf16_to_float(o), bf16_to_float(float_to_bf16(3e38f)));
+}
+
 TEST(Merge, MergeAcrossRanksRejectsBadInput) {
   using testing::expect_error;
   InProcessGroup group(1);

@@ -108,6 +108,20 @@ TEST(Numeric, Fp8HelpersTakeFp8DtypesAndValidScales) {
   EXPECT_EQ(quantize_roundtrip(3.0f, KvDtype::fp8_e4m3, 1.0f), 3.0f);
 }
 
+// A scale past FLT_MAX / fp8_max read the largest stored value back as inf, and every score
+// of its token as NaN (a finite latent of 3.4e38 at kv_scale 1e38): refused, the bound named.
+TEST(Numeric, KvScaleKeepsEveryStoredValueFinite) {
+  using testing::expect_error;
+  for (KvDtype d : {KvDtype::fp8_e4m3, KvDtype::fp8_e5m2}) {
+    const float most = std::numeric_limits<float>::max() / fp8_max(d);
+    const float largest = std::nextafter(most, 0.0f);
+    EXPECT_NO_THROW(require_kv_scale(largest, d));
+    EXPECT_TRUE(std::isfinite(quantize_roundtrip(3.0e38f, d, largest))) << to_string(d);
+    expect_error([&] { require_kv_scale(most * 2.0f, d); }, "for " + std::string(to_string(d)));
+    expect_error([&] { (void)checked_kv_scale(1e38, d); }, "'kv_scale' = 1e+38: expected <= ");
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Formats, Fp8, ::testing::Values(KvDtype::fp8_e4m3, KvDtype::fp8_e5m2));
 
 }  // namespace dcpmla

@@ -150,8 +150,13 @@ def test_smallest_and_largest_normal_scales_run():
     _, lse_tiny = call(softmax_scale=tiny)
     _, lse_default = call()
     assert not np.array_equal(lse_tiny, lse_default), "a tiny scale is not the default scale"
-    call(kv_dtype="fp8_e5m2", kv_scale=big)
     call(kv_dtype="fp8_e4m3", kv_scale=tiny)
+    # The largest kv_scale keeps the largest stored value finite: FLT_MAX / fp8_max.
+    for dtype, fp8_max in (("fp8_e4m3", 448.0), ("fp8_e5m2", 57344.0)):
+        most = float(np.nextafter(np.float32(big / fp8_max), np.float32(0)))
+        out, lse = call(kv_dtype=dtype, kv_scale=most)
+        assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse))
+        raises(rf"field 'kv_scale' = .*: expected <= .* for {dtype}", call, kv_dtype=dtype, kv_scale=big)
 
 
 def test_kv_scale_as_a_one_element_array():

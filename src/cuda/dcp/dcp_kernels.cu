@@ -161,10 +161,13 @@ __global__ void __launch_bounds__(256) correct_kernel(const CorrectParams p) {
       }
     const float global = m == neg_inf() ? neg_inf() : m + logf(sum);
     const float own = p.lse_all[g.me * stride + c];
-    const float scale = (global == neg_inf() || own == neg_inf()) ? 0.0f : expf(own - global);
+    // exp(own - m) / sum, not exp(own - global): at a large |lse| the log of the sum rounds away
+    // in m + log(sum). An empty partial adds nothing, whatever its out holds (SPEC §2).
+    const bool empty = m == neg_inf() || own == neg_inf();
+    const float scale = empty ? 0.0f : expf(own - m) / sum;
     const bf16* src = p.o + c * p.width;
     for (int col = lane * 2; col < p.width; col += 64) {
-      const float a = scale * bf16f(src[col]), b = scale * bf16f(src[col + 1]);
+      const float a = empty ? 0.0f : scale * bf16f(src[col]), b = empty ? 0.0f : scale * bf16f(src[col + 1]);
       if (p.send_f32) {
         *reinterpret_cast<float2*>(static_cast<float*>(p.send) + item * p.width + col) = make_float2(a, b);
       } else {

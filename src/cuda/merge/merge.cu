@@ -33,9 +33,10 @@ __global__ void __launch_bounds__(256) merge_kernel(const MergeParams p) {
           const float l = p.lse_parts[k * p.part_stride_lse + row];
           if (l == kNegInf) continue;
           const bf16 v = p.o_parts[k * p.part_stride_o + row * p.width + col];
-          acc += expf(l - m) * __uint_as_float(uint32_t(v.bits) << 16);
+          // Normalised before it scales the partial (two partials near FLT_MAX overflowed).
+          acc += (expf(l - m) / sum) * __uint_as_float(uint32_t(v.bits) << 16);
         }
-      const float r = m == kNegInf ? 0.0f : acc / sum;
+      const float r = m == kNegInf ? 0.0f : acc;
       const __nv_bfloat16 h = __float2bfloat16_rn(r);
       out[col] = *reinterpret_cast<const bf16*>(&h);
     }
