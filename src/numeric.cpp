@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numbers>
 
 #include "dcpmla/error.h"
 
@@ -113,12 +114,15 @@ float kv_scale_as_given(T value, KvDtype dtype) {
     return 1.0f;
   }
   check_scale("kv_scale", value);
-  // Every stored value must read back finite in float32: the largest is fp8_max * scale.
-  const double most = double(std::numeric_limits<float>::max()) / fp8_max(dtype);
+  // Every stored value must read back finite in float32 (fp8_max x scale), and so must the
+  // CUDA kernels' score scale, softmax_scale x kv_scale x log2(e), which they fold together.
+  const double most = double(std::numeric_limits<float>::max()) /
+                      std::max(double(fp8_max(dtype)), double(kMaxSoftmaxScale) * std::numbers::log2e);
   if (double(value) > most)
     fail("kv_scale", value,
-         fmt::format("<= {:.4g} for {} (its largest value {} times the scale must stay a finite float32)", most,
-                     to_string(dtype), fp8_max(dtype)));
+         fmt::format("<= {:.4g} (the largest stored value times the scale, and the largest softmax_scale times "
+                     "the scale, must stay finite float32)",
+                     most));
   return float(value);
 }
 

@@ -150,7 +150,13 @@ void refuse_together(Communicator& comm, std::exception_ptr refused, std::string
   const int n = comm.world_size();
   const int32_t mine = refused ? 1 : 0;
   std::vector<int32_t> all(static_cast<size_t>(n));
-  comm.all_gather(&mine, all.data(), 1, DataType::i32);
+  try {
+    comm.all_gather(&mine, all.data(), 1, DataType::i32);
+  } catch (...) {
+    // A peer that failed or never came: this rank's own error still names the field.
+    if (refused) std::rethrow_exception(refused);
+    throw;
+  }
   if (refused) std::rethrow_exception(refused);
   std::vector<int> refusing;
   for (int r = 0; r < n; ++r)

@@ -56,8 +56,9 @@ inline constexpr float kMaxSoftmaxScale = 65536.0f;
 void require_softmax_scale(float value);
 
 // A cache scale (read = stored * scale): exactly 1 for bf16, else a positive normal float32 at
-// most FLT_MAX / fp8_max (about 7.6e35 for e4m3, 5.9e33 for e5m2: beyond, the largest stored
-// value reads back as inf and its scores as NaN); the dtype must be known. checked_kv_scale takes it as a double (Python, CLI), checked before it
+// most FLT_MAX / max(fp8_max, kMaxSoftmaxScale x log2 e), about 3.6e33 (beyond, the largest
+// stored value, or the CUDA kernels' folded score scale, is inf and the scores NaN); the dtype
+// must be known. checked_kv_scale takes it as a double (Python, CLI), checked before it
 // narrows, the message showing the value as given.
 void require_kv_scale(float value, KvDtype dtype);
 float checked_kv_scale(double value, KvDtype dtype);

@@ -16,7 +16,7 @@ namespace dcpmla {
 
 // The longest rank-local KV a plan may describe: 2^30 tokens. The kernels count a request's
 // tokens in int32 and step past its end by up to a tile; a limit of INT32_MAX let that step
-// wrap at 2^31 - 64 tokens (a hang or a wrong answer), and nothing real is that long.
+// wrap at 2^31 - 63 tokens (a hang or a wrong answer), and nothing real is that long.
 inline constexpr int64_t kMaxLocalKvLen = int64_t(1) << 30;
 
 // Capture limits: the largest batch any plan of this planner may describe.

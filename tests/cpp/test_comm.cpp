@@ -299,6 +299,25 @@ TEST(Comm, OneRankRefusingMakesEveryRankRefuse) {
     EXPECT_EQ(e, "");
 }
 
+// A rank that refused its own input keeps its own error even when the exchange that tells
+// its peers fails (a peer that never comes, or one that already aborted the group): the
+// collective's error named no field, after the group's whole timeout.
+TEST(Comm, ARefusingRankKeepsItsOwnErrorWhenTheExchangeFails) {
+  const auto refusal = std::make_exception_ptr(Error("dcpmla: field 'seq_lens[0]' = -1: expected >= 0"));
+  InProcessGroup silent(2, std::chrono::milliseconds(200));
+  const auto peer = silent.communicator(1);  // never calls
+  const auto comm = silent.communicator(0);
+  EXPECT_EQ(testing::error_of([&] { refuse_together(*comm, refusal, "set-up"); }),
+            "dcpmla: field 'seq_lens[0]' = -1: expected >= 0");
+  InProcessGroup aborted(2);
+  aborted.abort();
+  const auto first = aborted.communicator(0);
+  EXPECT_EQ(testing::error_of([&] { refuse_together(*first, refusal, "set-up"); }),
+            "dcpmla: field 'seq_lens[0]' = -1: expected >= 0");
+  EXPECT_TRUE(has(testing::error_of([&] { refuse_together(*first, nullptr, "set-up"); }), "aborted"))
+      << "a rank with nothing to refuse reports the collective's error";
+}
+
 // Ranks that disagree on the collective, its count or its dtype used to read past a peer's
 // buffer; every rank now raises the same error naming the field, and the group stays usable.
 TEST(Comm, RanksThatDisagreeOnACollectiveAllRaise) {

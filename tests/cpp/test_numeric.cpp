@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <limits>
+#include <numbers>
 #include <string>
 
 #include "dcpmla/error.h"
@@ -109,16 +110,19 @@ TEST(Numeric, Fp8HelpersTakeFp8DtypesAndValidScales) {
 }
 
 // A scale past FLT_MAX / fp8_max read the largest stored value back as inf, and every score
-// of its token as NaN (a finite latent of 3.4e38 at kv_scale 1e38): refused, the bound named.
+// of its token as NaN (a finite latent of 3.4e38 at kv_scale 1e38); the CUDA kernels fold
+// softmax_scale x kv_scale x log2 e into one float, which must stay finite too. Refused past the
+// smaller bound, which names itself.
 TEST(Numeric, KvScaleKeepsEveryStoredValueFinite) {
   using testing::expect_error;
+  const double most = double(std::numeric_limits<float>::max()) / (double(kMaxSoftmaxScale) * std::numbers::log2e);
   for (KvDtype d : {KvDtype::fp8_e4m3, KvDtype::fp8_e5m2}) {
-    const float most = std::numeric_limits<float>::max() / fp8_max(d);
-    const float largest = std::nextafter(most, 0.0f);
+    const float largest = std::nextafter(float(most), 0.0f);
     EXPECT_NO_THROW(require_kv_scale(largest, d));
     EXPECT_TRUE(std::isfinite(quantize_roundtrip(3.0e38f, d, largest))) << to_string(d);
-    expect_error([&] { require_kv_scale(most * 2.0f, d); }, "for " + std::string(to_string(d)));
-    expect_error([&] { (void)checked_kv_scale(1e38, d); }, "'kv_scale' = 1e+38: expected <= ");
+    EXPECT_TRUE(std::isfinite(kMaxSoftmaxScale * largest * float(std::numbers::log2e))) << to_string(d);
+    expect_error([&] { require_kv_scale(float(most) * 2.0f, d); }, "'kv_scale' = 7.");
+    expect_error([&] { (void)checked_kv_scale(1e38, d); }, "'kv_scale' = 1e+38: expected <= 3.59");
   }
 }
 

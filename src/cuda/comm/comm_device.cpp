@@ -178,7 +178,9 @@ class DeviceGroupComm final : public DeviceCommunicator {
     s_->host_barrier(rank_);
     Calls calls;
     std::copy(s_->calls.begin(), s_->calls.end(), calls.begin());
-    s_->host_barrier(rank_);
+    // Every rank passed the first: none may leave before all have read (an abort released one,
+    // which then rewrote its slot under a peer's copy); an abort holds for the next collective.
+    s_->rendezvous.arrive_and_wait_all();
     const int bad = detail::disagreeing_rank(calls.data(), s_->world);
     if (bad >= 0) [[unlikely]]
       detail::fail_disagreement(calls[0], calls[size_t(bad)], bad);
