@@ -114,15 +114,11 @@ float kv_scale_as_given(T value, KvDtype dtype) {
     return 1.0f;
   }
   check_scale("kv_scale", value);
-  // Every stored value must read back finite in float32 (fp8_max x scale), and so must the
-  // CUDA kernels' score scale, softmax_scale x kv_scale x log2(e), which they fold together.
-  const double most = double(std::numeric_limits<float>::max()) /
-                      std::max(double(fp8_max(dtype)), double(kMaxSoftmaxScale) * std::numbers::log2e);
-  if (double(value) > most)
+  if (double(value) > kMaxKvScale)
     fail("kv_scale", value,
          fmt::format("<= {:.4g} (the largest stored value times the scale, and the largest softmax_scale times "
                      "the scale, must stay finite float32)",
-                     most));
+                     kMaxKvScale));
   return float(value);
 }
 

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <numbers>
 #include <string_view>
 
 #include "dcpmla/types.h"
@@ -55,10 +57,15 @@ float checked_scale(std::string_view field, double value);
 inline constexpr float kMaxSoftmaxScale = 65536.0f;
 void require_softmax_scale(float value);
 
-// A cache scale (read = stored * scale): exactly 1 for bf16, else a positive normal float32 at
-// most FLT_MAX / max(fp8_max, kMaxSoftmaxScale x log2 e), about 3.6e33 (beyond, the largest
-// stored value, or the CUDA kernels' folded score scale, is inf and the scores NaN); the dtype
-// must be known. checked_kv_scale takes it as a double (Python, CLI), checked before it
+// The largest fp8 cache scale, about 3.6e33: the CUDA kernels fold softmax_scale x kv_scale x
+// log2 e into one float32, and every stored value must read back finite (fp8_max x scale).
+inline constexpr double kMaxKvScale =
+    double(std::numeric_limits<float>::max()) / (double(kMaxSoftmaxScale) * std::numbers::log2e);
+static_assert(kMaxKvScale * 57344.0 <= double(std::numeric_limits<float>::max()), "e5m2's largest value reads back");
+
+// A cache scale (read = stored * scale): exactly 1 for bf16, else a positive normal float32 of
+// at most kMaxKvScale (beyond, the largest stored value, or the CUDA kernels' folded score
+// scale, is inf and the scores NaN); the dtype must be known. checked_kv_scale takes it as a double (Python, CLI), checked before it
 // narrows, the message showing the value as given.
 void require_kv_scale(float value, KvDtype dtype);
 float checked_kv_scale(double value, KvDtype dtype);

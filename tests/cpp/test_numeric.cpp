@@ -115,7 +115,8 @@ TEST(Numeric, Fp8HelpersTakeFp8DtypesAndValidScales) {
 // smaller bound, which names itself.
 TEST(Numeric, KvScaleKeepsEveryStoredValueFinite) {
   using testing::expect_error;
-  const double most = double(std::numeric_limits<float>::max()) / (double(kMaxSoftmaxScale) * std::numbers::log2e);
+  const double most = double(std::numeric_limits<float>::max()) / (65536.0 * std::numbers::log2e);
+  EXPECT_EQ(kMaxKvScale, most);
   for (KvDtype d : {KvDtype::fp8_e4m3, KvDtype::fp8_e5m2}) {
     const float largest = std::nextafter(float(most), 0.0f);
     EXPECT_NO_THROW(require_kv_scale(largest, d));

@@ -68,7 +68,9 @@ void check_write(FuzzedDataProvider& in, const Spec& s, std::vector<int64_t> slo
       cfg.dim >= 1 && __int128(cfg.num_blocks) * cfg.block_size * cfg.dim * bytes_per_value(cfg.dtype) > INT64_MAX;
   const bool valid = cfg.num_blocks >= 1 && cfg.block_size >= 1 && cfg.block_size <= kMaxBlockSize &&
                      cfg.dim >= 1 && !bytes_overflow &&
-                     (cfg.dtype == KvDtype::bf16 ? cfg.scale == 1.0f : std::isfinite(cfg.scale) && cfg.scale > 0.0f);
+                     (cfg.dtype == KvDtype::bf16 ? cfg.scale == 1.0f
+                                                  : std::isnormal(cfg.scale) && cfg.scale > 0.0f &&
+                                                        double(cfg.scale) <= kMaxKvScale);
   if (valid && cfg.bytes() > kCacheCapBytes) return;  // accepted by design, too big to build per input
   std::optional<PagedCache> cache;
   try {
