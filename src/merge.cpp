@@ -40,16 +40,12 @@ float* zeroed_scratch(int width) {
 // A NaN lse (a NaN or inf read by the row) is not empty: it makes the row's out and lse NaN.
 template <class OAt, class LseAt>
 void merge_row(int n, OAt o_at, LseAt lse_at, int width, bf16* o, float* lse) {
-  float m = kNegInf;
-  for (int k = 0; k < n; ++k) m = nan_max(m, lse_at(k));
+  const auto [m, sum] = lse_stats(n, lse_at);
   if (m == kNegInf) {
     std::fill(o, o + width, bf16{});
     *lse = kNegInf;
     return;
   }
-  float sum = 0.0f;
-  for (int k = 0; k < n; ++k)
-    if (lse_at(k) != kNegInf) sum += std::exp(lse_at(k) - m);
   // Weights normalised before they scale a partial: the sum of two partials near FLT_MAX
   // overflowed where their mean is finite.
   float* acc = zeroed_scratch(width);

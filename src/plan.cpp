@@ -81,6 +81,11 @@ int max_heads(Backend backend) {
   return most;
 }
 
+void require_heads(std::string_view field, int heads, Backend backend) {
+  if (heads < 1 || heads > max_heads(backend))
+    fail(field, heads, fmt::format("in [1, {}] on the {} backend", max_heads(backend), to_string(backend)));
+}
+
 std::span<const Capability> capability_table() { return kCapabilities; }
 
 bool is_supported(Backend backend, Route route, Mode mode, KvDtype dtype, int heads) {
@@ -178,8 +183,7 @@ Planner::Planner(const PlannerConfig& config) : config_(config) {
   require_known("backend", c.backend);
   require_known("route", c.route);
   // Heads beyond what any route serves are the heads' fault, not the route's.
-  require(c.heads >= 1 && c.heads <= max_heads(c.backend), "heads", c.heads,
-          fmt::format("in [1, {}] on the {} backend", max_heads(c.backend), to_string(c.backend)));
+  require_heads("heads", c.heads, c.backend);
   require_known("kv_dtype", c.kv_dtype);
   // Auto may take one_stage or split_k; a forced route must be served for some mode (the
   // step's mode is checked against it at plan time).

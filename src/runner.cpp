@@ -56,11 +56,7 @@ void merge_across_ranks(Communicator& comm, MergeForm form, const bf16* o, const
   const int kept = heads / n, me = comm.rank();
   std::vector<float> chunks(size_t(cells * width));
   for (int64_t c = 0; c < cells; ++c) {
-    float m = kNegInf;
-    for (int k = 0; k < n; ++k) m = nan_max(m, all_lse[size_t(k * cells + c)]);  // a NaN partial poisons the row
-    float sum = 0.0f;
-    if (m != kNegInf)
-      for (int k = 0; k < n; ++k) sum += std::exp(all_lse[size_t(k * cells + c)] - m);
+    const auto [m, sum] = lse_stats(n, [&](int k) { return all_lse[size_t(k * cells + c)]; });
     const float global = m == kNegInf ? kNegInf : m + std::log(sum);
     const float own = lse[c];
     // exp(own - m) / sum, not exp(own - global): at a large |lse| the log of the sum rounds
@@ -370,18 +366,14 @@ std::unique_ptr<RankEngine> set_up_rank(const Inputs& in, const AttentionOptions
 }
 
 // FNV-1a: ranks handed different lengths must not merge their partials.
-uint32_t hash_step(uint32_t h, int32_t v) { return (h ^ uint32_t(v)) * 16777619u; }
 int32_t hash_of(std::span<const int32_t> values) {
   uint32_t h = 2166136261u;
-  for (int32_t v : values) h = hash_step(h, v);
+  for (int32_t v : values) h = (h ^ uint32_t(v)) * 16777619u;
   return int32_t(h);
 }
 // The rows of each request: qlens, or qlen each when none are given (the same batch either way).
 int32_t rows_hash(const Inputs& in) {
-  if (!in.qlens.empty()) return hash_of(in.qlens);
-  uint32_t h = 2166136261u;
-  for (int b = 0; b < in.batch; ++b) h = hash_step(h, in.qlen);
-  return int32_t(h);
+  return hash_of(in.qlens.empty() ? std::vector<int32_t>(size_t(in.batch), in.qlen) : in.qlens);
 }
 
 AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, RankEngine& engine, Communicator& comm) {

@@ -18,6 +18,23 @@ inline float nan_max(float a, float b) {
   return a < b ? b : a;
 }
 
+// The LSE rule's statistics of one row's n partials lse_at(k): their maximum m (nan_max; -inf
+// when every partial is empty) and sum = sum_k e^(lse_k - m) over the non-empty ones, so that
+// lse = m + ln sum and partial k weighs e^(lse_k - m) / sum. Shared by every host merge.
+struct LseStats {
+  float m, sum;
+};
+template <class LseAt>
+LseStats lse_stats(int n, LseAt lse_at) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  LseStats s{kNegInf, 0.0f};
+  for (int k = 0; k < n; ++k) s.m = nan_max(s.m, lse_at(k));
+  if (s.m != kNegInf)
+    for (int k = 0; k < n; ++k)
+      if (lse_at(k) != kNegInf) s.sum += std::exp(lse_at(k) - s.m);
+  return s;
+}
+
 // Every merge below validates its arguments (dcpmla::Error naming the field): counts of
 // partials and segments >= 1 (a merge of nothing has no answer; an empty row is a partial with
 // lse = -inf or l = 0), width >= 1, rows >= 0 where there are rows (0 is an empty call that
@@ -27,8 +44,8 @@ inline float nan_max(float a, float b) {
 // (o, lse) = merge of two partials over disjoint key sets, row by row:
 // lse = ln(e^a + e^b), o = e^(a-lse) o_a + e^(b-lse) o_b. -inf partials contribute nothing,
 // whatever their o holds; both -inf gives o = 0, lse = -inf; a +inf lse (no attention gives
-// one) makes the row NaN, as a NaN does. An output may be either input of its kind (in place: o = o_a
-// or o_b, lse = lse_a or lse_b); any other overlap is refused.
+// one) makes the row NaN, as a NaN does. An output may be either input of its kind (in place:
+// o = o_a or o_b, lse = lse_a or lse_b); any other overlap is refused.
 void merge_state(const bf16* o_a, const float* lse_a, const bf16* o_b, const float* lse_b, bf16* o,
                  float* lse, int64_t rows, int width);
 // merge_state's (and the CUDA form's) check of that rule; rows >= 0 and width >= 1 checked before.

@@ -65,8 +65,8 @@ static_assert(kMaxKvScale * 57344.0 <= double(std::numeric_limits<float>::max())
 
 // A cache scale (read = stored * scale): exactly 1 for bf16, else a positive normal float32 of
 // at most kMaxKvScale (beyond, the largest stored value, or the CUDA kernels' folded score
-// scale, is inf and the scores NaN); the dtype must be known. checked_kv_scale takes it as a double (Python, CLI), checked before it
-// narrows, the message showing the value as given.
+// scale, is inf and the scores NaN); the dtype must be known. checked_kv_scale takes it as a
+// double (Python, CLI), checked before it narrows, the message showing the value as given.
 void require_kv_scale(float value, KvDtype dtype);
 float checked_kv_scale(double value, KvDtype dtype);
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -228,8 +229,10 @@ struct Capability {
   int max_heads;
 };
 std::span<const Capability> capability_table();
-// The most heads any route serves on `backend` (the table's; CUDA: one kernel launch's).
+// The most heads any route serves on `backend` (the table's; CUDA: one kernel launch's), and
+// the check of a head count against it (dcpmla::Error naming `field` otherwise).
 int max_heads(Backend backend);
+void require_heads(std::string_view field, int heads, Backend backend);
 bool is_supported(Backend backend, Route route, Mode mode, KvDtype dtype, int heads);
 
 class Planner {

@@ -22,12 +22,6 @@ namespace {
 
 using namespace cuda_detail;
 
-// The heads one launch serves (the planner's capability table), refused by name past it.
-void require_cuda_heads(int heads) {
-  if (heads < 1 || heads > max_heads(Backend::cuda))
-    fail("heads", heads, fmt::format("1..{} on the CUDA backend", max_heads(Backend::cuda)));
-}
-
 // What the kernels read and write in vectors (a misaligned address faults and kills the
 // context): q 16 bytes at a time (cp.async), the cache 16 (KvCache::validate checks it on
 // run()), out up to 8 (the combine's stores; 16 required, as the Python layer does), lse and
@@ -85,7 +79,7 @@ void validate_attention(const AttentionParams& p) {
   require(p.part_o != nullptr && p.part_m != nullptr && p.part_l != nullptr, "part_o/part_m/part_l", "null",
           "device pointers to a split-K workspace (split_workspace_floats floats)");
   validate_attention_params(p);
-  require_cuda_heads(p.heads);
+  require_heads("heads", p.heads, Backend::cuda);
   require(p.dim == kDim, "dim", p.dim, "576 (kv_lora_rank 512 + rope_dim 64) on the CUDA backend");
   require(p.rank_dim == kRank, "rank_dim", p.rank_dim, "512 on the CUDA backend");
   require_aligned(p.kv, 16, "kv", "16-byte aligned device memory (the cache is read 16 bytes at a time)");
@@ -110,7 +104,7 @@ AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const
   // Public: its arguments reach the variant table (a bit per dtype) and the row arithmetic.
   require_known("kv_dtype", dtype);
   if (max_qlen < 1 || max_qlen > kMaxQlen) fail("max_qlen", max_qlen, fmt::format("in [1, {}]", kMaxQlen));
-  require_cuda_heads(heads);
+  require_heads("heads", heads, Backend::cuda);
   validate_tuning(tuning);
   const bool fp8 = dtype != KvDtype::bf16;
   AttentionVariant v{};

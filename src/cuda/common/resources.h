@@ -109,5 +109,4 @@ void require_current_device(int device, const char* owner);
 // that plan's staging copy, and a replay would compute it instead of the latest plan.
 void require_not_capturing(cudaStream_t stream);
 
-
 }  // namespace dcpmla::cuda_detail

@@ -28,11 +28,6 @@ namespace {
 using cuda_detail::kDim;
 using cuda_detail::kRank;
 
-void require_heads_local(int heads_local) {
-  if (heads_local < 1 || heads_local > max_heads(Backend::cuda))
-    fail("heads_local", heads_local, fmt::format("1..{} (the CUDA kernel's heads per launch)", max_heads(Backend::cuda)));
-}
-
 int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
 int32_t lo32(int64_t v) { return int32_t(uint32_t(uint64_t(v))); }
@@ -66,7 +61,7 @@ DcpTraffic dcp_traffic(int world_size, int64_t rows, int heads_local, int rank_d
 
 int dcp_ranks_per_group(int world_size, int heads_local) {
   require(world_size >= 1, "world_size", world_size, ">= 1");
-  require_heads_local(heads_local);
+  require_heads("heads_local", heads_local, Backend::cuda);
   int best = 1;
   for (int d = 1; d <= world_size; ++d)
     if (world_size % d == 0 && int64_t(d) * heads_local <= max_heads(Backend::cuda)) best = d;
@@ -104,7 +99,7 @@ DcpStep::DcpStep(const DcpConfig& config, DeviceCommunicator& comm)
 void DcpStep::build(const DcpConfig& config) {
   require(config.world_size == 0 || config.world_size == world_, "world_size", config.world_size,
           fmt::format("the communicator's size ({}) (or 0 to take it)", world_));
-  require_heads_local(config.heads_local);
+  require_heads("heads_local", config.heads_local, Backend::cuda);
   require(config.reduce_dtype == DataType::bf16 || config.reduce_dtype == DataType::f32, "reduce_dtype",
           int(config.reduce_dtype), "bf16 or f32");
   require_known("merge", config.merge);
