@@ -149,17 +149,15 @@ def _tensor(field, x, stream, expected, *, kv_dtype=None, raw=True, writable=Fal
     return _dlpack(field, _native_array(field, x, expected, writable), stream)
 
 
-def _empty_like(field, like, shape, dtype_of_like):
-    """A new output in `like`'s framework and on its device: torch.empty or np.empty. float32 when
-    `dtype_of_like` is False, else `like`'s dtype. Other producers must pass the buffer. `shape` may
-    be a function of `like`, called once `like` is known to have a shape."""
-    if callable(shape) and (_is_torch(like) or isinstance(like, np.ndarray)):
-        shape = shape(like)
+def _empty_like(field, like, shape_of, dtype_of_like):
+    """A new output in `like`'s framework and on its device: torch.empty or np.empty of shape
+    shape_of(like). float32 when `dtype_of_like` is False, else `like`'s dtype. Other producers
+    must pass the buffer (their shape is not read)."""
     if _is_torch(like):
         torch = _torch()
-        return torch.empty(shape, dtype=like.dtype if dtype_of_like else torch.float32, device=like.device)
+        return torch.empty(shape_of(like), dtype=like.dtype if dtype_of_like else torch.float32, device=like.device)
     if isinstance(like, np.ndarray):
-        return np.empty(shape, dtype=like.dtype if dtype_of_like else np.float32)
+        return np.empty(shape_of(like), dtype=like.dtype if dtype_of_like else np.float32)
     raise _error(field, "None", f"a buffer (out= and lse=): outputs are allocated only for torch and numpy "
                  f"inputs, not {type(like).__name__}")
 
@@ -244,7 +242,8 @@ class Attention:
             block_size=_int("block_size", block_size), world_size=_int("world_size", world_size),
             rank=_int("rank", rank), interleave=_int("interleave", interleave),
             max_batch=max_batch, max_qlen=_int("max_qlen", max_qlen),
-            max_local_len=_int("max_local_len", max_local_len, 1, _dcpmla.max_local_kv_len), softmax_scale=softmax_scale,
+            max_local_len=_int("max_local_len", max_local_len, 1, _dcpmla.max_local_kv_len),
+            softmax_scale=softmax_scale,
             kv_lora_rank=kv_lora_rank, route=route, device=backend,
             device_index=-1 if index is None else index)
         self.heads = heads

@@ -72,7 +72,8 @@ void HostStagedCommunicator::barrier() { dev_.barrier(); }
 // ---- DeviceGroup ---------------------------------------------------------------------------
 
 struct DeviceGroup::State {
-  State(int n, int dev, std::chrono::milliseconds t) : world(n), device(dev), timeout(t), calls(size_t(n)), rendezvous(n, t), claims(n) {}
+  State(int n, int dev, std::chrono::milliseconds t)
+      : world(n), device(dev), timeout(t), calls(size_t(n)), rendezvous(n, t), claims(n) {}
 
   // Host barrier with abort and timeout: only used while enqueueing, to exchange addresses.
   // Either failure also raises the device-side abort flag, so no device barrier waits on.
