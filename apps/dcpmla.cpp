@@ -29,6 +29,7 @@
 #include "cli_support.h"
 #include "dcpmla/build_info.h"
 #include "dcpmla/error.h"
+#include "dcpmla/plan.h"
 #include "dcpmla/reference.h"
 #include "dcpmla/runner.h"
 #include "dcpmla/types.h"
@@ -346,7 +347,9 @@ int run_cli(int argc, char** argv) {
       "and 64, qlen 1 and 4, N = 1, 2, 4, 8, a bf16 cache. One process and one GPU; the whole step\n"
       "across GPUs (NCCL, threads or mpirun) is measured with the NCCL communicator (README).");
   bench->add_option("--ranks", bopt.ranks, "World sizes N to measure")->check(integer_in(1, 64))->delimiter(',');
-  bench->add_option("--heads-local", bopt.heads_local, "Query heads per rank")->check(integer_in(1, 128))->delimiter(',');
+  bench->add_option("--heads-local", bopt.heads_local, "Query heads per rank")
+      ->check(integer_in(1, dcpmla::max_heads(dcpmla::Backend::cuda)))
+      ->delimiter(',');
   bench->add_option("--qlen", bopt.qlens, "Query rows per request")->check(integer_in(1, 16))->delimiter(',');
   bench->add_option("--batch", bopt.batch, "Requests")->check(integer_in(1, 1024))->capture_default_str();
   bench->add_option("--context", bopt.context, "Tokens per request")

@@ -11,6 +11,7 @@
 #include "../apps/cli_support.h"
 #include "dcp_bench_core.h"
 #include "dcp_results.h"
+#include "dcpmla/plan.h"
 
 int main(int argc, char** argv) {
   using dcpmla::cli::integer_in;
@@ -22,7 +23,9 @@ int main(int argc, char** argv) {
       ->check(dcpmla::cli::writable_file());
   app.add_option("--runs", o.runs, "Timed runs per measurement (median)")->check(integer_in(1, 1000))->capture_default_str();
   app.add_option("--ranks", o.world_sizes, "World sizes N to measure")->check(integer_in(1, 64))->delimiter(',');
-  app.add_option("--heads-local", o.heads_local, "Query heads per rank")->check(integer_in(1, 128))->delimiter(',');
+  app.add_option("--heads-local", o.heads_local, "Query heads per rank")
+      ->check(integer_in(1, dcpmla::max_heads(dcpmla::Backend::cuda)))
+      ->delimiter(',');
   app.add_option("--qlen", o.qlens, "Query rows per request")->check(integer_in(1, 16))->delimiter(',');
   app.add_option("--batch", o.batch, "Requests")->check(integer_in(1, 1024))->capture_default_str();
   app.add_option("--context", o.context, "Tokens per request")->check(integer_in<int64_t>(1, 1 << 24))->capture_default_str();

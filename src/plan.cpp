@@ -16,16 +16,18 @@ constexpr uint32_t bit(Mode m) { return 1u << int(m); }
 constexpr uint32_t bit(KvDtype d) { return 1u << int(d); }
 constexpr uint32_t kAllModes = bit(Mode::decode) | bit(Mode::verify) | bit(Mode::draft);
 constexpr uint32_t kAllDtypes = bit(KvDtype::bf16) | bit(KvDtype::fp8_e4m3) | bit(KvDtype::fp8_e5m2);
-constexpr int kCpuMaxHeads = 4096, kCudaMaxHeads = 128;
+// Both backends index query rows generically (64-bit offsets, row groups of the kernels' rows per
+// CTA); the bound keeps a request's qlen x heads rows and the split workspace in int range.
+constexpr int kMaxHeads = 4096;
 
 // two_stage is verify-only: its stage B is the causal verify block.
 constexpr std::array<Capability, 6> kCapabilities{{
-    {Backend::cpu, Route::one_stage, kAllModes, kAllDtypes, 1, kCpuMaxHeads},
-    {Backend::cpu, Route::two_stage, bit(Mode::verify), kAllDtypes, 1, kCpuMaxHeads},
-    {Backend::cpu, Route::split_k, kAllModes, kAllDtypes, 1, kCpuMaxHeads},
-    {Backend::cuda, Route::one_stage, kAllModes, kAllDtypes, 1, kCudaMaxHeads},
-    {Backend::cuda, Route::two_stage, bit(Mode::verify), kAllDtypes, 1, kCudaMaxHeads},
-    {Backend::cuda, Route::split_k, kAllModes, kAllDtypes, 1, kCudaMaxHeads},
+    {Backend::cpu, Route::one_stage, kAllModes, kAllDtypes, 1, kMaxHeads},
+    {Backend::cpu, Route::two_stage, bit(Mode::verify), kAllDtypes, 1, kMaxHeads},
+    {Backend::cpu, Route::split_k, kAllModes, kAllDtypes, 1, kMaxHeads},
+    {Backend::cuda, Route::one_stage, kAllModes, kAllDtypes, 1, kMaxHeads},
+    {Backend::cuda, Route::two_stage, bit(Mode::verify), kAllDtypes, 1, kMaxHeads},
+    {Backend::cuda, Route::split_k, kAllModes, kAllDtypes, 1, kMaxHeads},
 }};
 
 constexpr int64_t kMaxArenaInts = int64_t(1) << 30;

@@ -68,7 +68,7 @@ struct AttentionTuning {
 // Launches a fixed grid sized by the plan's capacities (graph-safe), then the split-K
 // merge, which exits at once unless the device plan cut a request (merge = false skips it:
 // for a plan that cut none, header().split_requests = 0, as Attention::run does outside a
-// graph capture, or plans that can never cut). D = 576, R = 512, heads 1..128,
+// graph capture, or plans that can never cut). D = 576, R = 512, heads 1..4096 (max_heads),
 // any kv dtype. num_sms = 0 asks the device. Alignment (refused otherwise, since a misaligned
 // vector access faults and kills the CUDA context): q, kv, out and part_o 16 bytes, lse,
 // kv_scale_dev, part_m and part_l 4.
@@ -80,7 +80,7 @@ void attention(const AttentionParams& p, cudaStream_t stream, int num_sms = 0, b
 int attention_rows_per_cta(int max_qlen, int heads);
 
 // The variant attention() runs for these capacities, dtype and tuning (for logs and the bench).
-// max_qlen in [1, kMaxQlen], heads 1..128 and a known dtype, else dcpmla::Error.
+// max_qlen in [1, kMaxQlen], heads 1..max_heads(Backend::cuda) and a known dtype, else dcpmla::Error.
 struct AttentionVariant {
   int rows_per_cta, tile_tokens, ctas_per_sm, smem_bytes;
   int kernel;  // 1 mma.sync, 2 wgmma, 3 fp8 swap, 4 bf16 swap (AttentionTuning::kernel)

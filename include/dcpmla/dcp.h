@@ -6,9 +6,10 @@
 //   1. KV write: the step's new tokens (the last qlen positions of each request) go to the
 //      slots this rank owns; the others get PAD and are skipped.
 //   2. all-gather of q over heads: every rank then holds all H = N x H_local heads.
-//   3. attention over the local shard with this rank's plan (cuda::Attention) over the layer's cache. The CUDA
-//      kernel serves at most 128 heads, so the H heads run as G groups of Hg heads (Hg = the
-//      largest multiple of H_local <= 128 that gives whole groups of ranks).
+//   3. attention over the local shard with this rank's plan (cuda::Attention) over the layer's cache. One
+//      launch serves at most max_heads(Backend::cuda) heads (4096), so more heads run as G
+//      groups of Hg heads (Hg = the largest multiple of H_local within it that gives whole
+//      groups of ranks; G = 1 whenever H fits).
 //   4. merge, in one of two forms; either way rank k keeps its own heads [k Hl, (k+1) Hl):
 //      reduce_scatter: all-gather of lse, scale o_r by exp(lse_r - lse), reduce-scatter
 //                      over heads (bf16 on the wire by default, or f32);
@@ -45,7 +46,7 @@ struct DcpConfig {
   int world_size = 0;  // 0: the communicator's; otherwise it must equal it
   KvDtype kv_dtype = KvDtype::bf16;
   std::optional<float> softmax_scale;  // none: D^-0.5
-  int heads_local = 16;        // H_local, 1..128
+  int heads_local = 16;        // H_local, 1..max_heads(Backend::cuda)
   int interleave = 1;
   int block_size = 64;
   Route route = Route::automatic;
@@ -74,7 +75,7 @@ struct DcpTraffic {
 DcpTraffic dcp_traffic(int world_size, int64_t rows, int heads_local, int rank_dim, DataType reduce_dtype);
 
 // Ranks whose heads share one attention launch: the largest divisor d of world_size with
-// d x heads_local <= 128 (the CUDA kernel's head limit). Launches = world_size / d.
+// d x heads_local <= max_heads(Backend::cuda) (one launch's head limit). Launches = world_size / d.
 int dcp_ranks_per_group(int world_size, int heads_local);
 
 class DcpStep {

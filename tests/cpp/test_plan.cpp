@@ -377,8 +377,10 @@ TEST(Plan, ForcedRoutesAndCapabilities) {
   expect_error([&] { two.plan(batch_of({10}, 1, 64, 1100, Mode::decode).desc(), plan); }, "mode decode");
   auto c = config();
   c.backend = Backend::cuda;
-  c.heads = 129;
-  expect_error([&] { Planner p(c); }, "'heads' = 129: expected in [1, 128] on the cuda backend");
+  c.heads = 4096;
+  EXPECT_NO_THROW(Planner p(c));
+  c.heads = 4097;
+  expect_error([&] { Planner p(c); }, "'heads' = 4097: expected in [1, 4096] on the cuda backend");
   // More heads than any route serves is the heads' fault, not the route's.
   c = config();
   c.heads = 4097;

@@ -142,6 +142,12 @@ std::vector<Scenario> scenarios() {
     s.min_cut_pieces = 32;
     add(s);
   }
+  // Past 128 heads (SPEC §1: "1..128 and beyond"), up to max_heads: whole and partial 64-row
+  // groups, every dtype and route, a cut request among them.
+  add({"heads256_verify_split", M::verify, K::bf16, 64, 256, 1, 0, 1, R::split_k, 2, 2, {3000, 0, 700, 5}});
+  add({"heads520_decode_e4m3", M::decode, K::fp8_e4m3, 64, 520, 2, 1, 1, R::automatic, 1, 1, {2000, 1, 0, 999}, 0.5f});
+  add({"heads200_draft_e5m2", M::draft, K::fp8_e5m2, 16, 200, 2, 1, 2, R::one_stage, 3, 3, {1200, 3, 0}, 2.5f});
+  add({"heads4096_decode", M::decode, K::bf16, 16, 4096, 1, 0, 1, R::automatic, 1, 1, {300, 0, 7}});
   return v;
 }
 

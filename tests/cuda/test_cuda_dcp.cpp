@@ -1,5 +1,5 @@
 // The GPU DCP step (dcp.h) with N = 2, 4, 8 ranks simulated on one GPU (DeviceGroup): it
-// must equal DCP1 (the CPU path on one rank, and the GPU step on one rank where H <= 128)
+// must equal DCP1 (the CPU path on one rank, and the GPU step on one rank)
 // for every mode and dtype, both merge forms, interleave 1 and > 1, the two_stage route,
 // and after a CUDA graph replay that follows a re-plan. Requests shorter than N and ranks
 // holding no token of a row must give exact results (no NaN, -inf only for padding).
@@ -32,7 +32,8 @@ struct Grid {
 class DcpStepGrid : public ::testing::TestWithParam<Grid> {};
 
 // Every mode x dtype x interleave for one (N, merge form). Head counts vary with the dtype
-// so that groups of several launches (N x Hl > 128) and odd head counts run too.
+// so that odd head counts and more than 128 gathered heads in one launch (N x Hl = 256) run
+// too; DcpStep.GroupsOfLaunchesBeyondTheHeadLimit runs the launches in groups.
 TEST_P(DcpStepGrid, EqualsDcp1AndCpuReference) {
   DCPMLA_REQUIRE_GPU();
   const Grid grid = GetParam();
@@ -68,13 +69,11 @@ TEST_P(DcpStepGrid, EqualsDcp1AndCpuReference) {
           EXPECT_EQ(got.route, c.route);
         }
         expect_close(got, ref, g, "N ranks vs CPU DCP1");
-        if (g.H <= 128) {
-          DcpCase one = c;
-          one.world = 1;
-          one.heads_local = g.H;
-          const Result dcp1 = run_gpu(one, g);
-          expect_close(got, dcp1, g, "N ranks vs GPU DCP1");
-        }
+        DcpCase one = c;
+        one.world = 1;
+        one.heads_local = g.H;
+        const Result dcp1 = run_gpu(one, g);
+        expect_close(got, dcp1, g, "N ranks vs GPU DCP1");
       }
 }
 
@@ -116,6 +115,27 @@ TEST(DcpStep, ShortRequestsAndEmptyRanksAreExact) {
           for (int j = 0; j < kR; ++j) ASSERT_EQ(got.out[row * kR + j].bits, 0);
         }
     }
+}
+
+// More gathered heads than one launch serves (4 x 1100 > max_heads, 4096): two groups of two
+// ranks' heads (2200 each), one launch a group, both merge forms, against the CPU path.
+TEST(DcpStep, GroupsOfLaunchesBeyondTheHeadLimit) {
+  DCPMLA_REQUIRE_GPU();
+  ASSERT_EQ(dcp_ranks_per_group(4, 1100), 2);
+  for (DcpMerge merge : {DcpMerge::reduce_scatter, DcpMerge::all_to_all}) {
+    DcpCase c;
+    c.name = "groups";
+    c.world = 4;
+    c.merge = merge;
+    c.mode = Mode::verify;
+    c.qlen = 2;
+    c.heads_local = 1100;
+    c.lens = {0, 3, 40, 200};
+    c.seed = 77 + uint64_t(merge);
+    SCOPED_TRACE(c.describe());
+    const GlobalBatch g = make_global(c.lens, c.qlen, c.world * c.heads_local, c.seed);
+    expect_close(run_gpu(c, g), cpu_reference(g, c), g, "groups of launches vs CPU DCP1");
+  }
 }
 
 // One rank (no peer to wait for, so compute-sanitizer can run it): every kernel of the
@@ -564,10 +584,15 @@ TEST(DcpTraffic, BytesPerRank) {
   EXPECT_EQ(t.lse_all_gather, 3 * 32 * 16 * 4 * 4);
   EXPECT_EQ(t.all_to_all, 3 * (32 * 16 * 512 * 2 + 32 * 16 * 4));
   EXPECT_EQ(dcp_ranks_per_group(8, 16), 8);
-  EXPECT_EQ(dcp_ranks_per_group(8, 32), 4);
+  EXPECT_EQ(dcp_ranks_per_group(8, 32), 8);
   EXPECT_EQ(dcp_ranks_per_group(8, 3), 8);
-  EXPECT_EQ(dcp_ranks_per_group(6, 32), 3);
-  EXPECT_EQ(dcp_ranks_per_group(2, 128), 1);
+  EXPECT_EQ(dcp_ranks_per_group(6, 32), 6);
+  EXPECT_EQ(dcp_ranks_per_group(2, 128), 2);
+  // Past one launch's max_heads (4096): whole ranks per group.
+  EXPECT_EQ(dcp_ranks_per_group(8, 1024), 4);
+  EXPECT_EQ(dcp_ranks_per_group(8, 4096), 1);
+  EXPECT_EQ(dcp_ranks_per_group(6, 1000), 3);
+  EXPECT_EQ(dcp_ranks_per_group(4, 1100), 2);
 }
 
 }  // namespace

@@ -216,8 +216,8 @@ TEST(CudaValidation, AttentionRefusesBadConfigurationsBeforeTouchingTheDevice) {
     }
   };
   AttentionConfig c = good_config();
-  c.heads = 129;
-  expect_error(c, "'heads' = 129");
+  c.heads = 4097;
+  expect_error(c, "'heads' = 4097");
   c = good_config();
   c.dims = LatentDims{256, 64};
   expect_error(c, "dims");
@@ -459,7 +459,7 @@ TEST(CudaValidation, AttentionVariantRefusesBadArguments) {
   expect_error([] { (void)cuda::attention_variant(kMaxQlen + 1, 16, KvDtype::bf16); },
                {"'max_qlen' = " + std::to_string(kMaxQlen + 1)});
   expect_error([] { (void)cuda::attention_variant(1, 0, KvDtype::bf16); }, {"'heads' = 0"});
-  expect_error([] { (void)cuda::attention_variant(1, 129, KvDtype::fp8_e4m3); }, {"'heads' = 129"});
+  expect_error([] { (void)cuda::attention_variant(1, 4097, KvDtype::fp8_e4m3); }, {"'heads' = 4097"});
   expect_error([] { (void)cuda::attention_variant(1, -4, KvDtype::bf16); }, {"'heads' = -4"});
   EXPECT_EQ(cuda::attention_variant(kMaxQlen, 128, KvDtype::fp8_e5m2).rows_per_cta, 64);  // the edges pass
   // A configuration with a bad field is still refused by the planner's check, naming it as before.

@@ -193,6 +193,21 @@ def test_long_windows(world, route, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads,mode,qlen,dtype,route,merge", [
+    (256, "verify", 2, "bf16", "split_k", "all_heads"), (520, "decode", 1, "fp8_e4m3", "auto", "scatter_heads"),
+    (200, "draft", 3, "fp8_e5m2", "one_stage", "all_heads"), (4096, "decode", 1, "bf16", "auto", "all_heads")])
+def test_many_heads(heads, mode, qlen, dtype, route, merge, device):
+    """Past 128 heads (SPEC section 1: "1..128 and beyond"), up to max_heads, on every device:
+    row counts that are and are not multiples of the kernels' 64-row groups."""
+    rng = np.random.default_rng(heads + qlen)
+    lens = np.array([0, qlen, 300 if heads < 4096 else 40, 1500 if heads < 1000 else 90], dtype=np.int32)
+    q, kv = make_inputs(rng, lens, qlen, heads)
+    check(q, kv, lens, f"H={heads} {mode} {dtype} {route} {device}", mode=mode, world_size=4, interleave=2,
+          block_size=16, kv_dtype=dtype, kv_scale=1.0 if dtype == "bf16" else 0.37, route=route, merge=merge,
+          seed=heads, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode,world,interleave,block,dtype,route", [
     ("verify", 1, 1, 64, "bf16", "auto"), ("verify", 3, 2, 16, "fp8_e4m3", "split_k"),
     ("draft", 8, 1, 1, "fp8_e5m2", "one_stage"), ("decode", 2, 1, 256, "bf16", "split_k"),

@@ -46,6 +46,11 @@ STEPS = [
     Step(mode="draft", qlen=2, world=7, interleave=2, block=256, dtype="fp8_e4m3", kv_scale=2.5, heads=128,
          route="split_k", lengths=(5000, 3, 0, 40), seed=9),
     Step(mode="draft", qlen=4, world=2, block=16, dtype="fp8_e5m2", kv_scale=0.5, heads=32, route="one_stage", seed=10),
+    # Past 128 heads: 256 (whole 64-row groups) and 520 (a partial group).
+    Step(mode="verify", qlen=2, world=2, block=64, dtype="bf16", heads=256, route="split_k",
+         lengths=(1500, 0, 7, 300), seed=11),
+    Step(mode="decode", qlen=1, world=1, block=16, dtype="fp8_e4m3", kv_scale=0.37, heads=520,
+         lengths=(900, 3, 0, 200), seed=12),
 ]
 
 
