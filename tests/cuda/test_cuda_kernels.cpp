@@ -275,7 +275,7 @@ TEST(CudaValidation, AttentionRefusesBadParamsBeforeLaunch) {
   bad.heads = 0;
   expect_field(bad, "heads");
   bad = p;
-  bad.heads = 200;
+  bad.heads = 4097;
   expect_field(bad, "heads");
   bad = p;
   bad.dim = 512;
