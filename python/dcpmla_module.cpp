@@ -3,6 +3,7 @@
 // tensors) and in the thin Python layer (python/dcpmla/: dtypes, ranks and shapes of arrays).
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -84,12 +85,18 @@ std::tuple<NumpyArray<float>, NumpyArray<float>, std::vector<std::string>> mla_a
   options.seed = seed;
 
   // With qlens, q is [sum(qlens), 1, H, D] (the packed rows) and B is seq_lens'.
-  const int heads = int(q.shape(2)), dim = int(q.shape(3));
-  int batch = int(q.shape(0)), qlen = int(q.shape(1));
+  // Extents narrowed to int only once they fit: q [1, 1, 2^31 + 4, 2] was refused as heads =
+  // -2147483644, and 2^32 + 3 heads would be read as 3 (then a puzzling size mismatch).
+  const auto extent = [](const char* field, size_t v) {
+    if (v > size_t(std::numeric_limits<int>::max())) dcpmla::fail(field, v, "an extent that fits int32");
+    return int(v);
+  };
+  const int heads = extent("q.shape[2]", q.shape(2)), dim = extent("q.shape[3]", q.shape(3));
+  int batch = extent("q.shape[0]", q.shape(0)), qlen = extent("q.shape[1]", q.shape(1));
   size_t rows = size_t(batch) * size_t(qlen);
   if (qlens) {
     options.qlens.assign(qlens->data(), qlens->data() + qlens->size());
-    batch = int(seq_lens.shape(0));
+    batch = extent("seq_lens.shape[0]", seq_lens.shape(0));
     qlen = std::max(1, options.qlens.empty() ? 1 : *std::max_element(options.qlens.begin(), options.qlens.end()));
     rows = q.shape(0);
   }

@@ -114,7 +114,9 @@ void combine_partials(const bf16* o_parts, const float* lse_parts, int n, bf16* 
 // The engine API on the GPU (SPEC §6; engine.h is the CPU form): plan once per step, run once
 // per layer with that layer's engine-owned cache. The library owns the plan (two pinned host
 // copies and one device copy) and the split-K workspace, or takes the workspace from the
-// caller (workspace_bytes, for engines that account every byte of GPU memory).
+// caller (workspace_bytes, for engines that account every byte of GPU memory). route
+// one_stage never cuts, so it has no split-K workspace (only the device plan); a split-K
+// workspace larger than the device is refused by name before any allocation.
 //  - plan(): host work; the planner writes into the pinned copy not in flight and an
 //    asynchronous copy of the bytes the step uses goes to the device plan on `stream`, so
 //    planning step k+1 overlaps step k's GPU work. It waits on the host only for the copy

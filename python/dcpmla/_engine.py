@@ -232,6 +232,7 @@ class Attention:
             softmax_scale = _scale("softmax_scale", softmax_scale, ", or None for D ** -0.5")
         kv_lora_rank = _int("kv_lora_rank", kv_lora_rank)
         max_batch = _int("max_batch", max_batch)
+        max_qlen = _int("max_qlen", max_qlen)
         route = _str("route", route)
         if route == "two_stage":
             raise _error("route", repr(route), "'auto', 'one_stage' or 'split_k' (two_stage's stage B needs the "
@@ -241,7 +242,7 @@ class Attention:
             heads=_int("heads", heads), kv_dtype=_str("kv_dtype", kv_dtype),
             block_size=_int("block_size", block_size), world_size=_int("world_size", world_size),
             rank=_int("rank", rank), interleave=_int("interleave", interleave),
-            max_batch=max_batch, max_qlen=_int("max_qlen", max_qlen),
+            max_batch=max_batch, max_qlen=max_qlen,
             max_local_len=_int("max_local_len", max_local_len, 1, _dcpmla.max_local_kv_len),
             softmax_scale=softmax_scale,
             kv_lora_rank=kv_lora_rank, route=route, device=backend,
@@ -250,6 +251,7 @@ class Attention:
         self.kv_dtype = kv_dtype
         self.kv_lora_rank = kv_lora_rank
         self._max_batch = max_batch
+        self._max_rows = max_batch * max_qlen  # the plan's row capacity, fixed for the object's life
         self._cuda_index = None if backend == "cpu" else self._native.device_index
         self.device = "cpu" if backend == "cpu" else f"cuda:{self._cuda_index}"
         self.handle = next(_HANDLES)
@@ -355,10 +357,21 @@ class Attention:
         if out is None or lse is None:
             # q's leading shape, not the plan's: a plan() in another thread may replace the plan
             # before the run takes it, and a q that does not fit the plan is refused by name.
+            # Only a q that can fit (H, D and at most the capacity's rows) sizes the outputs: out
+            # holds H x R values per row of q, so a q of other trailing extents, or a broadcast
+            # view, asked numpy for up to H x R times q's size (a MemoryError, not a ValueError).
+            # Any other q gets empty placeholders, and the native call names q.
+            shape = tuple(int(e) for e in getattr(q, "shape", ()))
+            rows = 1
+            for e in shape[:-2]:
+                rows *= e
+            fits = len(shape) in (3, 4) and shape[-2:] == (self.heads, self.kv_lora_rank + 64) and \
+                rows <= self._max_rows
+            lead = (lambda q: q.shape[:-2]) if fits else (lambda q: (0,) * (len(q.shape) - 2))
             if out is None:
-                out = _empty_like("out", q, lambda q: (*q.shape[:-2], self.heads, self.kv_lora_rank), True)
+                out = _empty_like("out", q, lambda q: (*lead(q), self.heads, self.kv_lora_rank), True)
             if lse is None:
-                lse = _empty_like("lse", q, lambda q: (*q.shape[:-2], self.heads), False)
+                lse = _empty_like("lse", q, lambda q: (*lead(q), self.heads), False)
         out_in = _tensor("out", out, s, _VALUES, writable=True)
         lse_out = _tensor("lse", lse, s, "float32", raw=False, writable=True)
         _call(self._native.run, q_in, cache_in, value, tensor, out_in, lse_out, s or 0,

@@ -583,6 +583,8 @@ TEST(DcpTraffic, BytesPerRank) {
   EXPECT_EQ(t.reduce_scatter, 3 * 32 * 16 * 512 * 2);
   EXPECT_EQ(t.lse_all_gather, 3 * 32 * 16 * 4 * 4);
   EXPECT_EQ(t.all_to_all, 3 * (32 * 16 * 512 * 2 + 32 * 16 * 4));
+  // A row count whose bytes overflow int64 is refused, not wrapped to a negative count.
+  EXPECT_THROW((void)dcp_traffic(8, int64_t(1) << 40, 4096, 512, DataType::bf16), Error);
   EXPECT_EQ(dcp_ranks_per_group(8, 16), 8);
   EXPECT_EQ(dcp_ranks_per_group(8, 32), 8);
   EXPECT_EQ(dcp_ranks_per_group(8, 3), 8);

@@ -568,6 +568,22 @@ TEST(CudaValidation, CallerWorkspaceIsCheckedFirst) {
   EXPECT_EQ(ok.num_sms(), own.num_sms());
 }
 
+// A planner that never cuts (one_stage) needs no split-K partials, so 4096 heads at max_qlen 64
+// and max_batch 256 build with only the plan's region (the partials were 209 GB, refused by
+// cudaMalloc); a split workspace larger than the device is refused by name before cudaMalloc.
+TEST(CudaValidation, OneStageHasNoSplitWorkspaceAndAnImpossibleOneIsRefusedByName) {
+  DCPMLA_REQUIRE_GPU();
+  AttentionConfig c = good_config();
+  c.heads = 4096;
+  c.limits = PlanLimits{256, 64, 4096};
+  c.route = Route::one_stage;
+  EXPECT_LT(cuda::Attention::workspace_bytes(c), size_t(64) << 20);
+  cuda::Attention one(c);
+  c.route = Route::split_k;
+  EXPECT_GT(cuda::Attention::workspace_bytes(c), size_t(150) << 30);
+  expect_error([&] { cuda::Attention split(c); }, {"'split-K workspace'", "GiB"});
+}
+
 // A graph captured around run() replays with whatever plan is current: once a run() was
 // captured over a cache of N blocks, plan() refuses tables naming block N or more (and keeps
 // the previous plan), while before any capture such a table is planned (run() refuses it).

@@ -68,6 +68,17 @@ def test_heads_zero():
     raises(r"heads", dcpmla.mla_attention, q, kv, s)
 
 
+def test_an_extent_past_int32_is_refused_not_narrowed():
+    """q [1, 1, 2^31 + 4, 2] was read as heads = -2147483644 (2^32 + 3 heads as 3)."""
+    try:
+        q = np.zeros((1, 1, 2**31 + 4, 2), np.float32)  # 16 GiB of untouched zero pages
+    except MemoryError:
+        pytest.skip("this machine does not overcommit 16 GiB")
+    kv = np.zeros((1, 8, 2), np.float32)
+    raises(r"field 'q.shape\[2\]' = 2147483652: expected an extent that fits int32", dcpmla.mla_attention, q, kv,
+           np.array([8], np.int32))
+
+
 @pytest.mark.parametrize("value", [0, -1])
 def test_world_size(value):
     raises(r"world_size", call, world_size=value)

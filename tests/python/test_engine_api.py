@@ -231,6 +231,22 @@ def test_bad_input_names_the_argument():
         att.run(DLPackOnly(q), cache)
 
 
+def test_a_q_of_the_wrong_shape_is_named_before_outputs_are_sized():
+    """run() sizes missing outputs from q only when q can fit: a q with other trailing extents
+    (or a broadcast view of many rows) asked numpy for up to H x R times its own size, a
+    MemoryError (here 32 PiB) instead of the ValueError naming q."""
+    H = 4096
+    att = dcpmla.Attention(heads=H, block_size=64, device="cpu", max_batch=1, max_qlen=8, max_local_len=64,
+                           route="one_stage")
+    att.plan([8], np.zeros((1, 1), np.int32), 8, mode="verify")
+    cache = np.zeros((1, 64, D), np.float32)
+    huge = np.broadcast_to(np.zeros((1, 1, 1, D), np.float32), (2**20, 4096, 1, D))
+    with error(r"field 'q"):
+        att.run(huge, cache)
+    with error(r"field 'q.shape' = \[1, 8, 1, 576\]"):
+        att.run(np.zeros((1, 8, 1, D), np.float32), cache)
+
+
 def test_bad_plans_are_refused_and_keep_the_last_plan():
     att, q, cache, t = planned()
     with error(r"field 'seq_lens\[1\]' = 3000000000: expected a value that fits int32"):

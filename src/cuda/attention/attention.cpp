@@ -187,15 +187,29 @@ struct Attention::Impl {
   // allocated. (Null with bytes > 0 was refused by the constructor: null means our own.)
   static size_t checked_workspace(const Planner& p, const void* external, size_t bytes) {
     const size_t need = layout_bytes(p);
-    if (external == nullptr) return need;
+    if (external == nullptr) {
+      // Refused by name before cudaMalloc, as the CPU engine refuses its workspace: at 4096
+      // heads the split-K partials of max_qlen 64 are hundreds of GB.
+      size_t free_bytes = 0, total_bytes = 0;
+      check(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo(attention workspace)");
+      require(need <= total_bytes, "split-K workspace", fmt::format("{:.3g} GiB", double(need) / double(1 << 30)),
+              fmt::format("<= the device's {:.3g} GiB (lower heads, limits.max_batch or limits.max_qlen, or route "
+                          "one_stage)",
+                          double(total_bytes) / double(1 << 30)));
+      return need;
+    }
     require(bytes >= need, "workspace bytes", bytes, fmt::format(">= {} (workspace_bytes)", need));
     require_aligned(external, 256, "workspace", "256-byte aligned device memory");
     return need;
   }
   // The device plan (256-byte aligned), then the split-K partials.
   static size_t plan_region(const Planner& p) { return (p.plan_ints() * sizeof(int32_t) + 255) / 256 * 256; }
+  // A planner that never cuts (route one_stage) writes no partial and launches no combine:
+  // no split-K workspace (part_o/m/l then point at the region's end and are never read or
+  // written), as on the CPU backend.
   static size_t layout_bytes(const Planner& p) {
     const auto& c = p.config();
+    if (!p.may_cut()) return plan_region(p);
     return plan_region(p) +
            size_t(split_workspace_floats(p.work_capacity(), c.limits.max_qlen, c.heads, c.dims.kv_lora_rank)) *
                sizeof(float);

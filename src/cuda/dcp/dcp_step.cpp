@@ -50,6 +50,12 @@ DcpTraffic dcp_traffic(int world_size, int64_t rows, int heads_local, int rank_d
   require(rank_dim >= 0, "rank_dim", rank_dim, ">= 0");
   require(reduce_dtype == DataType::bf16 || reduce_dtype == DataType::f32, "reduce_dtype", int(reduce_dtype),
           "bf16 (1) or f32 (0)");
+  // The largest product below (N x rows x Hl x the most bytes a cell moves) must fit int64:
+  // rows 2^40 at 4096 heads wrapped to negative byte counts.
+  const int64_t widest = std::max<int64_t>({int64_t(kDim) * 2, int64_t(world_size) * 4, int64_t(rank_dim) * 4 + 4});
+  if (!checked_product({int64_t(world_size), rows, heads_local, widest}))
+    fail("rows", rows, fmt::format("a row count whose traffic (world_size {} x rows x heads_local {} x bytes) fits int64",
+                                   world_size, heads_local));
   const int64_t others = world_size - 1, cells = rows * heads_local;
   DcpTraffic t;
   t.q_all_gather = others * cells * kDim * 2;
