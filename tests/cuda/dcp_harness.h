@@ -116,6 +116,8 @@ struct Result {
 };
 
 // The CPU path on one rank (DCP1): the reference every GPU result must equal.
+// Heads are independent, so a group of more heads than the CPU backend takes (a DCP step
+// beyond one launch's max_heads) is computed in slices of at most max_heads(cpu).
 inline Result cpu_reference(const GlobalBatch& g, const DcpCase& c) {
   AttentionOptions o;
   o.mode = c.mode;
@@ -124,12 +126,25 @@ inline Result cpu_reference(const GlobalBatch& g, const DcpCase& c) {
   o.kv_scale = c.kv_scale;
   o.block_size = c.block_size;
   o.seed = c.seed;
-  const AttentionResult r = mla_attention(g.qf, g.kvf, g.lens, g.B, g.qlen, g.H, g.Lmax, kD, o);
+  const size_t rows = size_t(g.B) * size_t(g.qlen), H = size_t(g.H);
   Result res;
-  res.out.resize(r.out.size());
-  std::transform(r.out.begin(), r.out.end(), res.out.begin(), float_to_bf16);
-  res.lse = r.lse;
-  res.route = r.routes.at(0);
+  res.out.resize(rows * H * kR);
+  res.lse.resize(rows * H);
+  const size_t most = size_t(max_heads(Backend::cpu));
+  for (size_t h0 = 0; h0 < H; h0 += most) {
+    const size_t hn = std::min(most, H - h0);
+    std::vector<float> q(rows * hn * kD);
+    for (size_t r = 0; r < rows; ++r)
+      std::copy_n(g.qf.begin() + ptrdiff_t((r * H + h0) * kD), hn * kD, q.begin() + ptrdiff_t(r * hn * kD));
+    const AttentionResult a = mla_attention(q, g.kvf, g.lens, g.B, g.qlen, int(hn), g.Lmax, kD, o);
+    for (size_t r = 0; r < rows; ++r)
+      for (size_t h = 0; h < hn; ++h) {
+        res.lse[r * H + h0 + h] = a.lse[r * hn + h];
+        std::transform(a.out.begin() + ptrdiff_t((r * hn + h) * kR), a.out.begin() + ptrdiff_t((r * hn + h + 1) * kR),
+                       res.out.begin() + ptrdiff_t((r * H + h0 + h) * kR), float_to_bf16);
+      }
+    res.route = a.routes.at(0);
+  }
   return res;
 }
 

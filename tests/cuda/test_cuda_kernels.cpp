@@ -25,7 +25,7 @@ std::vector<float> special_values(KvDtype d, float scale) {
                        60000.0f, 61440.0f, 1e-3f, 1e-5f, 1e-7f, 3e-8f, -2e-3f, 0.0625f, 0.09375f, 0.1015625f,
                        std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()};
   // Every representable fp8 value and the midpoints between neighbours (ties), times scale.
-  for (int b = 0; b < 256; ++b) {
+  for (int b = 0; b < (d == KvDtype::bf16 ? 0 : 256); ++b) {
     const float x = fp8_to_float(uint8_t(b), d);
     if (std::isfinite(x)) v.push_back(x * scale);
     const float y = fp8_to_float(uint8_t(b + 1 < 256 ? b + 1 : b), d);
