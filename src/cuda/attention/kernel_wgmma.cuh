@@ -34,7 +34,8 @@
 //     wait for the other half), are unpacked to f16 (exact: every e4m3 and e5m2 value
 //     is an f16 value; one instruction a pair, where bf16 took four; kv_scale folded into the
 //     softmax and output scales) into the stage, fenced for the async proxy, then arrived, a
-//     third of the columns at a time (S starts on the first third). 120 registers; the
+//     third of the columns at a time (S starts on the first third); at one row group a request
+//     it also prefetches the next tile into L2. 120 registers; the
 //     consumers take 192. The tensor cores then run f16: WG0 turns each unit's Q
 //     into f16 in place, each row scaled by a power of two (its score scale undoes it), and
 //     P enters P V as f16 (11 significant bits, where the bf16 kernel rounds it to 8).
@@ -236,9 +237,21 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
       unpack_piece(0, s);  // waits for X (and the sub-pages of tile i + 1)
 #pragma unroll
       for (int k = KX; k < PIECES; ++k) read_piece(k, src);
+      // Tile i + 1 into L2 now, so that its X loads (after the Y wait) and Y loads (a tile on)
+      // find their lines on the way. Only where one row group reads each tile (at most 64 rows
+      // a request: the stream waits on load latency); where several do, the tile is in L2 for
+      // all but the first anyway and the tensor cores set the pace (there, 4 % slower).
+      const bool prefetch = more && ps.groups == 1;
+      if (prefetch) {
+        rows(i + 1, sp, src);
+        const int j0 = u.tok_lo + (i + 1) * NT, j1 = min(j0 + NT, u.tok_hi);
+#pragma unroll
+        for (int h = 0; h < Map::kTokens; ++h)
+          if ((t & 3) == 0) prefetch_tile_run_l2<kDim>(ps, j0 + Map::token(t, h), j0, j1, src[h]);
+      }
 #pragma unroll
       for (int k = 1; k < KX; ++k) unpack_piece(k, s);
-      if (more) rows(i + 1, sp, src);
+      if (more && !prefetch) rows(i + 1, sp, src);
       unpack_piece(KX, s);  // waits for Y
       if (more) {
 #pragma unroll

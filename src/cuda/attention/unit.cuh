@@ -137,6 +137,16 @@ __device__ __forceinline__ const uint8_t* token_row(const AttentionParams& p, co
   return p.kv + (int64_t(subpage) * ps.page + (jt & (ps.page - 1))) * ROW_BYTES;
 }
 
+// A producer's prefetch into L2 of token jt's run in the tile [j0, j1): one bulk prefetch
+// from its row, by one thread per token, where jt starts a run (the tile's first token or a
+// page's), so that each page's part of the tile is asked for once and a warp's prefetches
+// stay few (the bulk prefetch loops over a warp's distinct addresses).
+template <int ROW_BYTES>
+__device__ __forceinline__ void prefetch_tile_run_l2(const PlanScalars& ps, int jt, int j0, int j1, const uint8_t* row) {
+  if (jt < j1 && (jt == j0 || (jt & (ps.page - 1)) == 0))
+    prefetch_l2(row, uint32_t(min(j1, (jt | (ps.page - 1)) + 1) - jt) * ROW_BYTES);
+}
+
 // A producer's prefetch (one thread) of unit u's Q rows into L2 as it reaches the unit, a few
 // tiles before the unit's Q is loaded (the rows of a unit are contiguous in q), so that load
 // finds them in L2 instead of DRAM.
