@@ -123,15 +123,8 @@ TEST(DcpStep, GroupsOfLaunchesBeyondTheHeadLimit) {
   DCPMLA_REQUIRE_GPU();
   ASSERT_EQ(dcp_ranks_per_group(4, 1100), 2);
   for (DcpMerge merge : {DcpMerge::reduce_scatter, DcpMerge::all_to_all}) {
-    DcpCase c;
-    c.name = "groups";
-    c.world = 4;
-    c.merge = merge;
-    c.mode = Mode::verify;
-    c.qlen = 2;
-    c.heads_local = 1100;
-    c.lens = {0, 3, 40, 200};
-    c.seed = 77 + uint64_t(merge);
+    const DcpCase c{.name = "groups", .world = 4, .mode = Mode::verify, .merge = merge, .heads_local = 1100, .qlen = 2,
+                    .lens = {0, 3, 40, 200}, .seed = 77 + uint64_t(merge)};
     SCOPED_TRACE(c.describe());
     const GlobalBatch g = make_global(c.lens, c.qlen, c.world * c.heads_local, c.seed);
     expect_close(run_gpu(c, g), cpu_reference(g, c), g, "groups of launches vs CPU DCP1");
