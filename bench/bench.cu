@@ -717,7 +717,7 @@ std::optional<Shape> parse_shape(const std::string& spec) {
   };
   if (f.size() != 4 && f.size() != 5) return fail("expected BATCH:CONTEXT:HEADS:QLEN[:KV_DTYPE]");
   const char* names[4] = {"BATCH", "CONTEXT", "HEADS", "QLEN"};
-  const int lo[4] = {1, 1, 1, 1}, hi[4] = {1024, 1 << 24, 4096, 16};
+  const int lo[4] = {1, 1, 1, 1}, hi[4] = {1024, 1 << 24, dcpmla::max_heads(dcpmla::Backend::cuda), 16};
   int v[4];
   for (int i = 0; i < 4; ++i) {
     const char* end = f[size_t(i)].data() + f[size_t(i)].size();

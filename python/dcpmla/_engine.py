@@ -13,6 +13,7 @@ check that fails raises ``ValueError`` naming the argument and value before anyt
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 import weakref
 
@@ -361,17 +362,14 @@ class Attention:
             # holds H x R values per row of q, so a q of other trailing extents, or a broadcast
             # view, asked numpy for up to H x R times q's size (a MemoryError, not a ValueError).
             # Any other q gets empty placeholders, and the native call names q.
-            shape = tuple(int(e) for e in getattr(q, "shape", ()))
-            rows = 1
-            for e in shape[:-2]:
-                rows *= e
+            shape = tuple(getattr(q, "shape", ()))
             fits = len(shape) in (3, 4) and shape[-2:] == (self.heads, self.kv_lora_rank + 64) and \
-                rows <= self._max_rows
-            lead = (lambda q: q.shape[:-2]) if fits else (lambda q: (0,) * (len(q.shape) - 2))
+                math.prod(shape[:-2]) <= self._max_rows
+            lead = shape[:-2] if fits else (0,) * max(len(shape) - 2, 0)
             if out is None:
-                out = _empty_like("out", q, lambda q: (*lead(q), self.heads, self.kv_lora_rank), True)
+                out = _empty_like("out", q, lambda _: (*lead, self.heads, self.kv_lora_rank), True)
             if lse is None:
-                lse = _empty_like("lse", q, lambda q: (*lead(q), self.heads), False)
+                lse = _empty_like("lse", q, lambda _: (*lead, self.heads), False)
         out_in = _tensor("out", out, s, _VALUES, writable=True)
         lse_out = _tensor("lse", lse, s, "float32", raw=False, writable=True)
         _call(self._native.run, q_in, cache_in, value, tensor, out_in, lse_out, s or 0,
