@@ -62,6 +62,7 @@ add_library(dcpmla_cuda STATIC
   src/cuda/common/device.cpp
   src/cuda/attention/attention.cpp
   src/cuda/attention/variants.cpp
+  src/cuda/attention/kv_box_maps.cpp
   src/cuda/attention/combine.cu
   ${_dcpmla_attention_variants}
   src/cuda/write/write_kv.cu

@@ -1,7 +1,7 @@
 // The bf16 producer warpgroup of the warp-specialised kernels (kernel_wgmma.cuh's 64-row
 // kernel and kernel_bf16_swap.cuh's 16- and 32-row one): it streams the KV tiles of the
-// CTA's units, 64 tokens of 576 bf16 each, by cp.async straight into a ring of two stages in
-// the wgmma layout (9 column blocks of (64, 128 B), 128-byte swizzle: K-major for S, MN-major
+// CTA's units, 64 tokens of 576 bf16 each, by cp.async or the TMA unit straight into a ring of
+// two stages in the wgmma layout (9 column blocks of (64, 128 B), 128-byte swizzle: K-major for S, MN-major
 // for P V), running ahead across units: the CTA's tiles are numbered across its units and
 // tile gt sits in stage gt % 2. A stage is refilled once its consumers have released it
 // (empty[s]: phase n - 1 for its n-th fill), and each producer thread's copies arrive on
@@ -17,6 +17,7 @@
 #include "common/params.h"
 #include "common/utils.cuh"
 #include "config.h"
+#include "kv_box_maps.h"
 #include "swizzle.cuh"
 #include "tile_maps.h"
 #include "unit.cuh"
@@ -57,12 +58,21 @@ __device__ __forceinline__ void produce_unit_q(const AttentionParams& p, const U
 
 // Thread t (< 128) of the producer warpgroup of CTAs of M rows; ring: stage 0's shared
 // address (stage 1 follows kBf16TileBytes later); full, empty: the mbarriers of stage 0 (stage
-// 1's 8 bytes later). Eight threads per token (Bf16TileMap: chunk lc of every column block m,
-// one 128-byte row of it), four tokens a thread: a warp's copy reads 4 tokens x 128 contiguous
-// bytes. The next tile's sub-pages are looked up while this tile's copies are in flight.
+// 1's 8 bytes later). With maps (the cache's, kv_box_maps), a whole tile on sub-pages of
+// kMinBoxPage tokens or more, where several row groups read each tile, is one thread's boxes,
+// 9 per sub-page run (9 a tile on pages of 64+ tokens), its full barrier expecting the tile's
+// bytes: 3-3.6 % faster than cp.async on every 128-head row, whose second row group's tile
+// comes from L2 (bench/NOTES.md, thirty-eighth session). Otherwise (no maps; one row group,
+// where each tile comes from DRAM once and boxes were 4-6 % slower; smaller sub-pages; a
+// unit's last tile when it is partial, whose rows past the end must read as zeros) each thread
+// copies by cp.async, eight threads per token (Bf16TileMap: chunk lc of every
+// column block m, one 128-byte row of it), four tokens a thread: a warp's copy reads 4 tokens x
+// 128 contiguous bytes, and the next tile's sub-pages are looked up while this tile's copies are
+// in flight. Either way each thread arrives once a tile (full expects 128 arrivals).
 template <int M, typename OnUnit>
 __device__ __forceinline__ void stream_bf16_tiles(const AttentionParams& p, const PlanScalars& ps, uint32_t ring,
-                                                  uint32_t full, uint32_t empty, int t, OnUnit on_unit) {
+                                                  uint32_t full, uint32_t empty, int t, const KvBoxMaps* maps,
+                                                  OnUnit on_unit) {
   constexpr int NT = kBf16TileTokens;
   using Map = Bf16TileMap;
   const int lc = Map::chunk(t);
@@ -82,6 +92,29 @@ __device__ __forceinline__ void stream_bf16_tiles(const AttentionParams& p, cons
       const uint32_t gt = gbase + uint32_t(i), s = gt & 1u, n = gt >> 1;
       if (n > 0) mbar_wait(empty + 8 * s, (n - 1) & 1u);
       const uint32_t dst = ring + s * kBf16TileBytes;
+      const int tok0 = u.tok_lo + i * NT;
+      if (!kProbeNoFill && maps != nullptr && ps.groups > 1 && ps.page >= kMinBoxPage && tok0 + NT <= u.tok_hi) {
+        if (t == 0) {
+          mbar_arrive_expect_tx(full + 8 * s, kBf16TileBytes);
+          const int h = min(ps.page, NT);  // a run: one sub-page's tokens, or the whole tile
+          const void* map = &maps->box[__ffs(h) - __ffs(kMinBoxRows)];
+          // Run r0 from sub-page sub: thread 0's tokens 16 j are looked up with its cp.async
+          // tokens, a tile ahead (sp), and the runs start at tokens 0 and (pages of 32) 32.
+          auto run = [&](int r0, int sub) {
+            const int row = sub * ps.page + ((tok0 + r0) & (ps.page - 1));
+#pragma unroll
+            for (int m = 0; m < kDim / 64; ++m) tensor_box_g2s(dst + m * (NT * 128) + r0 * 128, map, 64 * m, row, full + 8 * s);
+          };
+          static_assert(NT / kMinBoxPage == 2 && Map::token(0, 2) == 32);
+          run(0, sp[0]);
+          if (h < NT) run(32, sp[2]);
+        } else {
+          mbar_arrive(full + 8 * s);
+        }
+        if (i == 0) on_unit(u, unit);
+        if (i + 1 < u.ntiles) subpages(i + 1, sp);
+        continue;
+      }
 #pragma unroll
       for (int j = 0; j < Map::kTokens; ++j) {
         const int tok = Map::token(t, j), jt = u.tok_lo + i * NT + tok;

@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(Bf16SwapConfig<M>::THREADS, 1)
       produce_unit_q<M, 2>(p, u, k, smem_addr(sh.q[0]), sizeof(sh.q[0]), smem_addr(sh.len[0]), qfull_a, qempty_a, t,
                            [](int r, int ch) { return swz128(r, ch >> 3, ch & 7, C::Q_BLOCK); });
     };
-    stream_bf16_tiles<M>(p, ps, sKV_a, full_a, empty_a, t, load_unit);
+    stream_bf16_tiles<M>(p, ps, sKV_a, full_a, empty_a, t, nullptr, load_unit);
     return;
   }
 

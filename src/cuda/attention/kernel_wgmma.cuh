@@ -26,9 +26,11 @@
 // (the Q buffer is single: two would not fit), so that the load overlaps that unit's last
 // softmax, P V and epilogue instead of following them (bench/NOTES.md, eleventh session: a
 // piece cost 8-10 us with the consumers loading Q after the epilogue, about 6.5 so).
-//   bf16: cp.async straight into the swizzled stage; each producer thread's copies arrive on
-//     the stage's full barrier when they land (stream_bf16_tiles, bf16_tiles.cuh, shared with
-//     the bf16 swap kernel). 40 registers; the consumers take 232.
+//   bf16: straight into the swizzled stage (stream_bf16_tiles, bf16_tiles.cuh, shared with the
+//     bf16 swap kernel): where several row groups read each tile, whole tiles on sub-pages of
+//     32+ tokens by the TMA unit (one thread's boxes, kv_box_maps: the kernel's second
+//     parameter), elsewhere by cp.async, each producer thread's copies arriving on the stage's
+//     full barrier when they land. 40 registers; the consumers take 232.
 //   fp8: the raw bytes of the next tile wait in registers (four threads a token, whole
 //     sectors a load, not kept in L1; each half of the pieces loads the tile after behind the
 //     wait for the other half), are unpacked to f16 (exact: every e4m3 and e5m2 value
@@ -305,7 +307,7 @@ __device__ __forceinline__ float q_row_to_f16(uint8_t* q, int r, int l) {
 
 template <bool FP8>
 __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
-    attention_wgmma_kernel(const __grid_constant__ AttentionParams p) {
+    attention_wgmma_kernel(const __grid_constant__ AttentionParams p, const __grid_constant__ KvBoxMaps maps) {
   using C = WgConfig<FP8>;
   constexpr int M = C::M, NT = C::NT;
   const float kNegInf = neg_inf();
@@ -339,7 +341,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
   if (wg == 2) {
     setmaxnreg_dec<C::PRODUCER_REGS>();
     if constexpr (!FP8)
-      stream_bf16_tiles<M>(p, ps, sKV_a, bar_a + 8 * full_bar<false>(0, 0), bar_a + 8 * kMbarEmpty0, t,
+      stream_bf16_tiles<M>(p, ps, sKV_a, bar_a + 8 * full_bar<false>(0, 0), bar_a + 8 * kMbarEmpty0, t, &maps,
                            [&](const UnitSpan& u, uint32_t k) { wgmma_load_unit_q(p, u, k, sh, t); });
     else if (p.kv_dtype == KvDtype::fp8_e5m2) wgmma_fp8_producer<true>(p, ps, sh, t);
     else wgmma_fp8_producer<false>(p, ps, sh, t);
@@ -618,8 +620,11 @@ int attention_wgmma_smem_bytes() {
 
 template <bool FP8>
 void launch_attention_wgmma(const AttentionParams& p, int grid, cudaStream_t stream) {
+  // bf16 tiles come by the TMA unit (kv_box_maps); fp8's producer loads its bytes itself.
+  static const KvBoxMaps kNoMaps{};
   launch_attention_kernel<attention_wgmma_kernel<FP8>>(p, grid, WgConfig<FP8>::THREADS, kWgSmemBytes, stream,
-                                                       "attention_wgmma_kernel");
+                                                       "attention_wgmma_kernel",
+                                                       FP8 || grid == 0 ? kNoMaps : kv_box_maps(p.kv));
 }
 
 }  // namespace dcpmla::cuda_detail

@@ -278,12 +278,12 @@ __device__ __forceinline__ void store_row_stats(const AttentionParams& p, const 
 }
 
 // Launches attention kernel K (`name` in errors) on `grid` CTAs of `threads` with `smem`
-// bytes of dynamic shared memory; grid = 0 only opts K into its shared memory. The opt-in is
-// per function and device, set once per device (a host-side call, also legal while a stream
-// is being captured).
-template <auto K>
+// bytes of dynamic shared memory, with p and any further arguments; grid = 0 only opts K into
+// its shared memory. The opt-in is per function and device, set once per device (a host-side
+// call, also legal while a stream is being captured).
+template <auto K, typename... More>
 void launch_attention_kernel(const AttentionParams& p, int grid, int threads, int smem, cudaStream_t stream,
-                             const char* name) {
+                             const char* name, const More&... more) {
   static std::atomic<uint64_t> configured{0};
   int device = 0;
   check(cudaGetDevice(&device), "cudaGetDevice");
@@ -294,7 +294,7 @@ void launch_attention_kernel(const AttentionParams& p, int grid, int threads, in
     configured.fetch_or(bit);
   }
   if (grid > 0) {
-    K<<<grid, threads, smem, stream>>>(p);
+    K<<<grid, threads, smem, stream>>>(p, more...);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) check(e, (std::string(name) + " launch").c_str());
   }

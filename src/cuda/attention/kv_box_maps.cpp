@@ -1,0 +1,72 @@
+// kv_box_maps: the driver's tensor-map encoder, reached through the runtime (no link to libcuda),
+// and a process-wide table of the maps by cache address.
+#include "kv_box_maps.h"
+
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+#include <cuda_runtime_api.h>
+
+#include <climits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "attention/config.h"
+#include "common/params.h"
+#include "dcpmla/cuda.h"
+
+namespace dcpmla::cuda_detail {
+
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    PFN_cuTensorMapEncodeTiled_v12000 f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    check(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&f), 12000,
+                                           cudaEnableDefault, &found),
+          "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
+    if (found != cudaDriverEntryPointSuccess || f == nullptr)
+      throw CudaError("cuTensorMapEncodeTiled: not in this driver (the bf16 64-row kernel fills its tiles by TMA)");
+    return f;
+  }();
+  return fn;
+}
+
+KvBoxMaps encode(const void* kv) {
+  KvBoxMaps m{};
+  // Rows: as many as int32 coordinates reach; the kernels address only the plan's sub-pages.
+  const cuuint64_t dims[2] = {cuuint64_t(kDim), cuuint64_t(INT_MAX)};
+  const cuuint64_t strides[1] = {cuuint64_t(kDim * 2)};
+  const cuuint32_t elem[2] = {1, 1};
+  for (int k = 0; k < kBoxHeights; ++k) {
+    const cuuint32_t box[2] = {64, cuuint32_t(kMinBoxRows << k)};
+    const CUresult r = encoder()(&m.box[k], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(kv), dims, strides,
+                                 box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+      throw CudaError("cuTensorMapEncodeTiled of the bf16 cache (box of " + std::to_string(kMinBoxRows << k) +
+                      " rows): CUresult " + std::to_string(int(r)));
+  }
+  return m;
+}
+
+}  // namespace
+
+const KvBoxMaps& kv_box_maps(const void* kv) {
+  // Entries are never removed while the process runs (a freed cache's entry is harmless: the
+  // maps are pure descriptors), so a reference stays valid; a table past kMaxEntries caches
+  // (more than any engine's layers x devices) is cleared into a fresh generation instead.
+  static std::mutex mutex;
+  static std::unordered_map<const void*, std::unique_ptr<KvBoxMaps>> table;
+  constexpr size_t kMaxEntries = 1 << 14;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = table.find(kv);
+  if (it == table.end()) {
+    if (table.size() >= kMaxEntries) table.clear();
+    it = table.emplace(kv, std::make_unique<KvBoxMaps>(encode(kv))).first;
+  }
+  return *it->second;
+}
+
+}  // namespace dcpmla::cuda_detail
