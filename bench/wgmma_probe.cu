@@ -45,12 +45,12 @@
 
 #include <cuda.h>
 #include <cuda_runtime.h>
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "../apps/cli_support.h"
+#include "attention/kv_box_maps.h"
 #include "attention/swizzle.cuh"
 #include "attention/tile_maps.h"
 #include "attention/wgmma.cuh"
@@ -302,27 +302,6 @@ __global__ void __launch_bounds__(128, 1)
   if (t == 0) cycles[blockIdx.x] = (clock64() - c0) / tiles;
 }
 
-// The source as rows of 576 bf16 (1152 bytes) for the box copier: boxes of 64 x 64, 128-byte
-// swizzle (the driver's encoder, reached through the runtime: no link to libcuda).
-CUtensorMap source_rows_map(const void* src, size_t bytes) {
-  PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  check(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode), 12000,
-                                         cudaEnableDefault, &found),
-        "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
-  if (found != cudaDriverEntryPointSuccess || encode == nullptr)
-    throw std::runtime_error("the driver has no cuTensorMapEncodeTiled");
-  CUtensorMap map{};
-  const cuuint64_t dims[2] = {cuuint64_t(kDim), cuuint64_t(bytes / (kDim * 2))};
-  const cuuint64_t strides[1] = {cuuint64_t(kDim * 2)};
-  const cuuint32_t box[2] = {64, 64}, elem[2] = {1, 1};
-  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(src), dims, strides, box,
-                            elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) throw std::runtime_error("cuTensorMapEncodeTiled failed: " + std::to_string(int(r)));
-  return map;
-}
-
 // The median of the CTAs' counts.
 double median(std::vector<long long> v) {
   std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
@@ -462,7 +441,7 @@ int main(int argc, char** argv) {
     rows.push_back(run<kPVrs256, 2, kNoStream>(sms, src, chunks, d_cycles, d_fill, d_sink));
 
     std::vector<FillRow> fills;
-    const CUtensorMap map = source_rows_map(src, src_bytes);
+    const CUtensorMap map = cd::bf16_rows_map(src, src_bytes / (kDim * 2), 64);  // the box copier's source rows
     // One copier and share, from DRAM and (unless only DRAM) from L2.
     auto sources = [&]<int INFLIGHT, int COPIER, int SHARE>(bool l2) {
       fills.push_back(run_fill<INFLIGHT, COPIER, false, SHARE>(sms, src, chunks, map, d_cycles));

@@ -34,24 +34,27 @@ PFN_cuTensorMapEncodeTiled_v12000 encoder() {
 }
 
 KvBoxMaps encode(const void* kv) {
-  KvBoxMaps m{};
+  KvBoxMaps m;
   // Rows: as many as int32 coordinates reach; the kernels address only the plan's sub-pages.
-  const cuuint64_t dims[2] = {cuuint64_t(kDim), cuuint64_t(INT_MAX)};
-  const cuuint64_t strides[1] = {cuuint64_t(kDim * 2)};
-  const cuuint32_t elem[2] = {1, 1};
-  for (int k = 0; k < kBoxHeights; ++k) {
-    const cuuint32_t box[2] = {64, cuuint32_t(kMinBoxRows << k)};
-    const CUresult r = encoder()(&m.box[k], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(kv), dims, strides,
-                                 box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS)
-      throw CudaError("cuTensorMapEncodeTiled of the bf16 cache (box of " + std::to_string(kMinBoxRows << k) +
-                      " rows): CUresult " + std::to_string(int(r)));
-  }
+  for (int k = 0; k < kBoxHeights; ++k) m.box[k] = bf16_rows_map(kv, INT_MAX, kMinBoxRows << k);
   return m;
 }
 
 }  // namespace
+
+CUtensorMap bf16_rows_map(const void* base, unsigned long long rows, int box_rows) {
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {cuuint64_t(kDim), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(kDim * 2)};
+  const cuuint32_t box[2] = {64, cuuint32_t(box_rows)}, elem[2] = {1, 1};
+  const CUresult r = encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+                               elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw CudaError("cuTensorMapEncodeTiled of bf16 rows (box of " + std::to_string(box_rows) +
+                    " rows): CUresult " + std::to_string(int(r)));
+  return map;
+}
 
 const KvBoxMaps& kv_box_maps(const void* kv) {
   // Entries are never removed while the process runs (a freed cache's entry is harmless: the

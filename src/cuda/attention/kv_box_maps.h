@@ -17,6 +17,11 @@ struct KvBoxMaps {
   CUtensorMap box[kBoxHeights];  // box[k]: 8 << k rows
 };
 
+// A tensor map of `rows` rows of 576 bf16 (1152 bytes) from base (16-byte aligned): boxes of
+// 64 columns by box_rows rows, 128-byte swizzle (the stages' layout). Throws CudaError if the
+// driver refuses it.
+CUtensorMap bf16_rows_map(const void* base, unsigned long long rows, int box_rows);
+
 // The maps of the bf16 cache at kv (16-byte aligned; rows from kv on are addressed by int32
 // coordinates), encoded once per cache address and kept for the process (a serving engine
 // launches every layer's cache each step; the driver's encoder is not free). Thread-safe.
