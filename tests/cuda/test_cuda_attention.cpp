@@ -148,10 +148,10 @@ std::vector<Scenario> scenarios() {
   add({"heads520_decode_e4m3", M::decode, K::fp8_e4m3, 64, 520, 2, 1, 1, R::automatic, 1, 1, {2000, 1, 0, 999}, 0.5f});
   add({"heads200_draft_e5m2", M::draft, K::fp8_e5m2, 16, 200, 2, 1, 2, R::one_stage, 3, 3, {1200, 3, 0}, 2.5f});
   add({"heads4096_decode", M::decode, K::bf16, 16, 4096, 1, 0, 1, R::automatic, 1, 1, {300, 0, 7}});
-  // The bf16 64-row kernel's tiles by TMA boxes (several row groups, sub-pages of 32+ tokens):
-  // sub-pages of 32 (two runs a tile; here one rank of two over blocks of 64) and 128, with
-  // partial last tiles (cp.async), a cut request and padding.
-  add({"boxes_world2_heads40_qlen2", M::verify, K::bf16, 64, 40, 2, 1, 1, R::automatic, 2, 2, {3000, 65, 0, 777}});
+  // The bf16 64-row kernel's tiles by TMA boxes (several row groups, sub-pages of 32+ tokens:
+  // subpage_size): sub-pages of 32 (two runs a tile; on one rank of two) and 128, with partial
+  // last tiles (cp.async), a cut request and padding.
+  add({"boxes_block32_world2_heads40_qlen2", M::verify, K::bf16, 32, 40, 2, 1, 1, R::automatic, 2, 2, {3000, 65, 0, 777}});
   add({"boxes_block128_heads128_split", M::decode, K::bf16, 128, 128, 1, 0, 1, R::split_k, 1, 1, {2000, 33, 0, 640}});
   return v;
 }
