@@ -5,11 +5,10 @@
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <climits>
-#include <memory>
 #include <mutex>
 #include <string>
-#include <unordered_map>
 
 #include "attention/config.h"
 #include "common/params.h"
@@ -56,20 +55,22 @@ CUtensorMap bf16_rows_map(const void* base, unsigned long long rows, int box_row
   return map;
 }
 
-const KvBoxMaps& kv_box_maps(const void* kv) {
-  // Entries are never removed while the process runs (a freed cache's entry is harmless: the
-  // maps are pure descriptors), so a reference stays valid; a table past kMaxEntries caches
-  // (more than any engine's layers x devices) is cleared into a fresh generation instead.
+KvBoxMaps kv_box_maps(const void* kv) {
+  struct Entry {
+    const void* kv;
+    KvBoxMaps maps;
+  };
   static std::mutex mutex;
-  static std::unordered_map<const void*, std::unique_ptr<KvBoxMaps>> table;
-  constexpr size_t kMaxEntries = 1 << 14;
+  static std::array<Entry, kMapCaches> table{};
+  static int next = 0;  // the slot a new address takes (round robin: the oldest entry)
   const std::lock_guard<std::mutex> lock(mutex);
-  auto it = table.find(kv);
-  if (it == table.end()) {
-    if (table.size() >= kMaxEntries) table.clear();
-    it = table.emplace(kv, std::make_unique<KvBoxMaps>(encode(kv))).first;
-  }
-  return *it->second;
+  for (const Entry& e : table)
+    if (e.kv == kv) return e.maps;
+  Entry& e = table[size_t(next)];
+  e.maps = encode(kv);  // may throw: the slot keeps its old entry
+  e.kv = kv;
+  next = (next + 1) % kMapCaches;
+  return e.maps;
 }
 
 }  // namespace dcpmla::cuda_detail

@@ -23,8 +23,12 @@ struct KvBoxMaps {
 CUtensorMap bf16_rows_map(const void* base, unsigned long long rows, int box_rows);
 
 // The maps of the bf16 cache at kv (16-byte aligned; rows from kv on are addressed by int32
-// coordinates), encoded once per cache address and kept for the process (a serving engine
-// launches every layer's cache each step; the driver's encoder is not free). Thread-safe.
-const KvBoxMaps& kv_box_maps(const void* kv);
+// coordinates, 2^31 rows: 2.4 TB), encoded on a cache address's first launch and kept in a
+// process-wide table of kMapCaches addresses (a serving engine launches every layer's cache
+// each step, and the driver's encoder is not free; beyond that many caches the oldest entry is
+// re-encoded when its cache comes back). No allocation: the table is static storage, guarded
+// by a mutex (distinct Attention objects may launch from threads at once).
+inline constexpr int kMapCaches = 256;
+KvBoxMaps kv_box_maps(const void* kv);
 
 }  // namespace dcpmla::cuda_detail
