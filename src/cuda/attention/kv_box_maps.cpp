@@ -18,18 +18,30 @@ namespace dcpmla::cuda_detail {
 
 namespace {
 
-PFN_cuTensorMapEncodeTiled_v12000 encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    PFN_cuTensorMapEncodeTiled_v12000 f = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    check(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&f), 12000,
-                                           cudaEnableDefault, &found),
-          "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
-    if (found != cudaDriverEntryPointSuccess || f == nullptr)
-      throw CudaError("cuTensorMapEncodeTiled: not in this driver (the bf16 64-row kernel fills its tiles by TMA)");
-    return f;
-  }();
-  return fn;
+// A driver function through the runtime's entry points (so the library needs no link to libcuda).
+template <typename Fn>
+Fn driver_function(const char* name, int version) {
+  Fn f = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  check(cudaGetDriverEntryPointByVersion(name, reinterpret_cast<void**>(&f), unsigned(version), cudaEnableDefault,
+                                         &found),
+        (std::string("cudaGetDriverEntryPointByVersion(") + name + ")").c_str());
+  if (found != cudaDriverEntryPointSuccess || f == nullptr)
+    throw CudaError(std::string(name) + ": not in this driver (the bf16 64-row kernel fills its tiles by TMA)");
+  return f;
+}
+
+// The encoder needs a current context (CUDA_ERROR_INVALID_CONTEXT, 201, otherwise). A thread
+// whose first CUDA call is a launch has none yet: it gets the current device's primary
+// context, as the runtime's own first call would give it. A context the caller made current
+// (the driver API's) is left as it is.
+void ensure_context() {
+  static const auto get = driver_function<PFN_cuCtxGetCurrent_v4000>("cuCtxGetCurrent", 4000);
+  CUcontext ctx = nullptr;
+  if (get(&ctx) == CUDA_SUCCESS && ctx != nullptr) return;
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  check(cudaSetDevice(device), "cudaSetDevice (a context for the tensor-map encoder)");
 }
 
 KvBoxMaps encode(const void* kv) {
@@ -42,13 +54,16 @@ KvBoxMaps encode(const void* kv) {
 }  // namespace
 
 CUtensorMap bf16_rows_map(const void* base, unsigned long long rows, int box_rows) {
+  static const auto encode_tiled =
+      driver_function<PFN_cuTensorMapEncodeTiled_v12000>("cuTensorMapEncodeTiled", 12000);
+  ensure_context();
   CUtensorMap map{};
   const cuuint64_t dims[2] = {cuuint64_t(kDim), cuuint64_t(rows)};
   const cuuint64_t strides[1] = {cuuint64_t(kDim * 2)};
   const cuuint32_t box[2] = {64, cuuint32_t(box_rows)}, elem[2] = {1, 1};
-  const CUresult r = encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
-                               elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = encode_tiled(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides,
+                                  box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw CudaError("cuTensorMapEncodeTiled of bf16 rows (box of " + std::to_string(box_rows) +
                     " rows): CUresult " + std::to_string(int(r)));
