@@ -25,7 +25,7 @@ bool same(const KvBoxMaps& a, const KvBoxMaps& b) { return std::memcmp(&a, &b, s
 
 KvBoxMaps fresh(const void* kv) {
   KvBoxMaps m;
-  for (int k = 0; k < kBoxHeights; ++k) m.box[k] = cuda_detail::bf16_rows_map(kv, INT32_MAX, kMinBoxRows << k);
+  for (int k = 0; k < kBoxHeights; ++k) m.box[k] = cuda_detail::bf16_rows_map(kv, 1ull << 31, kMinBoxRows << k);
   return m;
 }
 

@@ -6,7 +6,6 @@
 #include <cuda_runtime_api.h>
 
 #include <array>
-#include <climits>
 #include <mutex>
 #include <string>
 
@@ -46,8 +45,9 @@ void ensure_context() {
 
 KvBoxMaps encode(const void* kv) {
   KvBoxMaps m;
-  // Rows: as many as int32 coordinates reach; the kernels address only the plan's sub-pages.
-  for (int k = 0; k < kBoxHeights; ++k) m.box[k] = bf16_rows_map(kv, INT_MAX, kMinBoxRows << k);
+  // Rows: every one an int32 coordinate reaches, [0, 2^31) (validate_run refuses tables past
+  // them); the kernels address only the plan's sub-pages.
+  for (int k = 0; k < kBoxHeights; ++k) m.box[k] = bf16_rows_map(kv, 1ull << 31, kMinBoxRows << k);
   return m;
 }
 

@@ -23,7 +23,7 @@ struct KvBoxMaps {
 CUtensorMap bf16_rows_map(const void* base, unsigned long long rows, int box_rows);
 
 // The maps of the bf16 cache at kv (16-byte aligned; rows from kv on are addressed by int32
-// coordinates, 2^31 rows: 2.4 TB), encoded on a cache address's first launch and kept in a
+// coordinates, 2^31 rows, 2.4 TB: validate_run refuses a table past them), encoded on a cache address's first launch and kept in a
 // process-wide table of kMapCaches addresses (a serving engine launches every layer's cache
 // each step, and the driver's encoder is not free; beyond that many caches the oldest entry is
 // re-encoded when its cache comes back). No allocation: the table is static storage, guarded
