@@ -333,6 +333,9 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
     mbar_init(bar_a + 8 * kMbarEmpty1, C::CONSUMERS);
     mbar_init(bar_a + 8 * kMbarQFull, 128);
     mbar_init(bar_a + 8 * kMbarQEmpty, 128);
+    // The full barriers are completed by the TMA unit (bf16 boxes, stream_bf16_tiles): their
+    // initialisation made visible to the async proxy (as the CUDA guide's TMA example does).
+    fence_proxy_async();
   }
   __syncthreads();
 
