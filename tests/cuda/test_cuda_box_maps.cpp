@@ -1,6 +1,6 @@
 // The TMA tensor maps of bf16 caches (src/cuda/attention/kv_box_maps.h): one address gives the
-// same maps on every launch, and past the table's kMapCaches addresses an address that comes
-// back gets maps equal to a fresh encoding, not another cache's. The encoder only packs the
+// same maps on every launch, and past the table's kMapCaches addresses (it is cleared) an
+// address that comes back gets maps equal to a fresh encoding, not another cache's. The encoder only packs the
 // address into the maps (it reads no memory), so the addresses need not be allocations; it
 // lives in the driver, hence the GPU label.
 #include <gtest/gtest.h>
@@ -35,7 +35,7 @@ TEST(KvBoxMaps, OneAddressOneEncodingAcrossTheTable) {
   EXPECT_TRUE(same(first, fresh(address(0))));
   EXPECT_TRUE(same(first, cuda_detail::kv_box_maps(address(0))));
   EXPECT_FALSE(same(first, cuda_detail::kv_box_maps(address(1))));
-  // More addresses than the table holds: the first ones are replaced, and re-encoded on return.
+  // More addresses than the table holds: it starts again; the first ones are encoded again.
   for (int i = 2; i < kMapCaches + 40; ++i) ASSERT_TRUE(same(cuda_detail::kv_box_maps(address(i)), fresh(address(i))));
   for (int i : {0, 1, kMapCaches + 39})
     EXPECT_TRUE(same(cuda_detail::kv_box_maps(address(i)), fresh(address(i)))) << "address " << i;

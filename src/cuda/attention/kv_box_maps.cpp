@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <array>
+#include <cstdint>
 #include <mutex>
 #include <string>
 
@@ -71,21 +72,27 @@ CUtensorMap bf16_rows_map(const void* base, unsigned long long rows, int box_row
 }
 
 KvBoxMaps kv_box_maps(const void* kv) {
-  struct Entry {
-    const void* kv;
-    KvBoxMaps maps;
-  };
+  // Open addressing on the address (keys apart from the maps, so that a probe reads 8 bytes a
+  // slot); a null key is a free slot (kernels never get a null cache).
   static std::mutex mutex;
-  static std::array<Entry, kMapCaches> table{};
-  static int next = 0;  // the slot a new address takes (round robin: the oldest entry)
+  static std::array<const void*, kMapSlots> keys{};
+  static std::array<KvBoxMaps, kMapSlots> maps;
+  static int used = 0;
+  static_assert((kMapSlots & (kMapSlots - 1)) == 0 && kMapCaches < kMapSlots);
   const std::lock_guard<std::mutex> lock(mutex);
-  for (const Entry& e : table)
-    if (e.kv == kv) return e.maps;
-  Entry& e = table[size_t(next)];
-  e.maps = encode(kv);  // may throw: the slot keeps its old entry
-  e.kv = kv;
-  next = (next + 1) % kMapCaches;
-  return e.maps;
+  const uint64_t h = (uint64_t(reinterpret_cast<uintptr_t>(kv)) >> 4) * 0x9E3779B97F4A7C15ull;
+  size_t slot = size_t(h >> 40) & (kMapSlots - 1);
+  for (; keys[slot] != nullptr; slot = (slot + 1) & (kMapSlots - 1))
+    if (keys[slot] == kv) return maps[slot];
+  if (used == kMapCaches) {  // full: start again (every probe chain ends at a free slot)
+    keys.fill(nullptr);
+    used = 0;
+    slot = size_t(h >> 40) & (kMapSlots - 1);
+  }
+  maps[slot] = encode(kv);  // may throw: the slot stays free
+  keys[slot] = kv;
+  ++used;
+  return maps[slot];
 }
 
 }  // namespace dcpmla::cuda_detail

@@ -23,12 +23,14 @@ struct KvBoxMaps {
 CUtensorMap bf16_rows_map(const void* base, unsigned long long rows, int box_rows);
 
 // The maps of the bf16 cache at kv (16-byte aligned; rows from kv on are addressed by int32
-// coordinates, 2^31 rows, 2.4 TB: validate_run refuses a table past them), encoded on a cache address's first launch and kept in a
-// process-wide table of kMapCaches addresses (a serving engine launches every layer's cache
-// each step, and the driver's encoder is not free; beyond that many caches the oldest entry is
-// re-encoded when its cache comes back). No allocation: the table is static storage, guarded
-// by a mutex (distinct Attention objects may launch from threads at once).
-inline constexpr int kMapCaches = 256;
+// coordinates, 2^31 rows, 2.4 TB: require_box_rows refuses tables past them), encoded on a
+// cache address's first launch and kept in a process-wide hash table (a serving engine
+// launches every layer's cache each step, on every GPU it drives, and the driver's encoder is
+// not free): up to kMapCaches addresses, 3 in 4 of its slots; the next new address clears it
+// and the caches are encoded again as they come back. No allocation: the table is static
+// storage, guarded by a mutex (distinct Attention objects may launch from threads at once).
+inline constexpr int kMapSlots = 1024;
+inline constexpr int kMapCaches = kMapSlots / 4 * 3;
 KvBoxMaps kv_box_maps(const void* kv);
 
 }  // namespace dcpmla::cuda_detail
