@@ -40,16 +40,6 @@ float softmax_scale_of(const AttentionConfig& c) {
   return 1.0f / std::sqrt(float(c.dims.dim()));
 }
 
-void require_box_rows(const PlannerConfig& c, int64_t max_block) {
-  // CUDA: the bf16 64-row kernel's TMA boxes address cache rows by int32 coordinates
-  // (kv_box_maps: rows [0, 2^31)); a row past them would read as zeros, not fault, so a table
-  // that reaches one is refused.
-  constexpr int64_t kBoxRows = int64_t(1) << 31;
-  if (c.backend == Backend::cuda && c.kv_dtype == KvDtype::bf16 && (max_block + 1) * int64_t(c.block_size) > kBoxRows)
-    fail("block_tables", fmt::format("block {} of {} tokens", max_block, c.block_size),
-         fmt::format("blocks below {} (a bf16 cache's rows on CUDA have int32 indices)", kBoxRows / c.block_size));
-}
-
 void validate_run(const PlannerConfig& c, const Plan& plan, const KvCache& cache, const KvScale& scale) {
   cache.validate();
   if (cache.dtype != c.kv_dtype)
@@ -60,7 +50,6 @@ void validate_run(const PlannerConfig& c, const Plan& plan, const KvCache& cache
   if (plan.stats().max_block >= cache.num_blocks)
     fail("kv_cache num_blocks", cache.num_blocks,
          fmt::format("> {} (the largest block id of the planned tables)", plan.stats().max_block));
-  require_box_rows(c, plan.stats().max_block);
   scale.validate(cache.dtype);
   if (scale.device != nullptr && c.backend != Backend::cuda)
     fail("kv_scale", "a device pointer", "a host float on the cpu backend");

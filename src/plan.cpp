@@ -243,9 +243,13 @@ int64_t Planner::validate(const BatchDesc& batch) const {
   if (int64_t(batch.block_tables.size()) != b_count * batch.table_width)
     fail("block_tables", fmt::format("{} entries", batch.block_tables.size()),
          fmt::format("batch ({}) x table_width ({})", b_count, batch.table_width));
-  // Sub-page ids (block * block_size / page + k) are int32 in the plan.
+  // Sub-page ids (block * block_size / page + k) are int32 in the plan; on CUDA so are a bf16
+  // cache's rows (block * block_size + k: the 64-row kernel's TMA box coordinates, kv_box_maps,
+  // rows [0, 2^31)), where a row past them would read as zeros, not fault. That bound is the
+  // smaller one.
   const int64_t per_block = c.block_size / page_;
-  const int64_t block_limit = INT32_MAX / per_block;
+  const bool box_rows = c.backend == Backend::cuda && c.kv_dtype == KvDtype::bf16;
+  const int64_t block_limit = box_rows ? (int64_t(1) << 31) / c.block_size : INT32_MAX / per_block;
   int64_t max_block = -1;
   for (int b = 0; b < int(b_count); ++b) {
     const int64_t len = batch.seq_lens[size_t(b)];
@@ -274,7 +278,8 @@ int64_t Planner::validate(const BatchDesc& batch) const {
     if (lo < 0 || hi >= block_limit) {
       const int64_t j = std::find_if(row, row + entries, [&](int32_t v) { return v < 0 || v >= block_limit; }) - row;
       fail(fmt::format("block_tables[{}][{}]", b, j), row[j],
-           fmt::format("a block id in [0, {}) (sub-page ids must fit int32)", block_limit));
+           fmt::format("a block id in [0, {}) ({} must fit int32)", block_limit,
+                       box_rows ? "a CUDA bf16 cache's row indices" : "sub-page ids"));
     }
     max_block = std::max<int64_t>(max_block, hi);
   }

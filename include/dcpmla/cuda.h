@@ -72,8 +72,8 @@ struct AttentionTuning {
 // any kv dtype. num_sms = 0 asks the device. Alignment (refused otherwise, since a misaligned
 // vector access faults and kills the CUDA context): q, kv, out and part_o 16 bytes, lse,
 // kv_scale_dev, part_m and part_l 4. A bf16 cache's rows the plan names must lie below 2^31
-// (the 64-row kernel's TMA coordinates are int32): Attention::plan and run refuse tables past
-// that (require_box_rows); this function sees no host plan and cannot.
+// (the 64-row kernel's TMA coordinates are int32): a planner configured for CUDA and bf16
+// refuses tables past them; this function sees no host plan and cannot check it.
 void attention(const AttentionParams& p, cudaStream_t stream, int num_sms = 0, bool merge = true,
                const AttentionTuning& tuning = {});
 

@@ -52,11 +52,6 @@ PlannerConfig planner_config(const AttentionConfig& config, Backend backend, int
 // normal float <= kMaxSoftmaxScale.
 float softmax_scale_of(const AttentionConfig& config);
 
-// CUDA, bf16 cache: refuses tables whose largest block (max_block) has rows at or past 2^31
-// (the 64-row kernel's TMA coordinates are int32). validate_run checks it; so does the CUDA
-// Attention's plan(), since a captured graph replays later plans without a run().
-void require_box_rows(const PlannerConfig& config, int64_t max_block);
-
 // Checks a run's cache and scale against the planner and the current plan, before anything
 // runs: dtype, block size, D, and a cache that holds every block the plan's tables name.
 void validate_run(const PlannerConfig& config, const Plan& plan, const KvCache& cache, const KvScale& scale);

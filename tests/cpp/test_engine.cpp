@@ -408,36 +408,6 @@ TEST_F(Refusals, BadCacheBeforeAnythingRuns) {
   EXPECT_FALSE(untouched());
 }
 
-// On CUDA a bf16 cache's rows have int32 indices (the 64-row kernel's tensor-map coordinates):
-// a table naming a block whose rows reach 2^31 is refused by name before anything runs (there
-// the boxes would read zeros, not fault). The same table is accepted for fp8 caches and on the
-// CPU. Host checks only: the cache is a descriptor, never read.
-TEST(RunRefusals, CudaBf16RowsPastInt32) {
-  AttentionConfig a;
-  a.heads = 128;
-  a.block_size = 64;
-  a.limits = PlanLimits{2, 1, 256};
-  const int32_t last = int32_t((int64_t(1) << 31) / 64);  // the first block of rows >= 2^31
-  alignas(16) static uint8_t row[16];
-  // The refusal validate_run gives a plan whose largest block is `largest` ("" when none).
-  auto refusal = [&](KvDtype dtype, Backend backend, int32_t largest) {
-    a.kv_dtype = dtype;
-    const std::vector<int32_t> lens{100, 7}, tables{3, largest, largest - 1, 0};
-    const PlannerConfig pc = planner_config(a, backend, 132, 64);
-    const Planner planner(pc);
-    Plan plan = planner.make_plan();
-    planner.plan(BatchDesc{lens, 1, tables, 2, Mode::decode}, plan);
-    const KvCache kv{row, int64_t(largest) + 1, 64, kDim, dtype};
-    return testing::error_of([&] { validate_run(pc, plan, kv, KvScale{dtype == KvDtype::bf16 ? 1.0f : 0.5f}); });
-  };
-  const std::string bf16_cuda = refusal(KvDtype::bf16, Backend::cuda, last);
-  EXPECT_NE(bf16_cuda.find(field("block_tables", fmt::format("block {} of 64 tokens", last))), std::string::npos)
-      << bf16_cuda;
-  EXPECT_EQ(refusal(KvDtype::bf16, Backend::cpu, last), "");
-  EXPECT_EQ(refusal(KvDtype::fp8_e4m3, Backend::cuda, last), "");
-  EXPECT_EQ(refusal(KvDtype::bf16, Backend::cuda, last - 1), "");  // every row below 2^31
-}
-
 TEST_F(Refusals, BadScales) {
   Attention att(config);
   att.plan(batch);

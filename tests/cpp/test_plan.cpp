@@ -448,6 +448,31 @@ TEST(Plan, RefusesConfigurationsWhoseArithmeticWouldOverflow) {
   expect_error([&] { Planner p(c); }, "'block_size' = 131072");
 }
 
+// On CUDA a bf16 cache's rows have int32 indices (the 64-row kernel's TMA box coordinates):
+// a table naming a block whose rows reach 2^31 is refused by name (there the boxes would read
+// zeros, not fault), the last block below is planned, and fp8 caches and the CPU keep the
+// sub-page bound.
+TEST(Plan, CudaBf16TablesStayBelowRow2To31) {
+  const int32_t first_past = int32_t((int64_t(1) << 31) / 64);  // rows [2^31, 2^31 + 64)
+  auto refusal = [&](Backend backend, KvDtype dtype, int32_t block) {
+    auto c = config();
+    c.backend = backend;
+    c.kv_dtype = dtype;
+    const Planner planner(c);
+    Plan plan = planner.make_plan();
+    const std::vector<int32_t> lens{100, 7}, table{3, block, 0, 0};
+    return testing::error_of([&] { planner.plan(BatchDesc{lens, 1, table, 2, Mode::decode}, plan); });
+  };
+  const std::string refused = refusal(Backend::cuda, KvDtype::bf16, first_past);
+  EXPECT_NE(refused.find(fmt::format("'block_tables[0][1]' = {}: expected a block id in [0, {})", first_past,
+                                     first_past)),
+            std::string::npos)
+      << refused;
+  EXPECT_EQ(refusal(Backend::cuda, KvDtype::bf16, first_past - 1), "");
+  EXPECT_EQ(refusal(Backend::cuda, KvDtype::fp8_e4m3, first_past), "");
+  EXPECT_EQ(refusal(Backend::cpu, KvDtype::bf16, first_past), "");
+}
+
 // Found by a hostile-input audit of the public API: each was a crash, undefined behaviour or a
 // message that blamed the wrong field.
 TEST(Plan, RefusesHostileCapacitiesCostsAndEnums) {

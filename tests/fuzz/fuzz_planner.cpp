@@ -100,7 +100,10 @@ bool batch_is_valid(const PlannerConfig& c, const Batch& b) {
     if (b.qlens[r] < 0 || b.qlens[r] > b.qlen || (c.route == Route::two_stage && b.qlens[r] != b.qlen)) return false;
   if (b.width < 0 || int64_t(b.tables.size()) != n * b.width) return false;
   const Layout& l = c.layout;
-  const int64_t block_limit = INT32_MAX / (c.block_size / spec_page(c.block_size));  // int32 sub-page ids
+  // int32 sub-page ids; on CUDA with a bf16 cache, int32 row indices (the TMA boxes).
+  const int64_t block_limit = c.backend == Backend::cuda && c.kv_dtype == KvDtype::bf16
+                                  ? (int64_t(1) << 31) / c.block_size
+                                  : INT32_MAX / (c.block_size / spec_page(c.block_size));
   for (int64_t r = 0; r < n; ++r) {
     const int64_t len = b.lens[size_t(r)];
     if (len < 0 || (b.mode != Mode::draft && len != 0 && len < b.qlen_of(size_t(r)))) return false;

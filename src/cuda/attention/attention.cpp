@@ -295,7 +295,6 @@ void Attention::plan(const BatchDesc& batch, cudaStream_t stream, bool fit_captu
          fmt::format("< {}: a graph captured over a cache of {} blocks would read past it (capture again over a "
                      "larger cache, with a new Attention)",
                      m.captured_blocks, m.captured_blocks));
-  require_box_rows(m.planner.config(), max_block);  // a replayed graph runs no validate_run
   if (fit_captured_rows && m.plans[k].header().rows > m.captured_rows)
     fail("batch", fmt::format("{} query rows", m.plans[k].header().rows),
          fmt::format("at most {} (the rows of a run() captured into a CUDA graph, whose replays write this plan's "

@@ -46,7 +46,7 @@ void ensure_context() {
 
 KvBoxMaps encode(const void* kv) {
   KvBoxMaps m;
-  // Rows: every one an int32 coordinate reaches, [0, 2^31) (validate_run refuses tables past
+  // Rows: every one an int32 coordinate reaches, [0, 2^31) (the planner refuses tables past
   // them); the kernels address only the plan's sub-pages.
   for (int k = 0; k < kBoxHeights; ++k) m.box[k] = bf16_rows_map(kv, 1ull << 31, kMinBoxRows << k);
   return m;

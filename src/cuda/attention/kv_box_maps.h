@@ -23,7 +23,7 @@ struct KvBoxMaps {
 CUtensorMap bf16_rows_map(const void* base, unsigned long long rows, int box_rows);
 
 // The maps of the bf16 cache at kv (16-byte aligned; rows from kv on are addressed by int32
-// coordinates, 2^31 rows, 2.4 TB: require_box_rows refuses tables past them), encoded on a
+// coordinates, 2^31 rows, 2.4 TB: the planner refuses tables past them), encoded on a
 // cache address's first launch and kept in a process-wide hash table (a serving engine
 // launches every layer's cache each step, on every GPU it drives, and the driver's encoder is
 // not free): up to kMapCaches addresses, 3 in 4 of its slots; the next new address clears it
