@@ -1,11 +1,12 @@
 // The bf16 producer warpgroup of the warp-specialised kernels (kernel_wgmma.cuh's 64-row
 // kernel and kernel_bf16_swap.cuh's 16- and 32-row one): it streams the KV tiles of the
 // CTA's units, 64 tokens of 576 bf16 each, by cp.async or the TMA unit straight into a ring of
-// two stages in the wgmma layout (9 column blocks of (64, 128 B), 128-byte swizzle: K-major for S, MN-major
-// for P V), running ahead across units: the CTA's tiles are numbered across its units and
-// tile gt sits in stage gt % 2. A stage is refilled once its consumers have released it
-// (empty[s]: phase n - 1 for its n-th fill), and each producer thread's copies arrive on
-// full[s] as they land (cp.async.mbarrier.arrive.noinc: full[s] expects 128 arrivals).
+// two stages in the wgmma layout (9 column blocks of (64, 128 B), 128-byte swizzle: K-major for
+// S, MN-major for P V), running ahead across units: the CTA's tiles are numbered across its
+// units and tile gt sits in stage gt % 2. A stage is refilled once its consumers have released
+// it (empty[s]: phase n - 1 for its n-th fill); full[s] expects 128 arrivals, one a producer
+// thread (cp.async.mbarrier.arrive.noinc as its copies land, or, for a tile of TMA boxes,
+// thread 0's expect_tx of the tile's bytes and the others' plain arrivals).
 // on_unit(u, k) runs once the CTA's k-th unit u has its first tile issued (at once when it has
 // none): the kernels load the unit's Q there (produce_unit_q), one unit ahead of their
 // consumers, behind the tile, which the 64-row kernel's single Q buffer would otherwise hold
@@ -65,10 +66,9 @@ __device__ __forceinline__ void produce_unit_q(const AttentionParams& p, const U
 // comes from L2 (bench/NOTES.md, thirty-eighth session). Otherwise (no maps; one row group,
 // where each tile comes from DRAM once and boxes were 4-6 % slower; smaller sub-pages; a
 // unit's last tile when it is partial, whose rows past the end must read as zeros) each thread
-// copies by cp.async, eight threads per token (Bf16TileMap: chunk lc of every
-// column block m, one 128-byte row of it), four tokens a thread: a warp's copy reads 4 tokens x
-// 128 contiguous bytes, and the next tile's sub-pages are looked up while this tile's copies are
-// in flight. Either way each thread arrives once a tile (full expects 128 arrivals).
+// copies by cp.async, eight threads per token (Bf16TileMap: chunk lc of every column block m,
+// one 128-byte row of it), four tokens a thread: a warp's copy reads 4 tokens x 128 contiguous
+// bytes. The next tile's sub-pages are looked up while this tile's copies are in flight.
 template <int M, typename OnUnit>
 __device__ __forceinline__ void stream_bf16_tiles(const AttentionParams& p, const PlanScalars& ps, uint32_t ring,
                                                   uint32_t full, uint32_t empty, int t, const KvBoxMaps* maps,
@@ -103,7 +103,8 @@ __device__ __forceinline__ void stream_bf16_tiles(const AttentionParams& p, cons
           auto run = [&](int r0, int sub) {
             const int row = sub * ps.page + ((tok0 + r0) & (ps.page - 1));
 #pragma unroll
-            for (int m = 0; m < kDim / 64; ++m) tensor_box_g2s(dst + m * (NT * 128) + r0 * 128, map, 64 * m, row, full + 8 * s);
+            for (int m = 0; m < kDim / 64; ++m)
+              tensor_box_g2s(dst + m * (NT * 128) + r0 * 128, map, 64 * m, row, full + 8 * s);
           };
           static_assert(NT / kMinBoxPage == 2 && Map::token(0, 2) == 32);
           run(0, sp[0]);
@@ -111,6 +112,8 @@ __device__ __forceinline__ void stream_bf16_tiles(const AttentionParams& p, cons
         } else {
           mbar_arrive(full + 8 * s);
         }
+        // (The loop's tail here rather than an else around the cp.async form: the kernel was
+        // measured in this form, and the else moved ptxas's register allocation.)
         if (i == 0) on_unit(u, unit);
         if (i + 1 < u.ntiles) subpages(i + 1, sp);
         continue;
