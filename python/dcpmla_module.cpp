@@ -77,7 +77,7 @@ std::tuple<NumpyArray<float>, NumpyArray<float>, std::vector<std::string>> mla_a
   options.kv_dtype = dcpmla::parse_kv_dtype(kv_dtype);
   // Checked as given (doubles), so that no value narrows to a different float silently.
   options.kv_scale = dcpmla::checked_kv_scale(kv_scale, options.kv_dtype);
-  options.softmax_scale = dcpmla::checked_scale("softmax_scale", softmax_scale);
+  options.softmax_scale = dcpmla::checked_softmax_scale(softmax_scale);
   options.kv_lora_rank = kv_lora_rank;
   options.route = dcpmla::parse_route(route);
   options.merge = dcpmla::parse_merge_form(merge);
@@ -163,6 +163,7 @@ NB_MODULE(_dcpmla, m) {
   m.attr("cuda_available") = kCudaBuilt;
   m.attr("max_in_process_bytes") = dcpmla::kMaxInProcessBytes;
   m.attr("max_local_kv_len") = dcpmla::kMaxLocalKvLen;
+  m.attr("max_qlen") = dcpmla::kMaxQlen;
   m.attr("cuda_architectures") = DCPMLA_CUDA_ARCHITECTURES;  // "" without the CUDA backend
   m.def("cuda_device_available", [] {
 #ifdef DCPMLA_HAS_CUDA

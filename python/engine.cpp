@@ -133,6 +133,10 @@ void check(const T& t, const char* field, uint32_t kinds, const char* dtype_text
          "C-contiguous strides (pass a contiguous tensor, e.g. .contiguous())");
   }
   check_placement(t, field, where);
+  // A producer may export a null pointer with its extents (DLPack does not forbid it); the
+  // float32 copies read such a tensor before the library's own null checks.
+  if (t.data() == nullptr && t.size() != 0)
+    fail(fmt::format("{}.data_ptr", field), "null", fmt::format("memory holding the tensor's {} elements", t.size()));
   if (reinterpret_cast<uintptr_t>(t.data()) % align != 0)
     fail(fmt::format("{}.data_ptr", field), fmt::format("{}", t.data()), fmt::format("{}-byte aligned memory", align));
 }
@@ -239,7 +243,7 @@ Engine::Engine(int heads, const std::string& kv_dtype, int block_size, int world
   config_.block_size = block_size;
   config_.layout = Layout{world_size, rank, interleave};
   config_.limits = PlanLimits{max_batch, max_qlen, max_local_len};
-  if (softmax_scale) config_.softmax_scale = checked_scale("softmax_scale", *softmax_scale);
+  if (softmax_scale) config_.softmax_scale = checked_softmax_scale(*softmax_scale);
   config_.dims.kv_lora_rank = kv_lora_rank;
   config_.route = parse_route(route);
   where_.backend = parse_backend(device);

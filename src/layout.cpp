@@ -58,7 +58,7 @@ std::vector<int64_t> row_local_lengths(Mode mode, int64_t seq_len, int qlen, con
   require_known("mode", mode);
   require(qlen >= 1 && qlen <= kMaxQlen, "qlen", qlen, fmt::format("in [1, {}]", kMaxQlen));
   if (mode == Mode::decode) require(qlen == 1, "qlen", qlen, "1 in decode mode");
-  validate_seq_len(mode, seq_len, qlen, 0);
+  if (!seq_len_ok(mode, seq_len, qlen)) fail_seq_len("seq_len", mode, seq_len, qlen);
   std::vector<int64_t> lens(static_cast<size_t>(qlen));
   for (int t = 0; t < qlen; ++t)
     lens[size_t(t)] = layout.local_length(detail::row_window_unchecked(mode, seq_len, qlen, t));

@@ -91,16 +91,20 @@ void check_scale(std::string_view field, T value) {
 
 void require_scale(std::string_view field, float value) { check_scale(field, value); }
 
-void require_softmax_scale(float value) {
-  check_scale("softmax_scale", value);
-  if (value > kMaxSoftmaxScale)
-    fail("softmax_scale", value, fmt::format("<= {} (a larger scale overflows the float32 scores)", kMaxSoftmaxScale));
-}
+namespace {
 
-float checked_scale(std::string_view field, double value) {
-  check_scale(field, value);
+template <class T>
+float softmax_scale_as_given(T value) {
+  check_scale("softmax_scale", value);
+  if (double(value) > double(kMaxSoftmaxScale))
+    fail("softmax_scale", value, fmt::format("<= {} (a larger scale overflows the float32 scores)", kMaxSoftmaxScale));
   return float(value);
 }
+
+}  // namespace
+
+void require_softmax_scale(float value) { (void)softmax_scale_as_given(value); }
+float checked_softmax_scale(double value) { return softmax_scale_as_given(value); }
 
 namespace {
 

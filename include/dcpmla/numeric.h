@@ -49,13 +49,14 @@ float fp8_to_float(uint8_t bits, KvDtype d);
 // 1 / scale overflow, inf and NaN poison every score. Throws dcpmla::Error naming the field
 // and the value as the caller gave it (a double from Python is checked before it narrows).
 void require_scale(std::string_view field, float value);
-// A double (from Python) checked before it narrows, and reported as given.
-float checked_scale(std::string_view field, double value);
 // softmax_scale also at most kMaxSoftmaxScale: the kernels scale scores in float32, and a
 // huge finite scale overflows them for ordinary inputs (1e37 made every output NaN, where
 // the float64 reference stays finite). Models use about D^-0.5 times a small factor.
 inline constexpr float kMaxSoftmaxScale = 65536.0f;
 void require_softmax_scale(float value);
+// The same for a double (from Python), checked before it narrows (65536.003 would round to the
+// ceiling itself) and reported as given.
+float checked_softmax_scale(double value);
 
 // The largest fp8 cache scale, about 3.6e33: the CUDA kernels fold softmax_scale x kv_scale x
 // log2 e into one float32, and every stored value must read back finite (fp8_max x scale).

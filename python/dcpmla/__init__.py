@@ -90,6 +90,11 @@ def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_
                 raise _error("qlens.shape[0]", shape[0], f"{B} ({what})")
 
         qlens = _int_array("qlens", qlens, np.int32, "[B]", check_shape=qlens_rows)
+        # Each value before their sum is compared with q's rows: the sum of a bad one names q.
+        bad = (qlens < 0) | (qlens > _dcpmla.max_qlen)
+        if bad.any():
+            b = int(np.argmax(bad))
+            raise _error(f"qlens[{b}]", int(qlens[b]), f"in [0, {_dcpmla.max_qlen}] (request {b}'s query rows)")
         q = _array("q", q, np.float32, 3, "[sum(qlens), H, D]")
         _, H, D = q.shape
         if q.shape[0] != int(qlens.sum(dtype=np.int64)):

@@ -68,8 +68,9 @@ def _host_array(field, x):
     if hasattr(x, "__dlpack__"):
         try:
             return np.from_dlpack(x)
-        except (BufferError, TypeError, RuntimeError, ValueError) as e:
-            raise _error(field, type(x).__name__, f"a host (CPU) array readable through DLPack ({e})") from None
+        except Exception as e:  # a producer's own failure too (its __dlpack__ may raise anything)
+            raise _error(field, type(x).__name__, f"a host (CPU) array readable through DLPack "
+                         f"({type(e).__name__}: {e})") from None
     try:
         return np.asarray(x)
     except (TypeError, ValueError) as e:
@@ -109,8 +110,18 @@ def _too_big_to_copy(field, a, dtype, what, kept=0):
                      f"{what}{held})", f"at most {limit / 2**30:.3g} GiB (pass a C-contiguous {dtype} array)")
 
 
-def _index(a, flat):
-    return ", ".join(str(int(i)) for i in np.unravel_index(flat, a.shape))
+def _index(shape, flat):
+    return ", ".join(str(int(i)) for i in np.unravel_index(flat, shape))
+
+
+def _refuse_bools(field, x, shape, layout):
+    """A bool among a list's integers (numpy reads [True, 20] as [1, 20]) is refused, as a bool
+    alone or a bool array is (_int)."""
+    flat = np.asarray(x, dtype=object).reshape(-1)
+    for k, value in enumerate(flat):
+        if isinstance(value, (bool, np.bool_)):
+            raise _error(f"{field}[{_index(shape, k)}]", repr(value),
+                         f"an integer {layout}")
 
 
 def _int_array(field, x, dtype, layout, ndim=1, check_shape=None, kept=0):
@@ -127,6 +138,8 @@ def _int_array(field, x, dtype, layout, ndim=1, check_shape=None, kept=0):
         raise _error(f"{field}.ndim", a.ndim, f"{ndim} {layout}")
     if check_shape is not None:
         check_shape(a.shape)
+    if isinstance(x, (list, tuple)) and a.dtype.kind in "iu":
+        _refuse_bools(field, x, a.shape, layout)
     dtype = np.dtype(dtype)
     if a.dtype == dtype and a.flags.c_contiguous and a.flags.aligned:
         return a
@@ -138,15 +151,15 @@ def _int_array(field, x, dtype, layout, ndim=1, check_shape=None, kept=0):
         # A list holding an int beyond int64 (or an object array): each value is checked as given.
         for flat, value in enumerate(a.flat):
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
-                raise _error(f"{field}[{_index(a, flat)}]", repr(value), f"an integer {layout}")
+                raise _error(f"{field}[{_index(a.shape, flat)}]", repr(value), f"an integer {layout}")
             if not info.min <= int(value) <= info.max:
-                raise _error(f"{field}[{_index(a, flat)}]", int(value), f"a value that fits {dtype}")
+                raise _error(f"{field}[{_index(a.shape, flat)}]", int(value), f"a value that fits {dtype}")
         return np.array(a.tolist(), dtype=dtype).reshape(a.shape)
     if a.size and a.dtype.kind not in "iu":
         raise _error(f"{field}.dtype", a.dtype, f"an integer dtype {layout}")
     if a.size and (a.min() < info.min or a.max() > info.max):
         flat = int(np.flatnonzero((a < info.min) | (a > info.max))[0])
-        raise _error(f"{field}[{_index(a, flat)}]", a.flat[flat], f"a value that fits {dtype}")
+        raise _error(f"{field}[{_index(a.shape, flat)}]", a.flat[flat], f"a value that fits {dtype}")
     return np.ascontiguousarray(a, dtype=dtype)
 
 

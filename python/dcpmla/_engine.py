@@ -66,13 +66,25 @@ def _raw(field, x, kv_dtype=None):
     return view()
 
 
-def _cuda_index(x):
-    """The CUDA ordinal of a DLPack producer's memory, or None for host memory (or a list)."""
+def _cuda_index(field, x):
+    """The CUDA ordinal of a DLPack producer's memory, or None for host memory (or a list). CUDA
+    memory with no usable GPU (a driver older than the library's runtime) is refused here, as
+    device="cuda" is, before the CUDA runtime answers with an error that names no argument."""
     device = getattr(x, "__dlpack_device__", None)
     if device is None:
         return None
-    kind, index = device()
-    return int(index) if int(kind) == _DL_CUDA else None
+    try:
+        kind, index = device()
+        kind, index = int(kind), int(index)
+    except Exception as e:  # a producer's own failure, or not a (device type, ordinal) pair
+        raise _error(f"{field}.__dlpack_device__()", f"a {type(x).__name__} whose __dlpack_device__() failed "
+                     f"({type(e).__name__}: {e})", "a (device type, device ordinal) pair of integers") from None
+    if kind != _DL_CUDA:
+        return None
+    if _dcpmla.cuda_available and not _dcpmla.cuda_device_available():
+        raise _error(f"{field}.device", f"cuda:{index}", "host memory: no usable CUDA device on this machine "
+                     "(dcpmla.cuda_device_available() is False)")
+    return index
 
 
 def _stream(stream, x, cuda_index):
@@ -396,13 +408,15 @@ def write_kv(kv_cache, latent, slot_mapping, kv_dtype="bf16", kv_scale=1.0, stre
         kv_dtype: the cache's format; kv_scale: float or one-element float32 tensor (fp8 only).
         stream: as for :meth:`Attention.run`. Allocates nothing, never synchronises.
     """
-    index = _cuda_index(kv_cache)
+    kv_dtype = _str("kv_dtype", kv_dtype)
+    if kv_dtype not in _CACHE:  # before the cache's dtype is read as this format's
+        raise _error("kv_dtype", repr(kv_dtype), "bf16, fp8_e4m3 or fp8_e5m2")  # the library's wording
+    index = _cuda_index("kv_cache", kv_cache)
     s = _stream(stream, kv_cache, index)
     if isinstance(slot_mapping, (list, tuple)):
         slot_mapping = _int_array("slot_mapping", slot_mapping, np.int64, "[T]")
-    kv_dtype = _str("kv_dtype", kv_dtype)
     value, tensor = _kv_scale(kv_scale, s)
-    cache_text = _CACHE.get(kv_dtype, "the storage of kv_dtype")
+    cache_text = _CACHE[kv_dtype]
     cache_in = _tensor("kv_cache", kv_cache, s, cache_text, kv_dtype=kv_dtype, writable=True)
     latent_in = _tensor("latent", latent, s, _VALUES)
     slots_in = _tensor("slot_mapping", slot_mapping, s, "int64 [T] (rank-local slots, -1 = PAD)", raw=False)
@@ -427,7 +441,7 @@ def merge_states(out_parts, lse_parts, out=None, lse=None, stream=None):
         ``(out, lse)``, lse natural log. out and lse must share no memory with the partials or
         each other (refused).
     """
-    s = _stream(stream, out_parts, _cuda_index(out_parts))
+    s = _stream(stream, out_parts, _cuda_index("out_parts", out_parts))
     parts = _tensor("out_parts", out_parts, s, _VALUES)
     lse_in = _tensor("lse_parts", lse_parts, s, "float32", raw=False)
     if (out is None or lse is None) and (isinstance(out_parts, np.ndarray) or _is_torch(out_parts)):

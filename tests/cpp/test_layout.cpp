@@ -175,8 +175,8 @@ TEST(Layout, RefusesBadInput) {
   expect_error([] { Layout{2, -1, 1}.validate(); }, "rank");
   expect_error([] { Layout{2, 0, 0}.validate(); }, "interleave");
   expect_error([] { Layout{2, 0, 3}.validate_with_block_size(16); }, "'interleave' = 3");
-  expect_error([] { row_local_lengths(Mode::verify, 2, 3, Layout{}); }, "seq_lens[0]");
-  expect_error([] { row_local_lengths(Mode::verify, -1, 1, Layout{}); }, "seq_lens[0]");
+  expect_error([] { row_local_lengths(Mode::verify, 2, 3, Layout{}); }, "'seq_len' = 2: expected >= qlen (3)");
+  expect_error([] { row_local_lengths(Mode::verify, -1, 1, Layout{}); }, "'seq_len' = -1: expected >= 0");
   expect_error([] { row_local_lengths(Mode::verify, 4, 0, Layout{}); }, "qlen");
   expect_error([] { row_local_lengths(Mode::decode, 4, 2, Layout{}); }, "qlen");
   // Refused before allocating qlen values (16 GiB here), in every mode.

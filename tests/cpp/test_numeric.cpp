@@ -60,15 +60,15 @@ TEST_P(Fp8, RoundTripIsWithinHalfAQuantum) {
 }
 
 TEST(Numeric, ScalesArePositiveNormalFloat32sReportedAsGiven) {
-  for (double ok : {double(std::numeric_limits<float>::min()), 1.0, 0.0417, double(std::numeric_limits<float>::max())})
-    EXPECT_EQ(checked_scale("kv_scale", ok), float(ok));
+  for (double ok : {double(std::numeric_limits<float>::min()), 1.0, 0.0417, double(kMaxSoftmaxScale)})
+    EXPECT_EQ(checked_softmax_scale(ok), float(ok));
   // Each of these would narrow to 0, a subnormal or inf; the message shows the caller's value.
   const std::pair<double, const char*> bad[] = {
       {1e-50, "= 1e-50:"}, {1e-46, "= 1e-46:"}, {1e-40, "= 1e-40:"}, {1e39, "= 1e+39:"}, {0.0, "= 0:"},
       {-0.5, "= -0.5:"},   {std::nan(""), "= nan:"},   {INFINITY, "= inf:"}};
   for (const auto& [value, shown] : bad) {
     try {
-      checked_scale("softmax_scale", value);
+      checked_softmax_scale(value);
       ADD_FAILURE() << "accepted " << value;
     } catch (const Error& e) {
       const std::string what = e.what();
@@ -91,6 +91,14 @@ TEST(Numeric, SoftmaxScaleHasACeiling) {
       EXPECT_NE(std::string(e.what()).find("'softmax_scale'"), std::string::npos) << e.what();
     }
   }
+}
+
+// A double just past the ceiling rounds to it as a float32 (65536.003f == 65536): it is
+// refused as given, before it narrows.
+TEST(Numeric, SoftmaxScaleCeilingIsCheckedBeforeNarrowing) {
+  ASSERT_EQ(float(65536.003), kMaxSoftmaxScale);
+  testing::expect_error([] { (void)checked_softmax_scale(65536.003); }, "'softmax_scale' = 65536.003: expected <= 65536");
+  EXPECT_EQ(checked_softmax_scale(65536.0), kMaxSoftmaxScale);
 }
 
 // The fp8 helpers took any other dtype as e5m2 (fp8_max(bf16) was 57344), and quantize_roundtrip

@@ -554,3 +554,181 @@ def test_a_forked_child_runs_the_cpu_engine():
     forked child (src/cpu/parallel.h) instead of waiting forever for the parent's threads."""
     rc, output = run_script(FORK, timeout=120)
     assert rc == 0 and "fork ok" in output, output
+
+
+# ---- 9. forged DLPack tensors, bools among integers, values named before their sum ---------------
+
+# A DLPack producer that exports a numpy array's extents with another data pointer (null here):
+# the float32 copies read it before the library's own null checks and crashed.
+NULL_DATA = """
+    import ctypes
+    import numpy as np
+    import dcpmla
+
+    class Device(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_int32), ("id", ctypes.c_int32)]
+
+    class DType(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+    class Tensor(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_void_p), ("device", Device), ("ndim", ctypes.c_int32), ("dtype", DType),
+                    ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                    ("byte_offset", ctypes.c_uint64)]
+
+    class Managed(ctypes.Structure):
+        _fields_ = [("tensor", Tensor), ("ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+    class NullData:
+        def __init__(self, a):
+            self.shape = (ctypes.c_int64 * a.ndim)(*a.shape)
+            code = {"f": 2, "i": 0, "u": 1}[a.dtype.kind]
+            self.m = Managed(Tensor(None, Device(1, 0), a.ndim, DType(code, 8 * a.itemsize, 1),
+                                    ctypes.cast(self.shape, ctypes.POINTER(ctypes.c_int64)), None, 0))
+
+        def __dlpack__(self, **kwargs):
+            return new_capsule(ctypes.addressof(self.m), b"dltensor", None)
+
+        def __dlpack_device__(self):
+            return (1, 0)
+
+    att = dcpmla.Attention(heads=2, block_size=16, device="cpu", max_batch=8, max_qlen=8, max_local_len=4096)
+    att.plan(np.full(2, 40, np.int32), np.arange(8, dtype=np.int32).reshape(2, 4), 2)
+    q = np.ones((2, 2, 2, 576), np.float32)
+    cache = np.zeros((16, 16, 576), np.uint16)
+    out, lse = np.zeros((2, 2, 2, 512), np.float32), np.zeros((2, 2, 2), np.float32)
+    parts = np.zeros((2, 3, 512), np.float32)
+    calls = {
+        "q": lambda: att.run(NullData(q), cache, out=out, lse=lse),
+        "out": lambda: att.run(q, cache, out=NullData(out), lse=lse),
+        "latent": lambda: dcpmla.write_kv(cache, NullData(np.ones((1, 576), np.float32)), [0]),
+        "kv_scale": lambda: dcpmla.write_kv(np.zeros((16, 16, 576), np.uint8), np.ones((1, 576), np.float32), [0],
+                                            "fp8_e4m3", NullData(np.ones(1, np.float32))),
+        "out_parts": lambda: dcpmla.merge_states(NullData(parts), np.zeros((2, 3), np.float32),
+                                                 out=np.zeros((3, 512), np.float32), lse=np.zeros(3, np.float32)),
+    }
+    for field, call in calls.items():
+        try:
+            call()
+            print(field, "accepted")
+        except ValueError as e:
+            print(field, "refused:", e)
+"""
+
+
+def test_dlpack_tensors_with_null_data_are_refused():
+    rc, output = run_script(NULL_DATA)
+    assert rc == 0, output
+    for field in ("q", "out", "latent", "kv_scale", "out_parts"):
+        assert f"{field} refused: dcpmla: field '{field}.data_ptr' = null: expected memory holding" in output, output
+
+
+def test_bools_among_list_integers_are_refused():
+    """numpy reads [True, 20] as [1, 20]; a bool alone or a bool array was refused, a bool in a
+    list of ints was taken as 1."""
+    att, _, cache = planned()
+    q4, kv = np.zeros((2, 1, 1, D), np.float32), np.zeros((2, 40, D), np.float32)
+    cases = [
+        (r"field 'seq_lens\[0\]' = True: expected an integer \[B\]",
+         lambda: att.plan([True, 20], [[0, 1], [2, 3]], 1)),
+        (r"field 'block_tables\[1, 0\]' = False: expected an integer \[B, table_width\]",
+         lambda: att.plan([20, 20], [[0, 1], [False, 3]], 1)),
+        (r"field 'qlens\[0\]' = True", lambda: att.plan([20, 20], [[0, 1], [2, 3]], 2, qlens=[True, 2])),
+        (r"field 'seq_lens\[0\]' = True", lambda: dcpmla.mla_attention(q4, kv, [True, 40])),
+        (r"field 'positions\[0\]' = True", lambda: dcpmla.slot_mapping([True, 3], [0, 1], 4, 4, 1, 0)),
+        (r"field 'slot_mapping\[0\]' = True", lambda: dcpmla.write_kv(cache, np.ones((2, D), np.float32),
+                                                                      [True, -1])),
+    ]
+    for match, call in cases:
+        with error(match):
+            call()
+    assert att.batch == 2  # the last good plan stands
+
+
+def test_qlens_values_are_named_before_their_sum():
+    """A negative or huge qlens value was reported as q's rows against their sum."""
+    q3, kv = np.zeros((3, 1, D), np.float32), np.zeros((3, 40, D), np.float32)
+    with error(r"field 'qlens\[0\]' = -5: expected in \[0, 4096\]"):
+        dcpmla.mla_attention(q3, kv, [40, 40, 40], qlens=np.array([-5, 1, 1]))
+    with error(r"field 'qlens\[1\]' = 5000: expected in \[0, 4096\]"):
+        dcpmla.mla_attention(q3, kv, [40, 40, 40], qlens=[1, 5000, 1])
+    with error(r"field 'q.shape\[0\]' = 3: expected 4 \(sum\(qlens\)\)"):
+        dcpmla.mla_attention(q3, kv, [40, 40, 40], qlens=[2, 1, 1])
+
+
+def test_other_fields_named_where_they_are_at_fault():
+    _, _, cache = planned()
+    # write_kv read a bf16 cache's dtype as the unknown format's and blamed the cache.
+    with error(r"field 'kv_dtype' = 'bf-16': expected bf16, fp8_e4m3 or fp8_e5m2"):
+        dcpmla.write_kv(cache, np.ones((1, D), np.float32), [0], "bf-16")
+    # row_local_lengths took the planner's per-request wording.
+    with error(r"field 'seq_len' = 1: expected >= qlen \(3\)"):
+        dcpmla.row_local_lengths("verify", 1, 3, 1, 0)
+    # 65536.003 rounds to the ceiling itself as a float32.
+    with error(r"field 'softmax_scale' = 65536.003: expected <= 65536"):
+        dcpmla.mla_attention(np.zeros((1, 1, 1, D), np.float32), np.zeros((1, 4, D), np.float32), [4],
+                             softmax_scale=65536.003)
+
+
+def test_producers_that_fail_in_their_own_way_are_named():
+    """A producer's __dlpack__ raising anything, or a __dlpack_device__ that is not a (type,
+    ordinal) pair, came out as that error, naming no argument."""
+    _, _, cache = planned()
+
+    class Raising:
+        def __init__(self, e):
+            self.e = e
+
+        def __dlpack__(self, **kwargs):
+            raise self.e
+
+        def __dlpack_device__(self):
+            return (1, 0)
+
+    class BadDevice:
+        def __init__(self, a, device):
+            self.a, self.device = a, device
+
+        def __dlpack__(self, **kwargs):
+            return self.a.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self):
+            return self.device
+
+    att, _, _ = planned()
+    with error(r"field 'seq_lens' = Raising: expected a host \(CPU\) array readable through DLPack "
+               r"\(AttributeError: z\)"):
+        att.plan(Raising(AttributeError("z")), [[0, 1, 2, 3], [4, 5, 6, 7]], 2)
+    with error(r"field 'seq_lens' = Raising: .*\(KeyError: 'k'\)"):
+        dcpmla.mla_attention(np.zeros((1, 1, 1, D), np.float32), np.zeros((1, 4, D), np.float32), Raising(KeyError("k")))
+    for device in (None, (None, None), ("x",)):
+        with error(r"field 'kv_cache.__dlpack_device__\(\)' = a BadDevice whose __dlpack_device__\(\) failed"):
+            dcpmla.write_kv(BadDevice(cache, device), np.ones((1, D), np.float32), [0])
+        with error(r"field 'out_parts.__dlpack_device__\(\)' = a BadDevice"):
+            dcpmla.merge_states(BadDevice(np.zeros((2, 3, R), np.float32), device), np.zeros((2, 3), np.float32))
+
+
+@pytest.mark.skipif(not dcpmla.cuda_available or dcpmla.cuda_device_available(),
+                    reason="for a CUDA-built module on a machine without a usable GPU")
+def test_cuda_memory_without_a_usable_gpu_is_named():
+    """write_kv and merge_states reached the CUDA runtime, whose error named no argument (SPEC §6:
+    a ValueError naming it), where Attention and mla_attention refuse device="cuda" up front."""
+    _, _, cache = planned()
+
+    class OnCuda:  # claims CUDA memory; refused before its bytes are asked for
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, **kwargs):
+            raise AssertionError("exported")
+
+        def __dlpack_device__(self):
+            return (2, 0)
+
+    with error(r"field 'kv_cache.device' = cuda:0: expected host memory: no usable CUDA device"):
+        dcpmla.write_kv(OnCuda(cache), np.ones((1, D), np.float32), [0])
+    with error(r"field 'out_parts.device' = cuda:0: expected host memory: no usable CUDA device"):
+        dcpmla.merge_states(OnCuda(np.zeros((2, 3, R), np.float32)), np.zeros((2, 3), np.float32))
