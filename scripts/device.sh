@@ -10,7 +10,9 @@
 #   test    ctest -L "${LABELS:-gpu}": every GPU test is a CTest test with labels: gpu (all of
 #           them), dcp (the DCP step, device and NCCL communicators, mpirun), sanitize (the
 #           compute-sanitizer runs); the Python grid with device="cuda" is the test pytest_cuda;
-#           TESTS=<regex> keeps only the tests whose names match (ctest -R)
+#           TESTS=<regex> keeps only the tests whose names match (ctest -R); TEST_TIMEOUT=<s>
+#           ends each test after that many seconds (a kernel that hangs then costs one
+#           test's time, not the call's)
 #   bench   dcpmla_dcp_bench, dcpmla_bench and dcpmla_wgmma_probe (--json, with their metadata);
 #           tables printed last
 #   ab      dcpmla_bench of this tree and of each AB_REV's (carried) in one call, alternating
@@ -224,7 +226,8 @@ if [[ "$MODE" == all || "$MODE" == test ]]; then
   fi
   # Four test processes share the GPU; each CPU reference gets a quarter of the cores.
   DCPMLA_VECTORS="$ROOT/.devdeps/vectors" OMP_NUM_THREADS=$(( JOBS / 4 > 0 ? JOBS / 4 : 1 )) \
-    ctest --test-dir "$BUILD" -L "${LABELS:-gpu}" ${TESTS:+-R "$TESTS"} -j 4 --output-on-failure \
+    ctest --test-dir "$BUILD" -L "${LABELS:-gpu}" ${TESTS:+-R "$TESTS"} ${TEST_TIMEOUT:+--timeout "$TEST_TIMEOUT"} \
+      -j 4 --output-on-failure \
       --output-junit "$OUT/ctest_junit.xml" >"$OUT/ctest.log" 2>&1
   rc=$?
   [[ $rc -ne 0 ]] && status=1
