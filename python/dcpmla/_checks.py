@@ -114,9 +114,32 @@ def _index(shape, flat):
     return ", ".join(str(int(i)) for i in np.unravel_index(flat, shape))
 
 
+_BOOLS = (bool, np.bool_)
+
+
+def _has_bool(x):
+    """Whether nested lists / tuples `x` hold a bool (or a bool array), by the set of each
+    sequence's element types: about as fast as numpy's own conversion of the list."""
+    stack = [x]
+    while stack:
+        seq = stack.pop()
+        types = set(map(type, seq))
+        if bool in types or np.bool_ in types:
+            return True
+        if types & {list, tuple, np.ndarray}:  # nested: look inside (ints alone are not walked)
+            for v in seq:
+                if type(v) in (list, tuple):
+                    stack.append(v)
+                elif type(v) is np.ndarray and v.dtype.kind == "b":
+                    return True
+    return False
+
+
 def _refuse_bools(field, x, shape, layout):
     """A bool among a list's integers (numpy reads [True, 20] as [1, 20]) is refused, as a bool
     alone or a bool array is (_int)."""
+    if not _has_bool(x):
+        return
     flat = np.asarray(x, dtype=object).reshape(-1)
     for k, value in enumerate(flat):
         if isinstance(value, (bool, np.bool_)):

@@ -636,6 +636,8 @@ def test_bools_among_list_integers_are_refused():
          lambda: att.plan([True, 20], [[0, 1], [2, 3]], 1)),
         (r"field 'block_tables\[1, 0\]' = False: expected an integer \[B, table_width\]",
          lambda: att.plan([20, 20], [[0, 1], [False, 3]], 1)),
+        (r"field 'block_tables\[1, 0\]' = (np\.)?False", lambda: att.plan([20, 20], [np.array([0, 1]),
+                                                                                np.array([False, True])], 1)),
         (r"field 'qlens\[0\]' = True", lambda: att.plan([20, 20], [[0, 1], [2, 3]], 2, qlens=[True, 2])),
         (r"field 'seq_lens\[0\]' = True", lambda: dcpmla.mla_attention(q4, kv, [True, 40])),
         (r"field 'positions\[0\]' = True", lambda: dcpmla.slot_mapping([True, 3], [0, 1], 4, 4, 1, 0)),
