@@ -87,12 +87,7 @@ void check_scale(std::string_view field, T value) {
     fail(field, value, fmt::format("a positive normal float32, in [{}, {}]", lo, hi));
 }
 
-}  // namespace
-
-void require_scale(std::string_view field, float value) { check_scale(field, value); }
-
-namespace {
-
+// One rule for softmax_scale given as a double (Python) or a float (C++), as kv_scale_as_given.
 template <class T>
 float softmax_scale_as_given(T value) {
   check_scale("softmax_scale", value);
@@ -100,13 +95,6 @@ float softmax_scale_as_given(T value) {
     fail("softmax_scale", value, fmt::format("<= {} (a larger scale overflows the float32 scores)", kMaxSoftmaxScale));
   return float(value);
 }
-
-}  // namespace
-
-void require_softmax_scale(float value) { (void)softmax_scale_as_given(value); }
-float checked_softmax_scale(double value) { return softmax_scale_as_given(value); }
-
-namespace {
 
 // One rule for a cache scale given as a double (Python, CLI) or a float (C++): checked in the
 // caller's type, so the message shows the value as given.
@@ -128,6 +116,9 @@ float kv_scale_as_given(T value, KvDtype dtype) {
 
 }  // namespace
 
+void require_scale(std::string_view field, float value) { check_scale(field, value); }
+void require_softmax_scale(float value) { (void)softmax_scale_as_given(value); }
+float checked_softmax_scale(double value) { return softmax_scale_as_given(value); }
 void require_kv_scale(float value, KvDtype dtype) { (void)kv_scale_as_given(value, dtype); }
 float checked_kv_scale(double value, KvDtype dtype) { return kv_scale_as_given(value, dtype); }
 

@@ -46,7 +46,7 @@ __all__ = [
 def _device(device):
     device = _str("device", device)
     if device == "cuda":
-        _require_usable_cuda(device)
+        _require_usable_cuda("device", repr(device), "'cpu'")
     return device
 
 

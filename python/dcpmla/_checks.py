@@ -12,6 +12,7 @@ from . import _dcpmla
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_BOOLS = (bool, np.bool_)  # integers to Python and numpy, refused wherever an integer is asked for
 
 
 def _error(field, value, expected):
@@ -20,7 +21,7 @@ def _error(field, value, expected):
 
 
 def _int(field, value, lo=_INT32_MIN, hi=_INT32_MAX):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
+    if isinstance(value, _BOOLS) or not isinstance(value, (numbers.Integral, np.integer)):
         raise _error(field, repr(value), "an integer")
     value = int(value)
     if not lo <= value <= hi:
@@ -34,7 +35,7 @@ _FLOAT32 = np.finfo(np.float32)
 def _scale(field, value, default_hint=""):
     """A positive normal float32 (the library's rule, numeric.h: require_scale), checked on the
     value as given so that nothing narrows silently: 1e-46 would become 0.0 in float32."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating)):
+    if isinstance(value, _BOOLS) or not isinstance(value, (numbers.Real, np.floating)):
         raise _error(field, repr(value), "a real number")
     try:
         as_double = float(value)
@@ -110,11 +111,8 @@ def _too_big_to_copy(field, a, dtype, what, kept=0):
                      f"{what}{held})", f"at most {limit / 2**30:.3g} GiB (pass a C-contiguous {dtype} array)")
 
 
-def _index(shape, flat):
-    return ", ".join(str(int(i)) for i in np.unravel_index(flat, shape))
-
-
-_BOOLS = (bool, np.bool_)
+def _index(a, flat):
+    return ", ".join(str(int(i)) for i in np.unravel_index(flat, a.shape))
 
 
 def _has_bool(x):
@@ -124,7 +122,7 @@ def _has_bool(x):
     while stack:
         seq = stack.pop()
         types = set(map(type, seq))
-        if bool in types or np.bool_ in types:
+        if not types.isdisjoint(_BOOLS):
             return True
         if types & {list, tuple, np.ndarray}:  # nested: look inside (ints alone are not walked)
             for v in seq:
@@ -133,18 +131,6 @@ def _has_bool(x):
                 elif type(v) is np.ndarray and v.dtype.kind == "b":
                     return True
     return False
-
-
-def _refuse_bools(field, x, shape, layout):
-    """A bool among a list's integers (numpy reads [True, 20] as [1, 20]) is refused, as a bool
-    alone or a bool array is (_int)."""
-    if not _has_bool(x):
-        return
-    flat = np.asarray(x, dtype=object).reshape(-1)
-    for k, value in enumerate(flat):
-        if isinstance(value, (bool, np.bool_)):
-            raise _error(f"{field}[{_index(shape, k)}]", repr(value),
-                         f"an integer {layout}")
 
 
 def _int_array(field, x, dtype, layout, ndim=1, check_shape=None, kept=0):
@@ -161,8 +147,9 @@ def _int_array(field, x, dtype, layout, ndim=1, check_shape=None, kept=0):
         raise _error(f"{field}.ndim", a.ndim, f"{ndim} {layout}")
     if check_shape is not None:
         check_shape(a.shape)
-    if isinstance(x, (list, tuple)) and a.dtype.kind in "iu":
-        _refuse_bools(field, x, a.shape, layout)
+    if isinstance(x, (list, tuple)) and a.dtype.kind in "iu" and _has_bool(x):
+        # numpy read [True, 20] as [1, 20]: the values as given, where the object path names a bool.
+        a = np.asarray(x, dtype=object)
     dtype = np.dtype(dtype)
     if a.dtype == dtype and a.flags.c_contiguous and a.flags.aligned:
         return a
@@ -173,16 +160,16 @@ def _int_array(field, x, dtype, layout, ndim=1, check_shape=None, kept=0):
     if a.size and a.dtype.kind == "O":
         # A list holding an int beyond int64 (or an object array): each value is checked as given.
         for flat, value in enumerate(a.flat):
-            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
-                raise _error(f"{field}[{_index(a.shape, flat)}]", repr(value), f"an integer {layout}")
+            if isinstance(value, _BOOLS) or not isinstance(value, (numbers.Integral, np.integer)):
+                raise _error(f"{field}[{_index(a, flat)}]", repr(value), f"an integer {layout}")
             if not info.min <= int(value) <= info.max:
-                raise _error(f"{field}[{_index(a.shape, flat)}]", int(value), f"a value that fits {dtype}")
+                raise _error(f"{field}[{_index(a, flat)}]", int(value), f"a value that fits {dtype}")
         return np.array(a.tolist(), dtype=dtype).reshape(a.shape)
     if a.size and a.dtype.kind not in "iu":
         raise _error(f"{field}.dtype", a.dtype, f"an integer dtype {layout}")
     if a.size and (a.min() < info.min or a.max() > info.max):
         flat = int(np.flatnonzero((a < info.min) | (a > info.max))[0])
-        raise _error(f"{field}[{_index(a.shape, flat)}]", a.flat[flat], f"a value that fits {dtype}")
+        raise _error(f"{field}[{_index(a, flat)}]", a.flat[flat], f"a value that fits {dtype}")
     return np.ascontiguousarray(a, dtype=dtype)
 
 
@@ -220,10 +207,11 @@ def _native_array(field, x, expected, writable=False):
     return x
 
 
-def _require_usable_cuda(device):
-    """Refuses device="cuda" here when no GPU is usable, before the CUDA runtime answers with its
-    own error (e.g. "driver version is insufficient"). A module built without CUDA says so itself
+def _require_usable_cuda(field, value, instead):
+    """Refuses CUDA (device="cuda", or a tensor in CUDA memory) here when no GPU is usable, before
+    the CUDA runtime answers with its own error (e.g. "driver version is insufficient"), which
+    names no argument; `instead` is what to pass. A module built without CUDA says so itself
     (the library's check)."""
     if _dcpmla.cuda_available and not _dcpmla.cuda_device_available():
-        raise _error("device", repr(device), "'cpu': no usable CUDA device on this machine "
+        raise _error(field, value, f"{instead}: no usable CUDA device on this machine "
                      "(dcpmla.cuda_device_available() is False)")

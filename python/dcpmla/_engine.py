@@ -81,9 +81,7 @@ def _cuda_index(field, x):
                      f"({type(e).__name__}: {e})", "a (device type, device ordinal) pair of integers") from None
     if kind != _DL_CUDA:
         return None
-    if _dcpmla.cuda_available and not _dcpmla.cuda_device_available():
-        raise _error(f"{field}.device", f"cuda:{index}", "host memory: no usable CUDA device on this machine "
-                     "(dcpmla.cuda_device_available() is False)")
+    _require_usable_cuda(f"{field}.device", f"cuda:{index}", "host memory")
     return index
 
 
@@ -208,7 +206,7 @@ def _device(device):
     ordinal = text[5:] if text.startswith("cuda:") else ""
     if text != "cuda" and not (ordinal and ordinal.isascii() and ordinal.isdigit() and int(ordinal) <= 2**31 - 1):
         raise _error("device", repr(device), "'cpu', 'cuda' or 'cuda:N' (N a device ordinal)")
-    _require_usable_cuda(text)
+    _require_usable_cuda("device", repr(text), "'cpu'")
     return "cuda", -1 if text == "cuda" else int(ordinal)
 
 

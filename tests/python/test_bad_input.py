@@ -213,6 +213,21 @@ def test_cuda_without_a_gpu_is_refused_plainly(monkeypatch):
     with pytest.raises(ValueError, match=r"field 'device' = 'cuda:0': expected 'cpu': no usable CUDA device"):
         dcpmla.Attention(heads=16, device="cuda:0")
 
+    # The free functions take CUDA tensors, not a device string: named by the tensor.
+    class OnCuda:
+        def __dlpack__(self, **kwargs):
+            raise AssertionError("exported")
+
+        def __dlpack_device__(self):
+            return (2, 0)
+
+    for native in ("_write_kv", "_merge_states"):
+        monkeypatch.setattr(dcpmla._dcpmla, native, must_not_run)
+    with pytest.raises(ValueError, match=r"field 'kv_cache.device' = cuda:0: expected host memory: no usable CUDA"):
+        dcpmla.write_kv(OnCuda(), np.zeros((1, 576), np.float32), [0])
+    with pytest.raises(ValueError, match=r"field 'out_parts.device' = cuda:0: expected host memory: no usable CUDA"):
+        dcpmla.merge_states(OnCuda(), np.zeros((2, 3), np.float32))
+
 
 def test_cuda_on_this_machine_without_a_gpu():
     if not dcpmla.cuda_available or dcpmla.cuda_device_available():

@@ -712,25 +712,3 @@ def test_producers_that_fail_in_their_own_way_are_named():
         with error(r"field 'out_parts.__dlpack_device__\(\)' = a BadDevice"):
             dcpmla.merge_states(BadDevice(np.zeros((2, 3, R), np.float32), device), np.zeros((2, 3), np.float32))
 
-
-@pytest.mark.skipif(not dcpmla.cuda_available or dcpmla.cuda_device_available(),
-                    reason="for a CUDA-built module on a machine without a usable GPU")
-def test_cuda_memory_without_a_usable_gpu_is_named():
-    """write_kv and merge_states reached the CUDA runtime, whose error named no argument (SPEC §6:
-    a ValueError naming it), where Attention and mla_attention refuse device="cuda" up front."""
-    _, _, cache = planned()
-
-    class OnCuda:  # claims CUDA memory; refused before its bytes are asked for
-        def __init__(self, a):
-            self.a = a
-
-        def __dlpack__(self, **kwargs):
-            raise AssertionError("exported")
-
-        def __dlpack_device__(self):
-            return (2, 0)
-
-    with error(r"field 'kv_cache.device' = cuda:0: expected host memory: no usable CUDA device"):
-        dcpmla.write_kv(OnCuda(cache), np.ones((1, D), np.float32), [0])
-    with error(r"field 'out_parts.device' = cuda:0: expected host memory: no usable CUDA device"):
-        dcpmla.merge_states(OnCuda(np.zeros((2, 3, R), np.float32)), np.zeros((2, 3), np.float32))
