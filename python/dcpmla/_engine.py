@@ -408,7 +408,8 @@ def write_kv(kv_cache, latent, slot_mapping, kv_dtype="bf16", kv_scale=1.0, stre
     """
     kv_dtype = _str("kv_dtype", kv_dtype)
     if kv_dtype not in _CACHE:  # before the cache's dtype is read as this format's
-        raise _error("kv_dtype", repr(kv_dtype), "bf16, fp8_e4m3 or fp8_e5m2")  # the library's wording
+        *others, last = _CACHE
+        raise _error("kv_dtype", repr(kv_dtype), f"{', '.join(others)} or {last}")  # the library's wording
     index = _cuda_index("kv_cache", kv_cache)
     s = _stream(stream, kv_cache, index)
     if isinstance(slot_mapping, (list, tuple)):
