@@ -28,9 +28,10 @@
 # timed from DRAM).
 # NOFILL=1 builds with DCPMLA_PROBE_NO_FILL (bench and ab only; build-device-nofill): the bf16
 # tile streams load nothing, so the times are the consumers' alone (wrong results).
-# Logs and JSON go to $OUT (default build-device/out); more than 7 files there are packed into
-# $OUT/device_out.tgz at exit (the device tool brings back 8 files at most: so a command that
-# calls this script keeps its own logs outside $OUT). What the GPU image lacks (libfmt-dev,
+# Logs and JSON go to $OUT (default build-device/out). When the caller sets $OUT (the device
+# tool does, and brings back 8 files of it at most), more than 7 files there are packed into
+# $OUT/device_out.tgz at exit, so a command that calls this script keeps its own logs outside
+# $OUT; the default folder is left as written. What the GPU image lacks (libfmt-dev,
 # googletest, CLI11, nlohmann-json, nccl.h) is taken from .devdeps/.
 set -uo pipefail
 
@@ -42,6 +43,7 @@ case "$MODE" in
   *) echo "usage: scripts/device.sh [all|test|bench|ab|deps] (got '$MODE')" >&2; exit 2 ;;
 esac
 BUILD="${BUILD_DIR:-$ROOT/build-device$([[ "${NOFILL:-0}" == 1 ]] && echo -nofill)}"
+PACK_OUT="${OUT:+1}"  # $OUT from the caller (the device tool sets it): pack it at exit (below)
 OUT="${OUT:-$BUILD/out}"
 JOBS="${JOBS:-$(nproc)}"
 BENCH_ARGS="${BENCH_ARGS:-}"
@@ -112,15 +114,14 @@ status=0
 # ab of three trees), everything is packed into one archive at exit, so that none is dropped.
 # shellcheck disable=SC2317  # (called by the trap)
 bundle_out() {
-  local n
+  local n tgz="${TMPDIR:-/tmp}/device_out.$$.tgz"
   n=$(find "$OUT" -type f | wc -l)
-  local tgz="${TMPDIR:-/tmp}/device_out.$$.tgz"
   if (( n > 7 )) && tar -czf "$tgz" -C "$OUT" .; then
     find "$OUT" -mindepth 1 -delete && mv "$tgz" "$OUT/device_out.tgz"
     say "$n files in \$OUT packed into device_out.tgz (tar -xzf it where the files come back)"
   fi
 }
-trap bundle_out EXIT
+[[ -n "$PACK_OUT" ]] && trap bundle_out EXIT
 if [[ -f .devdeps/tree.sha1 ]] && ! sha1sum --check --quiet .devdeps/tree.sha1 >"$OUT/tree_check.txt" 2>&1; then
   say "this tree is not the one .devdeps was made from ($(cat .devdeps/commit)): run scripts/device.sh deps again"
   head -n 5 "$OUT/tree_check.txt"
