@@ -94,8 +94,11 @@ std::vector<int64_t> shape_of(const T& t) {
   return s;
 }
 
+// A tensor without elements touches no memory, so its strides say nothing: numpy >= 2.4 exports
+// an empty array's as 0 (as torch and numpy's own flags do, it counts as contiguous).
 template <class T>
 bool c_contiguous(const T& t) {
+  if (t.size() == 0) return true;
   int64_t expect = 1;
   for (size_t i = t.ndim(); i-- > 0;) {
     if (t.shape(i) != 1 && t.stride(i) != expect) return false;
