@@ -6,7 +6,9 @@ dcpmla_bench and dcpmla_dcp_bench: {"meta": {...}, "rows": [...]}, null = not me
     scripts/perf_record.py plots             docs/img/roofline.svg and docs/img/dcp_scaling.svg
 
 The current table holds, for every shape, the row of the newest file (meta.date) that measured
-it, with a link to that file. Files from before the metadata wrote 0 (baseline_us, speedup) or
+it, with a link to that file. The record is the anchors' card's (CARD: FlashMLA's times were taken
+on it, and the table divides by them): a file whose meta.gpu names another card stays out (its
+comparisons of trees are bench/NOTES.md's). Files from before the metadata wrote 0 (baseline_us, speedup) or
 -1 (rel_l2_vs_baseline) for a baseline that was not run; those count as not measured too.
 """
 import argparse
@@ -17,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 ANCHORS = ROOT / "bench" / "anchors" / "flashmla_h200.json"
+CARD = "H200"  # the card of the anchors and of the record
 PERF_MD = ROOT / "docs" / "perf.md"
 IMG = ROOT / "docs" / "img"
 BEGIN, END = "<!-- perf_record.py table: begin -->", "<!-- perf_record.py table: end -->"
@@ -65,6 +68,8 @@ def read(path):
     if rows and "tree" in rows[0]:  # an ab of several trees (device.sh ab): NOTES
         return None
     if meta.get("probe_no_fill"):  # a measuring build with no loads: wrong results, NOTES
+        return None
+    if isinstance(meta.get("gpu"), str) and CARD not in meta["gpu"]:  # another card: NOTES
         return None
     dcp = bool(rows) and "attention_us" in rows[0]
     if dcp and not isinstance(meta.get("gpu"), str):

@@ -76,6 +76,20 @@ def test_measuring_builds_stay_out_of_the_record(tmp_path, monkeypatch):
     assert [path.name for path, _, _ in runs] == ["run.json"] and dcp == []
 
 
+def test_other_cards_stay_out_of_the_record(perf_record):
+    """The table divides by FlashMLA's H200 times: a newer file from another card (an H100 run)
+    must not replace the H200 row of the same shape, nor add shapes of its own."""
+    results = perf_record.RESULTS
+    (results / "h200.json").write_text(json.dumps({"meta": META, "rows": [row("decode128", 226.0)]}))
+    h100 = {**META, "date": "2026-12-04T00:00:00Z", "gpu": "NVIDIA H100 80GB HBM3"}
+    (results / "h100.json").write_text(json.dumps({"meta": h100, "rows": [row("decode128", 242.0),
+                                                                          row("b512_c1024_h128_q1", 289.0)]}))
+    attention, _ = perf_record.load()
+    assert [path.name for path, _, _ in attention] == ["h200.json"]
+    table = perf_record.table(attention)
+    assert "| decode128 |" in table and "226.0" in table and "242.0" not in table and "b512_c1024" not in table
+
+
 @pytest.mark.parametrize("text, wrong", [
     ('{"meta": {"date": "2026-12-03', "not JSON (Unterminated string starting at: line 1 column 19 (char 18))"),
     ("", "empty"),
