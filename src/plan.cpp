@@ -106,6 +106,10 @@ size_t Plan::ints(const PlanLimits& limits, int64_t table_capacity, int work_cap
   return checked_offsets(limits, table_capacity, work_capacity, chunk_capacity).total;
 }
 
+void Plan::fail_moved_from() {
+  fail("plan", "a moved-from Plan", "a plan that holds its arena (made by make_plan(), not moved from since)");
+}
+
 int Plan::qlen_of(int b) const {
   if (b < 0 || b >= header().batch) fail("b", b, fmt::format("a request of the plan, in [0, {})", header().batch));
   return view().q_start[b + 1] - view().q_start[b];
@@ -215,7 +219,9 @@ Plan Planner::make_plan(int32_t* storage) const {
 
 int row_groups_of(int64_t rows, int rows_per_unit) {
   if (rows < 1 || rows_per_unit < 1) return 1;
-  return int(std::min<int64_t>(ceil_div(rows, rows_per_unit), int64_t(INT32_MAX)));
+  // (Not ceil_div: rows + rows_per_unit - 1 overflows near INT64_MAX.)
+  const int64_t groups = rows / rows_per_unit + (rows % rows_per_unit != 0 ? 1 : 0);
+  return int(std::min<int64_t>(groups, int64_t(INT32_MAX)));
 }
 
 int Planner::chunks_of(int64_t max_rows) const {
@@ -452,7 +458,7 @@ void Planner::plan(const BatchDesc& batch, Plan& plan) const {
       plan.chunk_capacity_ != c.num_workers || plan.limits_.max_batch != c.limits.max_batch ||
       plan.limits_.max_qlen != c.limits.max_qlen)
     fail("plan", "a plan of other capacities", "a plan made by this planner's make_plan()");
-  if (plan.arena_.base == nullptr) fail("plan", "a moved-from Plan", "a plan made by this planner's make_plan()");
+  if (plan.arena_.base == nullptr) Plan::fail_moved_from();
   const int64_t max_block = validate(batch);
 
   const int b_count = int(batch.seq_lens.size());

@@ -170,12 +170,13 @@ class Plan {
   Plan(const Plan&) = delete;  // the view points into the arena
   Plan& operator=(const Plan&) = delete;
   // A vector's move keeps its buffer, so the arena stays where it was; the moved-from plan
-  // holds none (ArenaRef: a planner refuses it) instead of pointing into the new owner's. As
-  // any moved-from object, it may then only be assigned to or destroyed.
+  // holds none (ArenaRef) instead of pointing into the new owner's. It may then only be
+  // assigned to or destroyed: a planner refuses it, and its accessors (header, view, and what
+  // reads them) throw dcpmla::Error, as does run() on an engine Attention moved from.
   Plan(Plan&&) = default;
   Plan& operator=(Plan&&) = default;
 
-  const PlanHeader& header() const { return *reinterpret_cast<const PlanHeader*>(arena_.base); }
+  const PlanHeader& header() const { return *reinterpret_cast<const PlanHeader*>(held_arena()); }
   Route route() const { return Route(header().route); }
   const PlanStats& stats() const { return stats_; }
 
@@ -184,7 +185,7 @@ class Plan {
   std::span<const int32_t> arena() const { return {arena_.base, arena_.size}; }
   // Ints of the arena this plan uses: everything up to its own sub-page rows (the last part).
   size_t used_ints() const;
-  PlanView view() const { return view_at(arena_.base); }
+  PlanView view() const { return view_at(held_arena()); }
   PlanView view_at(const int32_t* base) const;
 
   // Inspection (checked: b in [0, batch), t in [0, qlen_of(b))).
@@ -194,6 +195,12 @@ class Plan {
 
  private:
   friend class Planner;
+  // The arena's base; a moved-from plan has none (refused by name).
+  const int32_t* held_arena() const {
+    if (arena_.base == nullptr) fail_moved_from();
+    return arena_.base;
+  }
+  [[noreturn]] static void fail_moved_from();
   PlanHeader& mutable_header() { return *reinterpret_cast<PlanHeader*>(arena_.base); }
   int32_t* at(size_t offset) { return arena_.base + offset; }
 

@@ -408,6 +408,20 @@ TEST_F(Refusals, BadCacheBeforeAnythingRuns) {
   EXPECT_FALSE(untouched());
 }
 
+// An engine kept in a std::vector that grows is moved: the moved-from object kept its
+// "planned" flag, and run() read the header of a plan with no arena behind it (SIGSEGV, the
+// ninth audit). Now refused by name, writing nothing; the moved-into object runs.
+TEST_F(Refusals, MovedFromAttentionRefusesToRun) {
+  Attention a(config);
+  a.plan(batch);
+  Attention b(std::move(a));
+  EXPECT_REFUSED(run(a, cache.view(), KvScale{0.05f}), field("plan", "a moved-from Plan"));
+  EXPECT_REFUSED((void)a.current_plan().route(), field("plan", "a moved-from Plan"));
+  EXPECT_TRUE(untouched());
+  run(b, cache.view(), KvScale{0.05f});
+  EXPECT_FALSE(untouched());
+}
+
 TEST_F(Refusals, BadScales) {
   Attention att(config);
   att.plan(batch);

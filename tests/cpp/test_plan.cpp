@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <functional>
 #include <numeric>
 #include <random>
 
@@ -254,6 +255,9 @@ TEST(Plan, RowGroupsShareTheChunks) {
   EXPECT_EQ(row_groups_of(0, 64), 1) << "a step of no rows still has its chunks";
   EXPECT_EQ(row_groups_of(64, 0), 1) << "a unit size the planner refuses";
   EXPECT_EQ(row_groups_of(int64_t(1) << 40, 1), INT32_MAX);
+  // rows + rows_per_unit - 1 overflowed here: INT64_MAX rows in units of 2 gave 0 groups.
+  EXPECT_EQ(row_groups_of(INT64_MAX, 2), INT32_MAX);
+  EXPECT_EQ(row_groups_of(INT64_MAX, INT32_MAX), INT32_MAX);
 }
 
 TEST(Plan, PaddingNeverMovesACut) {
@@ -526,6 +530,13 @@ TEST(Plan, MovedFromPlansAreRefusedAndInspectionIsChecked) {
     EXPECT_EQ(b.qlen_of(1), 2);
   }
   expect_error([&] { planner.plan(batch_of({100, 7}, 2).desc(), a); }, "'plan' = a moved-from Plan");
+  // Its accessors read no arena it no longer has (they dereferenced null: the ninth audit).
+  const std::vector<std::function<void()>> reads{
+      [&] { (void)a.header(); },       [&] { (void)a.route(); },         [&] { (void)a.view(); },
+      [&] { (void)a.used_ints(); },    [&] { (void)a.work(); },          [&] { (void)a.qlen_of(0); },
+      [&] { (void)a.row_local_len(0, 0); }};
+  for (const auto& read : reads) expect_error(read, "'plan' = a moved-from Plan");
+  EXPECT_TRUE(a.arena().empty());
   Plan c = planner.make_plan();
   planner.plan(batch_of({100, 7}, 2).desc(), c);
   expect_error([&] { (void)c.row_local_len(2, 0); }, "'b' = 2: expected a request of the plan, in [0, 2)");
