@@ -1,7 +1,8 @@
 // Shared by the dcpmla tool and the bench binaries: CLI11 checks applied to an argument's text
 // before anything runs. integer_in: a plain decimal integer of type T within [lo, hi] (CLI11's
-// own conversion lets "-1" wrap to 2^64 - 1 for unsigned options and saturates values beyond
-// the type; this refuses both and names the option and the value). writable_file: an output
+// own conversion lets "-1" wrap to 2^64 - 1 for unsigned options, saturates values beyond the
+// type and reads a leading 0 as octal, so "--heads 016" ran 14 heads; this refuses all three
+// and names the option and the value). writable_file: an output
 // file that can be written, checked before a benchmark of minutes instead of after it.
 #pragma once
 
@@ -28,8 +29,10 @@ CLI::Validator integer_in(T lo, T hi) {
         T value{};
         const char* end = text.data() + text.size();
         const auto [stop, ec] = std::from_chars(text.data(), end, value);
-        if (ec == std::errc() && stop == end && value >= lo && value <= hi) return {};
-        return "'" + text + "': expected a decimal integer in " + range(lo, hi);
+        const size_t digit = text.starts_with('-') ? 1 : 0;  // the first digit
+        const bool leading_zero = text.size() > digit + 1 && text[digit] == '0';
+        if (ec == std::errc() && stop == end && !leading_zero && value >= lo && value <= hi) return {};
+        return "'" + text + "': expected a decimal integer in " + range(lo, hi) + ", without leading zeros";
       },
       "INT in " + range(lo, hi));
 }
