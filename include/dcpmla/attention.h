@@ -59,8 +59,8 @@ void validate_attention_params(const AttentionParams& p);
 void attention_cpu(const AttentionParams& p);
 
 // Workspace floats split_k partials need for plans of these capacities
-// (PlanView::work_capacity, PlanView::max_qlen). Throws dcpmla::Error when the count does not
-// fit int64 (absurd dims once wrapped it to 0 floats).
+// (PlanView::work_capacity, PlanView::max_qlen). Throws dcpmla::Error when an argument is
+// below 1 or the count does not fit int64 (absurd dims once wrapped it to 0 floats).
 int64_t split_workspace_floats(int64_t work_capacity, int max_qlen, int heads, int rank_dim);
 
 // The parameters of a plan's attention (host or device pointers alike), with the split-K

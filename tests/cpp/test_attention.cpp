@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 
 #include "dcpmla/reference.h"
@@ -87,6 +88,18 @@ TEST(Attention, BlockAttentionIsCausalInsideTheBlock) {
     EXPECT_NEAR(lse[size_t(h)], 0.04 * s, 1e-3);
     for (int r = 0; r < R; ++r) EXPECT_EQ(bf16_to_float(out[size_t(h) * R + r]), round_to_bf16(kf[size_t(r)]));
   }
+}
+
+// The split-K workspace size: a negative rank_dim gave a wrong count (-2: 0 floats, -1: 80 for
+// 5 x 4 x 4), not an error (the ninth audit); every argument below 1 is refused by name.
+TEST(Attention, SplitWorkspaceFloatsRefusesArgumentsBelowOne) {
+  EXPECT_EQ(split_workspace_floats(5, 4, 4, 512), 5 * 4 * 4 * 514);
+  for (const auto& [w, q, h, r] : {std::array<int64_t, 4>{5, 4, 4, -2}, std::array<int64_t, 4>{5, 4, 4, -1},
+                                   std::array<int64_t, 4>{5, 4, 4, 0}, std::array<int64_t, 4>{0, 4, 4, 512},
+                                   std::array<int64_t, 4>{5, -1, 4, 512}, std::array<int64_t, 4>{5, 4, 0, 512}})
+    testing::expect_error([&] { (void)split_workspace_floats(w, int(q), int(h), int(r)); },
+                          "expected work_capacity, max_qlen, heads and rank_dim >= 1");
+  testing::expect_error([] { (void)split_workspace_floats(INT64_MAX, 2, 1, 512); }, "a count that fits int64");
 }
 
 TEST(Attention, ReferenceRejectsBadInput) {
