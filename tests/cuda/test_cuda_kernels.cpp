@@ -552,6 +552,16 @@ TEST(CudaValidation, BadDeviceOrdinalIsRefused) {
   expect_error([&] { (void)cuda::rank_engine_factory(-1)(good_config(), cache); }, {"'device' = -1"});
 }
 
+// The current device (no ordinal) without a usable GPU is named alike, not reported as a
+// failed cudaGetDevice (the ninth audit: cudaErrorInsufficientDriver on a machine without a
+// driver). With a GPU the current device is used: nothing to refuse.
+TEST(CudaValidation, CurrentDeviceWithoutAGpuIsRefused) {
+  if (cuda_device_count() > 0) GTEST_SKIP() << "a GPU is present";
+  const std::string field = "'device' = the current device: expected a CUDA device (this machine has no usable GPU";
+  expect_error([] { cuda::Attention a(good_config()); }, {field});
+  expect_error([] { (void)cuda::Attention::workspace_bytes(good_config()); }, {field});
+}
+
 // The caller's workspace is checked before anything is allocated: null with bytes > 0 is
 // refused (it used to allocate a workspace of its own), as are a short or misaligned one.
 TEST(CudaValidation, CallerWorkspaceIsCheckedFirst) {

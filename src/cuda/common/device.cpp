@@ -23,7 +23,14 @@ void check(cudaError_t e, const char* what) {
 
 int current_device() {
   int device = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
+  const cudaError_t e = cudaGetDevice(&device);
+  // No usable GPU: named as an explicit device is (require_device), not as a failed call.
+  if (e != cudaSuccess && device_count() == 0) {
+    (void)cudaGetLastError();
+    fail("device", "the current device",
+         fmt::format("a CUDA device (this machine has no usable GPU: {})", cudaGetErrorName(e)));
+  }
+  check(e, "cudaGetDevice");
   return device;
 }
 
