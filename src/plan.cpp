@@ -141,6 +141,8 @@ Plan::Plan(const PlanLimits& limits, int64_t table_capacity, int work_capacity, 
     std::fill(arena_.base, arena_.base + arena_.size, 0);
   }
   mutable_header().route = int32_t(Route::one_stage);
+  // (Within the arena's own bound: the table part is the sub-page table's size.)
+  staged_.assign(3 * size_t(limits.max_batch) + 1 + size_t(limits.max_batch) * size_t(table_capacity), 0);
 }
 
 size_t Plan::used_ints() const {
@@ -230,7 +232,7 @@ int Planner::chunks_of(int64_t max_rows) const {
 
 // Every check branches first and formats only when it fails: this runs every step over
 // every table entry.
-int64_t Planner::validate(const BatchDesc& batch) const {
+int64_t Planner::validate(const BatchDesc& batch, Plan& plan) const {
   const auto& c = config_;
   const int64_t b_count = int64_t(batch.seq_lens.size());
   if (b_count < 1 || b_count > c.limits.max_batch)
@@ -256,10 +258,16 @@ int64_t Planner::validate(const BatchDesc& batch) const {
   const int64_t per_block = c.block_size / page_;
   const bool box_rows = c.backend == Backend::cuda && c.kv_dtype == KvDtype::bf16;
   const int64_t block_limit = box_rows ? (int64_t(1) << 31) / c.block_size : INT32_MAX / per_block;
+  int32_t* lens = plan.staged_.data();
+  int32_t* qlens = lens + c.limits.max_batch;
+  int32_t* table_start = qlens + c.limits.max_batch;
+  int32_t* tables = table_start + c.limits.max_batch + 1;
+  table_start[0] = 0;
   int64_t max_block = -1;
   for (int b = 0; b < int(b_count); ++b) {
-    const int64_t len = batch.seq_lens[size_t(b)];
-    const int qb = batch.qlens.empty() ? batch.qlen : batch.qlens[size_t(b)];
+    // Each caller value is read once, into the staging; the checks and the plan read the copy.
+    const int64_t len = lens[b] = batch.seq_lens[size_t(b)];
+    const int qb = qlens[b] = batch.qlens.empty() ? batch.qlen : batch.qlens[size_t(b)];
     if (qb < 0 || qb > batch.qlen) fail(fmt::format("qlens[{}]", b), qb, fmt::format("in [0, qlen ({})]", batch.qlen));
     // two_stage's stage B takes the verify block of every request at one shape.
     if (qb != batch.qlen && c.route == Route::two_stage)
@@ -275,11 +283,16 @@ int64_t Planner::validate(const BatchDesc& batch) const {
     const int64_t entries = ceil_div(largest, c.block_size);
     if (entries > batch.table_width)
       fail("table_width", batch.table_width, fmt::format(">= {} entries for seq_lens[{}] = {}", entries, b, len));
-    const int32_t* row = batch.block_tables.data() + size_t(b) * size_t(batch.table_width);
+    // entries <= table_capacity_: the length's share fits max_local_kv_len (checked above).
+    const int32_t* src = batch.block_tables.data() + size_t(b) * size_t(batch.table_width);
+    int32_t* row = tables + table_start[b];
+    table_start[b + 1] = table_start[b] + int32_t(entries);
     int32_t lo = 0, hi = -1;
-    for (int64_t j = 0; j < entries; ++j) {
-      lo = std::min(lo, row[j]);
-      hi = std::max(hi, row[j]);
+    for (int64_t j = 0; j < entries; ++j) {  // one pass: copied and bounded together
+      const int32_t v = src[j];
+      row[j] = v;
+      lo = std::min(lo, v);
+      hi = std::max(hi, v);
     }
     if (lo < 0 || hi >= block_limit) {
       const int64_t j = std::find_if(row, row + entries, [&](int32_t v) { return v < 0 || v >= block_limit; }) - row;
@@ -459,7 +472,12 @@ void Planner::plan(const BatchDesc& batch, Plan& plan) const {
       plan.limits_.max_qlen != c.limits.max_qlen)
     fail("plan", "a plan of other capacities", "a plan made by this planner's make_plan()");
   if (plan.arena_.base == nullptr) Plan::fail_moved_from();
-  const int64_t max_block = validate(batch);
+  const int64_t max_block = validate(batch, plan);
+  // From here on the batch is read from the staging only.
+  const int32_t* staged_lens = plan.staged_.data();
+  const int32_t* staged_qlens = staged_lens + c.limits.max_batch;
+  const int32_t* table_start = staged_qlens + c.limits.max_batch;
+  const int32_t* staged_tables = table_start + c.limits.max_batch + 1;
 
   const int b_count = int(batch.seq_lens.size());
   const Layout& layout = c.layout;
@@ -467,7 +485,7 @@ void Planner::plan(const BatchDesc& batch, Plan& plan) const {
   PlanStats stats;
   stats.max_block = max_block;
   for (int b = 0; b < b_count; ++b) {
-    const int64_t len = batch.seq_lens[size_t(b)];
+    const int64_t len = staged_lens[b];
     if (len == 0) continue;
     const int64_t largest = layout.local_length_of(len, 0);
     stats.min_local_len = stats.active_requests == 0 ? largest : std::min(stats.min_local_len, largest);
@@ -491,8 +509,8 @@ void Planner::plan(const BatchDesc& batch, Plan& plan) const {
   int32_t* longest = plan.at(plan.off_split_request_);
   int32_t stride = 0, total_rows = 0, widest = 0, widest_active = 0;
   for (int b = 0; b < b_count; ++b) {
-    const int64_t len = batch.seq_lens[size_t(b)];
-    const int qb = batch.qlens.empty() ? batch.qlen : batch.qlens[size_t(b)];
+    const int64_t len = staged_lens[b];
+    const int qb = staged_qlens[b];
     int64_t most = 0;
     for (int t = 0; t < qb; ++t) {
       const int64_t n = c.route == Route::two_stage ? layout.local_length(len == 0 ? 0 : len - qb)
@@ -517,7 +535,7 @@ void Planner::plan(const BatchDesc& batch, Plan& plan) const {
   const int per_block = c.block_size / page_;
   int32_t* subpages = plan.at(plan.off_subpages_);
   for (int b = 0; b < b_count; ++b) {
-    const int32_t* table = batch.block_tables.data() + size_t(b) * size_t(batch.table_width);
+    const int32_t* table = staged_tables + table_start[b];
     int32_t* dst = subpages + int64_t(b) * stride;
     const int32_t n = int32_t(ceil_div(longest[b], page_));
     if (per_block == 1) {

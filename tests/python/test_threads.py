@@ -130,3 +130,80 @@ def test_a_shared_attention_names_only_arguments_the_caller_passed():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# The plan() races below: its arrays are the first row of a bf16 cache, viewed as int32, which
+# another thread rewrites through write_kv (a call that releases the GIL) between a valid value
+# and one far past the limits, K rows written elsewhere between each flip.
+PLAN_RACE = """
+    D = 576
+    shared = np.zeros((64, 16, D), np.uint16)
+    def flips(good, bad, K=20):
+        rows, slots = [], []
+        for _ in range(200):
+            rows += [good] + [good] * K + [bad] + [good] * K
+            slots += [0] + list(range(16, 16 + K)) + [0] + list(range(16, 16 + K))
+        rows.append(good)
+        slots.append(0)
+        return np.stack(rows), np.array(slots, np.int64)
+    att = dcpmla.Attention(heads=1, block_size=16, device="cpu", max_batch=512, max_qlen=1, max_local_len=4096)
+    counts = {"ok": 0, "refused": 0}
+"""
+
+
+def plan_race(body):
+    return textwrap.dedent(PLAN_RACE) + textwrap.dedent(body)
+
+
+def test_plan_uses_the_block_ids_it_checked():
+    """A table entry flipped between block 0 and 2^20 while plan() runs: every plan holds the ids
+    it checked, so run() on a one-block cache either runs or is refused by name (run() read
+    2^20 blocks past the cache: the planner checked the table, then read it again to copy it)."""
+    out = race(plan_race("""
+        tables = shared.reshape(-1)[:D].view(np.int32).reshape(D // 2, 1)
+        good = np.zeros(D, np.uint16)
+        bad = np.tile(np.array([0, 0x0010], np.uint16), D // 2)  # int32 entries 2^20
+        latent, slots = flips(good, bad)
+        t = forever(lambda: dcpmla.write_kv(shared, latent, slots))
+        cache = np.zeros((1, 16, D), np.uint16)
+        q = np.ones((D // 2, 1, 1, D), np.float32)
+        lens = np.full(D // 2, 16, np.int32)
+        def call():
+            try:
+                att.plan(lens, tables, 1, "decode")
+                att.run(q, cache)
+                counts["ok"] += 1
+            except ValueError as e:
+                assert "block_tables[" in str(e) or "'kv_cache num_blocks' = 1" in str(e), e
+                counts["refused"] += 1
+        until(SECONDS, call)
+        t.join()
+        print(counts)
+    """))
+    assert "ok" in out
+
+
+def test_plan_uses_the_lengths_it_checked():
+    """seq_lens flipped between 16 and 2^20 + 16 while plan() runs: every plan is of lengths it
+    checked (plan() read past the table row and wrote past its sub-page table: the lengths were
+    checked, then read again to size the rows and the table copy)."""
+    out = race(plan_race("""
+        lens = shared.reshape(-1)[:D].view(np.int32)
+        good = np.tile(np.array([16, 0], np.uint16), D // 2)
+        bad = np.tile(np.array([16, 0x0010], np.uint16), D // 2)  # int32 lengths 2^20 + 16
+        shared.reshape(-1, D)[0] = good
+        latent, slots = flips(good, bad)
+        t = forever(lambda: dcpmla.write_kv(shared, latent, slots))
+        tables = np.zeros((D // 2, 1), np.int32)
+        def call():
+            try:
+                att.plan(lens, tables, 1, "decode")
+                counts["ok"] += 1
+            except ValueError as e:
+                assert "seq_lens[" in str(e), e
+                counts["refused"] += 1
+        until(SECONDS, call)
+        t.join()
+        print(counts)
+    """))
+    assert "ok" in out
