@@ -60,8 +60,18 @@ def _str(field, value):
     return value
 
 
+def _refuse_masked(field, x):
+    """A numpy masked array is an ndarray whose mask the library would not see: every element,
+    masked or not, would be read as a value (the ninth audit found the mask dropped silently)."""
+    if isinstance(x, np.ma.MaskedArray):
+        raise _error(field, "a numpy masked array",
+                     "a plain array: the library reads every element and would ignore the mask "
+                     "(pass x.filled(value) or x.data)")
+
+
 def _host_array(field, x):
     """numpy view of `x`: a numpy array, any object with __dlpack__ on the host, or an array-like."""
+    _refuse_masked(field, x)
     if isinstance(x, np.ndarray):
         return x
     if x is None:
@@ -197,6 +207,7 @@ def _native_array(field, x, expected, writable=False):
     call writes, that it is writable. Other producers are left to the native checks."""
     if not isinstance(x, np.ndarray):
         return x
+    _refuse_masked(field, x)
     if not _plain_dtype(x.dtype):
         hint = " (use .astype(x.dtype.newbyteorder('=')))" if x.dtype.isbuiltin == 0 and not x.dtype.isnative \
             and x.dtype.fields is None else ""

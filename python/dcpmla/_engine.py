@@ -391,6 +391,14 @@ class Attention:
         return (f"dcpmla.Attention(heads={self.heads}, kv_dtype={self.kv_dtype!r}, device={self.device!r}, "
                 f"handle={self.handle})")
 
+    def _not_copyable(self, *_):
+        # A copy shared the native plan and workspace and the handle (which names the original
+        # only: the torch ops then refused the live copy); pickle failed on the native member.
+        raise TypeError("dcpmla.Attention cannot be copied or pickled: it owns a native plan and workspace "
+                        "(build another with the same arguments)")
+
+    __copy__ = __deepcopy__ = __reduce_ex__ = _not_copyable
+
 
 def write_kv(kv_cache, latent, slot_mapping, kv_dtype="bf16", kv_scale=1.0, stream=None):
     """Writes new latents into one layer's cache (SPEC §3), in place.

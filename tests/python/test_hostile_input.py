@@ -712,3 +712,40 @@ def test_producers_that_fail_in_their_own_way_are_named():
         with error(r"field 'out_parts.__dlpack_device__\(\)' = a BadDevice"):
             dcpmla.merge_states(BadDevice(np.zeros((2, 3, R), np.float32), device), np.zeros((2, 3), np.float32))
 
+
+
+# ---- 10. masked arrays, copies of an Attention ------------------------------------------------
+
+def test_masked_arrays_are_refused_not_read_whole():
+    """A numpy masked array is an ndarray: its mask was dropped silently (fully masked q and kv gave
+    the unmasked answer; a masked length was read). Refused wherever the library reads an array."""
+    att, q, cache = planned()
+    masked = np.ma.masked_array
+    expected = "field '{}' = a numpy masked array: expected a plain array"
+    with error(expected.format("seq_lens")):
+        att.plan(masked(np.full(2, 40, np.int32), mask=[1, 0]), np.arange(8, dtype=np.int32).reshape(2, 4), 2)
+    with error(expected.format("block_tables")):
+        att.plan(np.full(2, 40, np.int32), masked(np.arange(8, dtype=np.int32).reshape(2, 4)), 2)
+    with error(expected.format("q")):
+        att.run(masked(q, mask=np.ones_like(q, bool)), cache)
+    with error(expected.format("kv_cache")):
+        att.run(q, masked(cache))
+    with error(expected.format("q")):
+        dcpmla.mla_attention(masked(np.zeros((1, 1, 1, D), np.float32)), np.zeros((1, 4, D), np.float32), [4])
+    with error(expected.format("latent")):
+        dcpmla.write_kv(cache, masked(np.ones((1, D), np.float32)), [0])
+    with error(expected.format("out_parts")):
+        dcpmla.merge_states(masked(np.zeros((2, 3, R), np.float32)), np.zeros((2, 3), np.float32))
+
+
+def test_an_attention_is_neither_copied_nor_pickled():
+    """copy.copy shared the native plan and workspace with the original, and its handle named the
+    original only (the torch ops refused the live copy once the original was collected); pickle
+    failed on the native member with a TypeError that named neither."""
+    import copy
+    import pickle
+
+    att, _, _ = planned()
+    for make in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="dcpmla.Attention cannot be copied or pickled"):
+            make(att)
