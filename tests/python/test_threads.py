@@ -36,6 +36,18 @@ def race(body):
                     call()
             finally:
                 stop = True
+        counts = {"ok": 0, "refused": 0}
+        # step(), counted as ok, or as refused where it raises a ValueError whose message
+        # refused(message) accepts (any other refusal fails the race).
+        def counted(step, refused):
+            def call():
+                try:
+                    step()
+                    counts["ok"] += 1
+                except ValueError as e:
+                    assert refused(str(e)), e
+                    counts["refused"] += 1
+            return call
     """) + textwrap.dedent(body).replace("SECONDS", str(SECONDS))
     done = subprocess.run([sys.executable, "-X", "faulthandler", "-c", script], capture_output=True, text=True,
                           timeout=120)
@@ -54,15 +66,7 @@ def test_write_kv_never_writes_past_the_cache_when_a_slot_changes_under_it():
             slots[-1] = 1 << 40
             slots[-1] = 59999
         t = forever(flip)
-        counts = {"ok": 0, "refused": 0}
-        def call():
-            try:
-                dcpmla.write_kv(cache, latent, slots)
-                counts["ok"] += 1
-            except ValueError as e:
-                assert "slot_mapping[59999]" in str(e), e
-                counts["refused"] += 1
-        until(SECONDS, call)
+        until(SECONDS, counted(lambda: dcpmla.write_kv(cache, latent, slots), lambda m: "slot_mapping[59999]" in m))
         t.join()
         assert counts["ok"] + counts["refused"] > 0
         print(counts)
@@ -128,9 +132,6 @@ def test_a_shared_attention_names_only_arguments_the_caller_passed():
     assert "named" in out
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
-
 
 # The plan() races below: its arrays are the first row of a bf16 cache, viewed as int32, which
 # another thread rewrites through write_kv (a call that releases the GIL) between a valid value
@@ -147,7 +148,6 @@ PLAN_RACE = """
         slots.append(0)
         return np.stack(rows), np.array(slots, np.int64)
     att = dcpmla.Attention(heads=1, block_size=16, device="cpu", max_batch=512, max_qlen=1, max_local_len=4096)
-    counts = {"ok": 0, "refused": 0}
 """
 
 
@@ -168,15 +168,10 @@ def test_plan_uses_the_block_ids_it_checked():
         cache = np.zeros((1, 16, D), np.uint16)
         q = np.ones((D // 2, 1, 1, D), np.float32)
         lens = np.full(D // 2, 16, np.int32)
-        def call():
-            try:
-                att.plan(lens, tables, 1, "decode")
-                att.run(q, cache)
-                counts["ok"] += 1
-            except ValueError as e:
-                assert "block_tables[" in str(e) or "'kv_cache num_blocks' = 1" in str(e), e
-                counts["refused"] += 1
-        until(SECONDS, call)
+        def step():
+            att.plan(lens, tables, 1, "decode")
+            att.run(q, cache)
+        until(SECONDS, counted(step, lambda m: "block_tables[" in m or "'kv_cache num_blocks' = 1" in m))
         t.join()
         print(counts)
     """))
@@ -195,15 +190,12 @@ def test_plan_uses_the_lengths_it_checked():
         latent, slots = flips(good, bad)
         t = forever(lambda: dcpmla.write_kv(shared, latent, slots))
         tables = np.zeros((D // 2, 1), np.int32)
-        def call():
-            try:
-                att.plan(lens, tables, 1, "decode")
-                counts["ok"] += 1
-            except ValueError as e:
-                assert "seq_lens[" in str(e), e
-                counts["refused"] += 1
-        until(SECONDS, call)
+        until(SECONDS, counted(lambda: att.plan(lens, tables, 1, "decode"), lambda m: "seq_lens[" in m))
         t.join()
         print(counts)
     """))
     assert "ok" in out
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
