@@ -32,7 +32,7 @@ CLI::Validator integer_in(T lo, T hi) {
         const size_t digit = text.starts_with('-') ? 1 : 0;  // the first digit
         const bool leading_zero = text.size() > digit + 1 && text[digit] == '0';
         if (ec == std::errc() && stop == end && !leading_zero && value >= lo && value <= hi) return {};
-        return "'" + text + "': expected a decimal integer in " + range(lo, hi) + ", without leading zeros";
+        return "'" + text + "': expected a decimal integer in " + range(lo, hi) + (leading_zero ? ", without leading zeros" : "");
       },
       "INT in " + range(lo, hi));
 }

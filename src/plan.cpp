@@ -142,7 +142,7 @@ Plan::Plan(const PlanLimits& limits, int64_t table_capacity, int work_capacity, 
   }
   mutable_header().route = int32_t(Route::one_stage);
   // (Within the arena's own bound: the table part is the sub-page table's size.)
-  staged_.assign(3 * size_t(limits.max_batch) + 1 + size_t(limits.max_batch) * size_t(table_capacity), 0);
+  batch_copy_.assign(3 * size_t(limits.max_batch) + 1 + size_t(limits.max_batch) * size_t(table_capacity), 0);
 }
 
 size_t Plan::used_ints() const {
@@ -258,14 +258,11 @@ int64_t Planner::validate(const BatchDesc& batch, Plan& plan) const {
   const int64_t per_block = c.block_size / page_;
   const bool box_rows = c.backend == Backend::cuda && c.kv_dtype == KvDtype::bf16;
   const int64_t block_limit = box_rows ? (int64_t(1) << 31) / c.block_size : INT32_MAX / per_block;
-  int32_t* lens = plan.staged_.data();
-  int32_t* qlens = lens + c.limits.max_batch;
-  int32_t* table_start = qlens + c.limits.max_batch;
-  int32_t* tables = table_start + c.limits.max_batch + 1;
+  const auto [lens, qlens, table_start, tables] = plan.batch_copy();
   table_start[0] = 0;
   int64_t max_block = -1;
   for (int b = 0; b < int(b_count); ++b) {
-    // Each caller value is read once, into the staging; the checks and the plan read the copy.
+    // Each caller value is read once, into the copy; the checks and the plan read the copy.
     const int64_t len = lens[b] = batch.seq_lens[size_t(b)];
     const int qb = qlens[b] = batch.qlens.empty() ? batch.qlen : batch.qlens[size_t(b)];
     if (qb < 0 || qb > batch.qlen) fail(fmt::format("qlens[{}]", b), qb, fmt::format("in [0, qlen ({})]", batch.qlen));
@@ -473,11 +470,8 @@ void Planner::plan(const BatchDesc& batch, Plan& plan) const {
     fail("plan", "a plan of other capacities", "a plan made by this planner's make_plan()");
   if (plan.arena_.base == nullptr) Plan::fail_moved_from();
   const int64_t max_block = validate(batch, plan);
-  // From here on the batch is read from the staging only.
-  const int32_t* staged_lens = plan.staged_.data();
-  const int32_t* staged_qlens = staged_lens + c.limits.max_batch;
-  const int32_t* table_start = staged_qlens + c.limits.max_batch;
-  const int32_t* staged_tables = table_start + c.limits.max_batch + 1;
+  // From here on the batch is read from the plan's copy only.
+  const auto [lens, qlens, table_start, tables] = plan.batch_copy();
 
   const int b_count = int(batch.seq_lens.size());
   const Layout& layout = c.layout;
@@ -485,7 +479,7 @@ void Planner::plan(const BatchDesc& batch, Plan& plan) const {
   PlanStats stats;
   stats.max_block = max_block;
   for (int b = 0; b < b_count; ++b) {
-    const int64_t len = staged_lens[b];
+    const int64_t len = lens[b];
     if (len == 0) continue;
     const int64_t largest = layout.local_length_of(len, 0);
     stats.min_local_len = stats.active_requests == 0 ? largest : std::min(stats.min_local_len, largest);
@@ -509,8 +503,8 @@ void Planner::plan(const BatchDesc& batch, Plan& plan) const {
   int32_t* longest = plan.at(plan.off_split_request_);
   int32_t stride = 0, total_rows = 0, widest = 0, widest_active = 0;
   for (int b = 0; b < b_count; ++b) {
-    const int64_t len = staged_lens[b];
-    const int qb = staged_qlens[b];
+    const int64_t len = lens[b];
+    const int qb = qlens[b];
     int64_t most = 0;
     for (int t = 0; t < qb; ++t) {
       const int64_t n = c.route == Route::two_stage ? layout.local_length(len == 0 ? 0 : len - qb)
@@ -535,7 +529,7 @@ void Planner::plan(const BatchDesc& batch, Plan& plan) const {
   const int per_block = c.block_size / page_;
   int32_t* subpages = plan.at(plan.off_subpages_);
   for (int b = 0; b < b_count; ++b) {
-    const int32_t* table = staged_tables + table_start[b];
+    const int32_t* table = tables + table_start[b];
     int32_t* dst = subpages + int64_t(b) * stride;
     const int32_t n = int32_t(ceil_div(longest[b], page_));
     if (per_block == 1) {

@@ -209,15 +209,24 @@ class Plan {
   int work_capacity_, chunk_capacity_;
   size_t off_rows_, off_q_start_, off_chunk_work_, off_work_, off_split_request_, off_split_slot_, off_subpages_;
   std::vector<int32_t> owned_;  // empty when the caller provides the storage
-  // The batch as the planner read it (host memory beside the arena): seq_lens [max_batch],
-  // each request's query rows [max_batch], where each request's table entries start
-  // [max_batch + 1], then the used table entries of every request, packed (at most
-  // table_capacity_ each). validate() reads the caller's arrays once, into here, checks what it
-  // copied and the plan is built from it: a caller thread that writes the arrays meanwhile
-  // (Python: another thread in a call that released the GIL) cannot make the plan disagree
-  // with its checks (the ninth audit: a block id or length changed between the check and the
-  // copy read and wrote past the arena).
-  std::vector<int32_t> staged_;
+  // The batch as the planner read it (host memory beside the arena; batch_copy() lays it out).
+  // The planner reads the caller's arrays once, into here, checks the copy and builds the plan
+  // from it: a caller thread that writes the arrays meanwhile (Python: another thread in a call
+  // that released the GIL) cannot make the plan disagree with its checks (the ninth audit: a
+  // block id or length changed between the check and a second read made run() read past the
+  // cache and plan() write past the arena).
+  std::vector<int32_t> batch_copy_;
+  struct BatchCopy {
+    int32_t* lens;         // [max_batch] seq_lens
+    int32_t* qlens;        // [max_batch] each request's query rows
+    int32_t* table_start;  // [max_batch + 1] where each request's entries start in `tables`
+    int32_t* tables;       // the used table entries of every request, packed (table_capacity_ each at most)
+  };
+  BatchCopy batch_copy() {
+    int32_t* lens = batch_copy_.data();
+    const int n = limits_.max_batch;
+    return {lens, lens + n, lens + 2 * n, lens + 3 * n + 1};
+  }
   // The arena's address and size; a move leaves the source without one.
   struct ArenaRef {
     int32_t* base = nullptr;
@@ -270,8 +279,8 @@ class Planner {
   size_t plan_ints() const {
     return Plan::ints(config_.limits, table_capacity_, work_capacity_, config_.num_workers);
   }
-  // Validates the batch and writes the plan. The batch is read once, into the plan's staging
-  // (Plan::staged_), and checked there before the plan itself is touched: a refused batch
+  // Validates the batch and writes the plan. The batch is read once, into the plan's copy of
+  // it (beside its arena), and checked there before the plan itself is touched: a refused batch
   // leaves the plan as it was. Host work in O(batch + table entries); no allocation, and no
   // formatting unless it throws.
   void plan(const BatchDesc& batch, Plan& plan) const;
@@ -280,7 +289,7 @@ class Planner {
   // Chunks of a step whose widest request (with tokens) has `max_rows` query rows: the workers
   // over its ceil(max_rows / rows_per_unit) row groups.
   int chunks_of(int64_t max_rows) const;
-  // Copies the batch into the plan's staging and checks the copy; returns the largest block
+  // Copies the batch into the plan's copy of it and checks that; returns the largest block
   // id its tables name (-1: none).
   int64_t validate(const BatchDesc& batch, Plan& plan) const;
   // Deals the requests' tokens (longest[b]: request b's longest row) into the plan's

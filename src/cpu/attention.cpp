@@ -122,14 +122,15 @@ void attend_range(const AttentionParams& p, const Dequantizer& deq, int b, int h
 }  // namespace
 
 int64_t split_workspace_floats(int64_t work_capacity, int max_qlen, int heads, int rank_dim) {
+  const auto refuse = [&](std::string_view expected) {
+    fail("split-K workspace", fmt::format("{} x {} x {} x ({} + 2) floats", work_capacity, max_qlen, heads, rank_dim),
+         expected);
+  };
   // (A negative rank_dim gave a wrong count: -2 made 0 floats.)
   if (work_capacity < 1 || max_qlen < 1 || heads < 1 || rank_dim < 1)
-    fail("split-K workspace", fmt::format("{} x {} x {} x ({} + 2) floats", work_capacity, max_qlen, heads, rank_dim),
-         "work_capacity, max_qlen, heads and rank_dim >= 1");
+    refuse("work_capacity, max_qlen, heads and rank_dim >= 1");
   const auto floats = checked_product({work_capacity, max_qlen, heads, int64_t(rank_dim) + 2});
-  if (!floats)
-    fail("split-K workspace", fmt::format("{} x {} x {} x ({} + 2) floats", work_capacity, max_qlen, heads, rank_dim),
-         "a count that fits int64 (lower heads, kv_lora_rank or the limits)");
+  if (!floats) refuse("a count that fits int64 (lower heads, kv_lora_rank or the limits)");
   return *floats;
 }
 

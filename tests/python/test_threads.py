@@ -173,6 +173,7 @@ def test_plan_uses_the_block_ids_it_checked():
             att.run(q, cache)
         until(SECONDS, counted(step, lambda m: "block_tables[" in m or "'kv_cache num_blocks' = 1" in m))
         t.join()
+        assert counts["ok"] + counts["refused"] > 0
         print(counts)
     """))
     assert "ok" in out
@@ -192,6 +193,7 @@ def test_plan_uses_the_lengths_it_checked():
         tables = np.zeros((D // 2, 1), np.int32)
         until(SECONDS, counted(lambda: att.plan(lens, tables, 1, "decode"), lambda m: "seq_lens[" in m))
         t.join()
+        assert counts["ok"] + counts["refused"] > 0
         print(counts)
     """))
     assert "ok" in out
