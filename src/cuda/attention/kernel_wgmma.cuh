@@ -74,7 +74,7 @@ struct WgConfig {
   // The register split (168 per thread at launch, 3 x 168 in all): fp8's producer holds a tile
   // of raw bytes, bf16's only issues copies.
   static constexpr int PRODUCER_REGS = FP8 ? 120 : 40, CONSUMER_REGS = FP8 ? 192 : 232;
-  static_assert(fits_launch_registers(THREADS, PRODUCER_REGS, CONSUMER_REGS));
+  static_assert(fits_launch_registers(THREADS, PRODUCER_REGS + (THREADS / 128 - 1) * CONSUMER_REGS));
   static constexpr int STAGES = 2;
   // fp8: a stage arrives in PARTS parts of BLOCKS_PER_PART 64-column blocks, each with its own
   // full barrier, and S starts on the first part while the producer dequantises the rest (4-7 %

@@ -62,8 +62,9 @@ const KernelVariant& find_variant(Kernel kernel, int rows_per_cta, int tile_toke
 // cores' path, 1.4-1.6x faster than the fp8 swap kernel's eight 16-row groups at 64+ rows
 // (bench/NOTES.md, 2026-12-01). Below 64 rows fp8 caches take the fp8 swap kernel (it reads
 // the cache without dequantising it; 2.7-3x faster than the dequantising kernels at 32
-// rows), at 32 rows in its split form (one CTA reads each tile once for all 32 rows: 5-6 %
-// faster than two 16-row CTAs on the fp8 serving rows, tenth session). bf16 caches: 16-row
+// rows), at 32 rows in its role-split form (one CTA reads each tile once for all 32 rows,
+// one consumer on the scores and one on the values: 5-6 % faster than two 16-row CTAs in its
+// first form, tenth session, and 6 % faster again, forty-fourth). bf16 caches: 16-row
 // CTAs the bf16 swap kernel, 32-row ones the wgmma kernel padded to 64 rows: both stream
 // through a producer warpgroup that runs ahead across units, which the serving batches' many
 // units per CTA reward (H200, ninth session: at 16 rows the swap kernel 1-3.5 % faster than

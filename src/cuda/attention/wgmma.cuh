@@ -85,10 +85,10 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 }
 // setmaxnreg only moves registers within the CTA's launch allocation (65536 / threads per
 // thread, in steps of 8): a producer warpgroup and consumer warpgroups whose shares sum to
-// more make the consumers' increase wait forever.
-constexpr bool fits_launch_registers(int threads, int producer_regs, int consumer_regs) {
-  const int warpgroups = threads / 128;
-  return producer_regs + (warpgroups - 1) * consumer_regs <= warpgroups * (65536 / threads / 8 * 8);
+// more make the consumers' increase wait forever. `warpgroup_regs`: the shares summed over
+// the CTA's warpgroups.
+constexpr bool fits_launch_registers(int threads, int warpgroup_regs) {
+  return warpgroup_regs <= threads / 128 * (65536 / threads / 8 * 8);
 }
 
 // mbarrier in shared memory (8 bytes, 8-byte aligned).
@@ -249,7 +249,7 @@ DCPMLA_WGMMA_16BIT_FORMS(128, 64, "%64, %65, p, 1, 1, %68, %67", "%66", "{%64, %
 DCPMLA_WGMMA_16BIT_FORMS(256, 128, "%128, %129, p, 1, 1, %132, %131", "%130",
                         "{%128, %129, %130, %131}, %132, p, 1, 1, %134", "%133")
 
-// ---- wgmma.mma_async m64n{16,32}k32, fp8 operands, f32 accumulators ---------------------------
+// ---- wgmma.mma_async m64n{16,32,64}k32, fp8 operands, f32 accumulators ---------------------------
 // fp8 operands are K-major only. A is the cache's format (e4m3 or e5m2), B is e4m3. A from
 // registers holds four elements per register, lowest k in the lowest byte:
 //   a0 = A[16 w + g][4 c .. 4 c + 3], a1 = A[16 w + g + 8][4 c ..], a2 = A[16 w + g][16 + 4 c ..],
@@ -275,6 +275,11 @@ DCPMLA_WGMMA_16BIT_FORMS(256, 128, "%128, %129, p, 1, 1, %132, %131", "%130",
 template <bool A_E5M2, bool ACC>
 __device__ __forceinline__ void wgmma_m64n32k32_fp8_ss(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {
   DCPMLA_WGMMA_FP8_FORM(32, 16, "%16, %17", "%18", "l"(desc_a), "l"(desc_b), "r"(int(ACC)));
+}
+
+template <bool A_E5M2, bool ACC>
+__device__ __forceinline__ void wgmma_m64n64k32_fp8_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
+  DCPMLA_WGMMA_FP8_FORM(64, 32, "%32, %33", "%34", "l"(desc_a), "l"(desc_b), "r"(int(ACC)));
 }
 
 template <bool A_E5M2, bool ACC>
