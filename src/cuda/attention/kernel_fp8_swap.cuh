@@ -136,6 +136,58 @@ __device__ __forceinline__ void split_e4m3x2(float a, float b, uint16_t& hi, uin
   lo = __nv_cvt_float2_to_fp8x2(make_float2(a - f.x, b - f.y), __NV_SATFINITE, __NV_E4M3);
 }
 
+// A consumer's rows of S^T are J pairs a thread: rows 8 j + 2 c + u (u < 2), each at the
+// tokens 16 w + g and 16 w + g + 8 of the tile (h = 0, 1). Their base-2 scores x[j][h][u]
+// from s[4 j + 2 h + u] (Q_hi's and Q_lo's columns summed), masked at each row's own limit,
+// and each row's maximum over its warp's 16 tokens (the lanes of one c).
+template <int J>
+__device__ __forceinline__ void masked_scores(const float (&s)[4 * J], int tok0, const int (&lim)[J][2],
+                                              const float (&sl2r)[J][2], float (&x)[J][2][2], float (&mx)[J][2]) {
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) x[j][h][u] = tok0 + 8 * h < lim[j][u] ? s[4 * j + 2 * h + u] * sl2r[j][u] : neg_inf();
+      float v = fmaxf(x[j][0][u], x[j][1][u]);
+#pragma unroll
+      for (int d = 4; d <= 16; d <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, d));
+      mx[j][u] = v;
+    }
+}
+
+// The online softmax's step for those rows at the tile maxima of the four warps (warp q's
+// maximum of row r at red[q QB + r]): the running maximum and sum move on, and each row's
+// exponentials go to store_p(r, p0, p1) and its rescale factor to on_alpha(j, u, alpha).
+template <int J, int QB, typename StoreP, typename OnAlpha>
+__device__ __forceinline__ void softmax_rows(const float (&x)[J][2][2], const float* red, int c, float (&m_run)[J][2],
+                                             float (&l_run)[J][2], StoreP store_p, OnAlpha on_alpha) {
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int r = 8 * j + 2 * c + u;
+      const float tmax = fmaxf(fmaxf(red[r], red[QB + r]), fmaxf(red[2 * QB + r], red[3 * QB + r]));
+      const SoftmaxStep sst = softmax_step(m_run[j][u], tmax);
+      const float p0 = fast_exp2(x[j][0][u] - sst.mu), p1 = fast_exp2(x[j][1][u] - sst.mu);
+      l_run[j][u] = l_run[j][u] * sst.alpha + (p0 + p1);
+      m_run[j][u] = sst.m;
+      store_p(r, p0, p1);
+      on_alpha(j, u, sst.alpha);
+    }
+}
+
+// Each of those rows' sums over its warp's tokens (the lanes of one c), in place.
+template <int J>
+__device__ __forceinline__ void warp_row_sums(float (&l)[J][2]) {
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+      for (int d = 4; d <= 16; d <<= 1) l[j][u] += __shfl_xor_sync(0xffffffffu, l[j][u], d);
+}
+
 // O_tile^T = V^T P^T for NB 16-dim chunks of a warp's O^T (chunks vch0 + bb of 128-dim column
 // block vcb) of the tile at sK, one k32 step at a time (the second step's fragments reuse the
 // first's registers), P^T's hi and lo terms at sPh_a, sPl_a. Lane l addresses row l & 7 of
@@ -416,21 +468,9 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
           fold(a[0], false);
           mbar_arrive(empty_a + 8 * st);  // this warpgroup's reads of the stage are done
 
-          // 2. Scores in base 2, masked: x[j][h][u] for token 16 w + g + 8 h of the tile.
-          const int tok0 = us.tok_lo + i * NT + 16 * w + g;
+          // 2. Scores in base 2, masked, and the softmax; 3. P^T and alpha by tile parity.
           float x[4][2][2], mx[4][2];
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int u = 0; u < 2; ++u) {
-#pragma unroll
-              for (int h = 0; h < 2; ++h)
-                x[j][h][u] = tok0 + 8 * h < lim[j][u] ? s[4 * j + 2 * h + u] * sl2r[j][u] : kNegInf;
-              float v = fmaxf(x[j][0][u], x[j][1][u]);
-#pragma unroll
-              for (int d = 4; d <= 16; d <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, d));
-              mx[j][u] = v;
-            }
+          masked_scores<4>(s, us.tok_lo + i * NT + 16 * w + g, lim, sl2r, x, mx);
           float* red = sh.red[b];  // by parity: tile gt + 2 rewrites it after the next barrier
           if (g == 0) {
 #pragma unroll
@@ -443,35 +483,18 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
           if (gt >= 2) mbar_wait(pfree_a + 8 * b, ((gt >> 1) - 1) & 1u);
           uint8_t* sPh = sh.p[b][0];
           uint8_t* sPl = sh.p[b][1];
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int u = 0; u < 2; ++u) {
-              const int r = 8 * j + 2 * c + u;
-              const float tmax = fmaxf(fmaxf(red[r], red[QB + r]), fmaxf(red[2 * QB + r], red[3 * QB + r]));
-              const SoftmaxStep sst = softmax_step(m_run[j][u], tmax);
-              const float p0 = fast_exp2(x[j][0][u] - sst.mu), p1 = fast_exp2(x[j][1][u] - sst.mu);
-              l_run[j][u] = l_run[j][u] * sst.alpha + (p0 + p1);
-              m_run[j][u] = sst.m;
-              store_p(sPh, sPl, r, p0, p1);
-              if (w == 0 && g == 0) sh.alpha[b][r] = sst.alpha;
-            }
+          softmax_rows<4, QB>(
+              x, red, c, m_run, l_run, [&](int r, float p0, float p1) { store_p(sPh, sPl, r, p0, p1); },
+              [&](int j, int u, float alpha) {
+                if (w == 0 && g == 0) sh.alpha[b][8 * j + 2 * c + u] = alpha;
+              });
           fence_proxy_async();  // P^T is read by wgmma
           mbar_arrive(pfull_a + 8 * b);
         }
         gbase += uint32_t(us.ntiles);
         // The unit's row sums (per warp: lanes of one c share the rows) and maxima, once the
         // values warpgroup has read the last unit's.
-        float lsum[4][2];
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int u = 0; u < 2; ++u) {
-            float v = l_run[j][u];
-#pragma unroll
-            for (int d = 4; d <= 16; d <<= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
-            lsum[j][u] = v;
-          }
+        warp_row_sums<4>(l_run);
         if (unit > 0) mbar_wait(sfree_a, (unit - 1) & 1u);
         if (g == 0) {
 #pragma unroll
@@ -479,7 +502,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
 #pragma unroll
             for (int u = 0; u < 2; ++u) {
               const int r = 8 * j + 2 * c + u;
-              sh.l[0][w * QB + r] = lsum[j][u];
+              sh.l[0][w * QB + r] = l_run[j][u];
               if (w == 0) sh.m1[r] = m_run[j][u];
             }
         }
@@ -623,25 +646,17 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
 #pragma unroll
         for (int cb = 0; cb < C::BLOCKS; ++cb) fence_regs(acc[cb]);
 
-        // 2. Scores in base 2, masked: x[j][h][u] for token 16 w + g + 8 h of the tile, row lrow(j, u).
-        const int tok0 = us.tok_lo + i * NT + 16 * w + g;
+        // 2. Scores in base 2, masked, and the softmax; 3. P^T.
+        float sc[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          float sum = 0.0f;
+#pragma unroll
+          for (int cb = 0; cb < C::BLOCKS; ++cb) sum += acc[cb][e] + acc[cb][8 + e];
+          sc[e] = sum;
+        }
         float x[2][2][2], mx[2][2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int u = 0; u < 2; ++u) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              float sum = 0.0f;
-#pragma unroll
-              for (int cb = 0; cb < C::BLOCKS; ++cb) sum += acc[cb][4 * j + 2 * h + u] + acc[cb][8 + 4 * j + 2 * h + u];
-              x[j][h][u] = tok0 + 8 * h < lim[j][u] ? sum * sl2r[j][u] : kNegInf;
-            }
-            float v = fmaxf(x[j][0][u], x[j][1][u]);
-#pragma unroll
-            for (int d = 4; d <= 16; d <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, d));
-            mx[j][u] = v;
-          }
+        masked_scores<2>(sc, us.tok_lo + i * NT + 16 * w + g, lim, sl2r, x, mx);
         if (g == 0) {
 #pragma unroll
           for (int j = 0; j < 2; ++j)
@@ -652,19 +667,9 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
         uint8_t* sPh = sh.p[cw][0];
         uint8_t* sPl = sh.p[cw][1];
         float alpha[2][2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int u = 0; u < 2; ++u) {
-            const int lr = lrow(j, u);
-            const float tmax = fmaxf(fmaxf(sRed[lr], sRed[QB + lr]), fmaxf(sRed[2 * QB + lr], sRed[3 * QB + lr]));
-            const SoftmaxStep sst = softmax_step(m_run[j][u], tmax);
-            alpha[j][u] = sst.alpha;
-            const float p0 = fast_exp2(x[j][0][u] - sst.mu), p1 = fast_exp2(x[j][1][u] - sst.mu);
-            l_run[j][u] = l_run[j][u] * sst.alpha + (p0 + p1);
-            m_run[j][u] = sst.m;
-            store_p(sPh, sPl, lr, p0, p1);  // 3. P^T
-          }
+        softmax_rows<2, QB>(
+            x, sRed, c, m_run, l_run, [&](int r, float p0, float p1) { store_p(sPh, sPl, r, p0, p1); },
+            [&](int j, int u, float a) { alpha[j][u] = a; });
         fence_proxy_async();
         wg_sync();  // P^T complete; every warp is past its reads of sRed
 
@@ -699,15 +704,13 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
       // ---- merge the two consumers' states, normalise and write ---------------------------
       // l of this consumer's rows over its warpgroup: lanes of one c share the rows; then the
       // four warps, read back from sL.
+      warp_row_sums<2>(l_run);
+      if (g == 0) {
 #pragma unroll
-      for (int j = 0; j < 2; ++j)
+        for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          float v = l_run[j][u];
-#pragma unroll
-          for (int d = 4; d <= 16; d <<= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
-          if (g == 0) sL[(cw * 4 + w) * QB + lrow(j, u)] = v;
-        }
+          for (int u = 0; u < 2; ++u) sL[(cw * 4 + w) * QB + lrow(j, u)] = l_run[j][u];
+      }
       if (cw == 1) {
 #pragma unroll
         for (int bb = 0; bb < NBB; ++bb)
