@@ -447,10 +447,12 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
             fence_regs(acc);
 #pragma unroll
             for (int e = 0; e < 16; ++e) {
-              const float v = acc[(e >> 2) * 4 + (e & 3)] + acc[16 + (e >> 2) * 4 + (e & 3)];
+              const float v = acc[e] + acc[16 + e];
               s[e] = first ? v : s[e] + v;
             }
           };
+          // Written out: the same sequence as a loop over cb gave ptxas other descriptor
+          // arithmetic (a few integer instructions), and this is the form measured.
           chain(0, a[0]);
           chain(1, a[1]);
           wgmma_wait<1>();
