@@ -128,6 +128,13 @@ inline constexpr int kFp8SwapSmemBytes = int(sizeof(Fp8SwapShared<M>)) + 1024;  
 static_assert(kFp8SwapSmemBytes<16> <= kSmemPerCta && kFp8SwapSmemBytes<32> <= kSmemPerCta,
               "fp8 swap tiles do not fit in shared memory");
 
+// Named barriers: each consumer warpgroup's own, and both consumers' (M 16: Q and the merge).
+enum Fp8SwapBarrier : int {
+  kBarFirstConsumer = 1,   // warpgroup 1 alone (M 32: the scores warpgroup)
+  kBarSecondConsumer = 2,  // warpgroup 2 alone (M 16 only: the values warpgroup has no barrier)
+  kBarBothConsumers = 3,   // both consumer warpgroups (M 16 only)
+};
+
 // x = hi + lo in e4m3 for two values (low byte first), as above.
 __device__ __forceinline__ void split_e4m3x2(float a, float b, uint16_t& hi, uint16_t& lo) {
   hi = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
@@ -138,11 +145,14 @@ __device__ __forceinline__ void split_e4m3x2(float a, float b, uint16_t& hi, uin
 
 // A consumer's rows of S^T are J pairs a thread: rows 8 j + 2 c + u (u < 2), each at the
 // tokens 16 w + g and 16 w + g + 8 of the tile (h = 0, 1). Their base-2 scores x[j][h][u]
-// from s[4 j + 2 h + u] (Q_hi's and Q_lo's columns summed), masked at each row's own limit,
-// and each row's maximum over its warp's 16 tokens (the lanes of one c).
-template <int J>
+// from s[4 j + 2 h + u] (Q_hi's and Q_lo's columns summed), masked at each row's own limit;
+// each row's maximum over warp w's 16 tokens (the lanes of one c) goes to red[w QB + row],
+// for softmax_rows after a barrier of the warpgroup.
+template <int J, int QB>
 __device__ __forceinline__ void masked_scores(const float (&s)[4 * J], int tok0, const int (&lim)[J][2],
-                                              const float (&sl2r)[J][2], float (&x)[J][2][2], float (&mx)[J][2]) {
+                                              const float (&sl2r)[J][2], float (&x)[J][2][2], float* red, int w,
+                                              int g, int c) {
+  float mx[J][2];
 #pragma unroll
   for (int j = 0; j < J; ++j)
 #pragma unroll
@@ -154,6 +164,12 @@ __device__ __forceinline__ void masked_scores(const float (&s)[4 * J], int tok0,
       for (int d = 4; d <= 16; d <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, d));
       mx[j][u] = v;
     }
+  if (g == 0) {
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) red[w * QB + 8 * j + 2 * c + u] = mx[j][u];
+  }
 }
 
 // The online softmax's step for those rows at the tile maxima of the four warps (warp q's
@@ -186,6 +202,23 @@ __device__ __forceinline__ void warp_row_sums(float (&l)[J][2]) {
     for (int u = 0; u < 2; ++u)
 #pragma unroll
       for (int d = 4; d <= 16; d <<= 1) l[j][u] += __shfl_xor_sync(0xffffffffu, l[j][u], d);
+}
+
+// O = O alpha + O_tile for NB 16-dim chunks of O^T (o: the first of them), each column (a query
+// row 8 j + 2 c + u) by its row's factor.
+template <int J, int NB>
+__device__ __forceinline__ void rescale_add(float (*o)[4 * J], const float (&alpha)[J][2], const float (&ot)[NB][4 * J]) {
+#pragma unroll
+  for (int bb = 0; bb < NB; ++bb)
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          float& v = o[bb][4 * j + 2 * h + u];
+          v = fmaf(v, alpha[j][u], ot[bb][4 * j + 2 * h + u]);
+        }
 }
 
 // O_tile^T = V^T P^T for NB 16-dim chunks of a warp's O^T (chunks vch0 + bb of 128-dim column
@@ -322,12 +355,11 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
   float* sQscale = sh.qscale;
   int* sLen = sh.len;
   const uint32_t sQ_a = smem_addr(sh.q);
-  // Named barriers (immediate ids): 1, 2 a consumer warpgroup's own; 3 both consumers (M 16).
-  auto wg_sync = [&] {
-    if (role == 1) asm volatile("bar.sync 1, 128;\n" ::: "memory");
-    else asm volatile("bar.sync 2, 128;\n" ::: "memory");
+  auto wg_sync = [&] {  // each id a constant: ptxas keeps both barriers immediate
+    if (role == 1) named_sync(kBarFirstConsumer, 128);
+    else named_sync(kBarSecondConsumer, 128);
   };
-  auto consumers_sync = [] { asm volatile("bar.sync 3, 256;\n" ::: "memory"); };
+  auto consumers_sync = [] { named_sync(kBarBothConsumers, 256); };
 
   // Q rows [row0, row0 + nr) of unit us as hi + lo e4m3, scaled per row, by the loaders (ct
   // < 128 or 256): T threads per row, chunk (8 values) q + T m; hi at row r of the stacked
@@ -471,15 +503,9 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
           mbar_arrive(empty_a + 8 * st);  // this warpgroup's reads of the stage are done
 
           // 2. Scores in base 2, masked, and the softmax; 3. P^T and alpha by tile parity.
-          float x[4][2][2], mx[4][2];
-          masked_scores<4>(s, us.tok_lo + i * NT + 16 * w + g, lim, sl2r, x, mx);
+          float x[4][2][2];
           float* red = sh.red[b];  // by parity: tile gt + 2 rewrites it after the next barrier
-          if (g == 0) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-              for (int u = 0; u < 2; ++u) red[w * QB + 8 * j + 2 * c + u] = mx[j][u];
-          }
+          masked_scores<4, QB>(s, us.tok_lo + i * NT + 16 * w + g, lim, sl2r, x, red, w, g, c);
           wg_sync();
           // P^T and alpha of parity b are free once the values warpgroup's P V of tile gt - 2 is done.
           if (gt >= 2) mbar_wait(pfree_a + 8 * b, ((gt >> 1) - 1) & 1u);
@@ -544,17 +570,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
           fp8_pv_tile<E5M2, M>(ot, sK, w, 4 * half, sPh_a, sPl_a, lane, [&] {
             if (half == 1) mbar_arrive(empty_a + 8 * st);  // the stage's last reads
           });
-#pragma unroll
-          for (int bb = 0; bb < NBB / 2; ++bb)
-#pragma unroll
-            for (int j = 0; j < M / 8; ++j)
-#pragma unroll
-              for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int u = 0; u < 2; ++u) {
-                  float& v = o[4 * half + bb][4 * j + 2 * h + u];
-                  v = fmaf(v, al[j][u], ot[bb][4 * j + 2 * h + u]);
-                }
+          rescale_add(&o[4 * half], al, ot);
         }
         mbar_arrive(pfree_a + 8 * b);  // this tile's P V has completed: P^T and alpha free
       }
@@ -657,14 +673,8 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
           for (int cb = 0; cb < C::BLOCKS; ++cb) sum += acc[cb][e] + acc[cb][8 + e];
           sc[e] = sum;
         }
-        float x[2][2][2], mx[2][2];
-        masked_scores<2>(sc, us.tok_lo + i * NT + 16 * w + g, lim, sl2r, x, mx);
-        if (g == 0) {
-#pragma unroll
-          for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int u = 0; u < 2; ++u) sRed[w * QB + lrow(j, u)] = mx[j][u];
-        }
+        float x[2][2][2];
+        masked_scores<2, QB>(sc, us.tok_lo + i * NT + 16 * w + g, lim, sl2r, x, sRed, w, g, c);
         wg_sync();
         uint8_t* sPh = sh.p[cw][0];
         uint8_t* sPl = sh.p[cw][1];
@@ -678,17 +688,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
         // 4. O_tile = V^T P^T, then O = O alpha + O_tile.
         float ot[NBB][M / 2];
         fp8_pv_tile<E5M2, M>(ot, sK, w, 0, smem_addr(sPh), smem_addr(sPl), lane, [&] { mbar_arrive(empty_a + 8 * st); });
-#pragma unroll
-        for (int bb = 0; bb < NBB; ++bb)
-#pragma unroll
-          for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-              for (int u = 0; u < 2; ++u) {
-                float& v = o[bb][4 * j + 2 * h + u];
-                v = fmaf(v, alpha[j][u], ot[bb][4 * j + 2 * h + u]);
-              }
+        rescale_add(&o[0], alpha, ot);
         // No barrier here: the next tile rewrites sRed after every warp has passed the P^T
         // barrier above (its reads of sRed are before it), and sP after its S, whose
         // warpgroup-wide wgmma every warp issues only after its wait for this P V.
