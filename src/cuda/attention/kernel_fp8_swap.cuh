@@ -53,8 +53,10 @@
 //     ldmatrix.x4.trans of block b's 16-byte chunk gives a thread dims 2 g, 2 g + 1 of the
 //     tokens 2 c, 2 c + 1 of four 8-token groups, and two permutes per pair of groups give
 //     its fragment registers;
-//   - k index 4 c + j of each 16-token half of a k32 step is token 2 c + (j & 1) + 8 (j >> 1)
-//     of that half (the order ldmatrix.trans delivers).
+//   - k index 4 c + j of each 16-token half of a k32 step is token 2 c + 8 (j & 1) + (j >> 1)
+//     of that half: ldmatrix.trans delivers tokens 2 c, 2 c + 1 of each 8-token group, and
+//     the permutes interleave the two groups, so that the tokens g and g + 8 that a thread
+//     of S^T holds are adjacent in k (one 16-bit store of P^T a term).
 //
 // Shared memory (Fp8SwapShared, from a 1024-byte aligned base; every operand is a stack of
 // column blocks of 128-byte rows, chunk c of row r stored at chunk c ^ (r & 7), the 128-byte swizzle):
@@ -237,13 +239,14 @@ __device__ __forceinline__ void fp8_pv_tile(float (&ot)[NB][M / 2], uint32_t sK,
     uint32_t va[NB][4];
 #pragma unroll
     for (int bb = 0; bb < NB; ++bb) {
-      // t[2 hf + t8]: tokens 32 s + 16 hf + 8 t8 + 2 c, + 1, dims 2 g, 2 g + 1 of chunk vch0 + bb.
+      // t[2 hf + t8]: tokens 32 s + 16 hf + 8 t8 + 2 c, + 1, dims 2 g, 2 g + 1 of chunk vch0 + bb;
+      // the permutes take k = 4 c + j from token 2 c + 8 (j & 1) + (j >> 1) of the half.
       uint32_t tt[4];
       ldmatrix_x4_trans(vrow + s * (32 * 128) + (((vch0 + bb) ^ mr) << 4), tt);
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        va[bb][2 * hf] = __byte_perm(tt[2 * hf], tt[2 * hf + 1], 0x6420);      // dim 2 g
-        va[bb][2 * hf + 1] = __byte_perm(tt[2 * hf], tt[2 * hf + 1], 0x7531);  // dim 2 g + 1
+        va[bb][2 * hf] = __byte_perm(tt[2 * hf], tt[2 * hf + 1], 0x6240);      // dim 2 g
+        va[bb][2 * hf + 1] = __byte_perm(tt[2 * hf], tt[2 * hf + 1], 0x7351);  // dim 2 g + 1
       }
     }
     if (s == 1) last();
@@ -417,17 +420,15 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
     }
   };
 
-  // P^T of row r: token g + 8 h of warp w's 16 is k 16 w + 4 (g >> 1) + (g & 1) + 2 h (the
-  // order ldmatrix.trans delivers V^T's k).
+  // P^T of row r: token g + 8 h of warp w's 16 is k 16 w + 4 (g >> 1) + 2 (g & 1) + h (V^T's
+  // k order, fp8_pv_tile), so each term's two bytes (h = 0, 1) are one 16-bit store.
   auto store_p = [&](uint8_t* sPh, uint8_t* sPl, int r, float p0, float p1) {
     uint16_t ph, pl;
     split_e4m3x2(p0 * 256.0f, p1 * 256.0f, ph, pl);
-    const int kk = 16 * w + 4 * (g >> 1) + (g & 1);
+    const int kk = 16 * w + 4 * (g >> 1) + 2 * (g & 1);
     const int off = swz128(r, 0, kk >> 4, C::P_BYTES) + (kk & 15);
-    sPh[off] = uint8_t(ph);
-    sPh[off + 2] = uint8_t(ph >> 8);
-    sPl[off] = uint8_t(pl);
-    sPl[off + 2] = uint8_t(pl >> 8);
+    *reinterpret_cast<uint16_t*>(sPh + off) = ph;
+    *reinterpret_cast<uint16_t*>(sPl + off) = pl;
   };
 
   if constexpr (C::ROLES) {
