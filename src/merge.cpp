@@ -11,8 +11,6 @@
 namespace dcpmla {
 namespace {
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr float kLn2 = 0.6931471805599453f;
 
 // The checks below are plain comparisons, formatted only on failure.
 void require_pointer(const void* p, std::string_view field) {

@@ -17,8 +17,6 @@
 namespace dcpmla {
 namespace {
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace

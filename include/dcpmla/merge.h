@@ -26,7 +26,6 @@ struct LseStats {
 };
 template <class LseAt>
 LseStats lse_stats(int n, LseAt lse_at) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   LseStats s{kNegInf, 0.0f};
   for (int k = 0; k < n; ++k) s.m = nan_max(s.m, lse_at(k));
   if (s.m != kNegInf)

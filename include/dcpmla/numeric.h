@@ -12,6 +12,13 @@
 
 namespace dcpmla {
 
+// The softmax's constants, defined once for the host and the kernels: scores go to base 2
+// (exp2), the lse back to the natural log; -inf is the maximum of an empty row and the lse of
+// a row with no key.
+inline constexpr float kLog2e = std::numbers::log2e_v<float>;
+inline constexpr float kLn2 = std::numbers::ln2_v<float>;
+inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
 // Same layout as CUDA's __nv_bfloat16, so buffers cross into kernels unchanged.
 struct bf16 {
   uint16_t bits = 0;

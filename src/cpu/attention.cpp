@@ -16,9 +16,6 @@
 namespace dcpmla {
 namespace {
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kTokensPerChunk = 64;
 constexpr int kHeadsPerTask = 16;
 

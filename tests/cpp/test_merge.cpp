@@ -14,8 +14,6 @@
 namespace dcpmla {
 namespace {
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
 std::vector<bf16> to_bf16(const std::vector<float>& x) {
   std::vector<bf16> y;
   for (float v : x) y.push_back(float_to_bf16(v));

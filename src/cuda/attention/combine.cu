@@ -112,7 +112,7 @@ __device__ __forceinline__ void combine_item(const AttentionParams& p, CombineRe
                                              int slot_rows, int pieces, int64_t row, int rr, int col0, bool valid,
                                              int warp, int gw, int group_warps, int lane) {
   constexpr int kBatch = kCombineBatch<V>;
-  CombineState<V> st{neg_inf(), 0.0f, {}};
+  CombineState<V> st{kNegInf, 0.0f, {}};
   const int own = valid ? pieces : 0;
   for (int s0 = gw; s0 < own; s0 += kBatch * group_warps) {
     float ms[kBatch], ls[kBatch];
@@ -145,7 +145,7 @@ __device__ __forceinline__ void combine_item(const AttentionParams& p, CombineRe
     __syncthreads();
     if (gw == 0) {
       const int lead = warp;
-      float m = neg_inf();
+      float m = kNegInf;
       for (int w = lead; w < lead + group_warps; ++w)
         if (red.l[buf][w] != 0.0f) m = nan_max(m, red.m[buf][w]);
       st = CombineState<V>{m, 0.0f, {}};
@@ -173,7 +173,7 @@ __device__ __forceinline__ void combine_item(const AttentionParams& p, CombineRe
       o.y = *reinterpret_cast<const uint32_t*>(&hi);
       *reinterpret_cast<uint2*>(p.out + row * kRank + col0 + 128 * j + 4 * lane) = o;
     }
-    if (lane == 0 && col0 == 0) p.lse[row] = st.l != 0.0f ? (st.m + log2f(st.l)) * kLn2 : neg_inf();
+    if (lane == 0 && col0 == 0) p.lse[row] = st.l != 0.0f ? (st.m + log2f(st.l)) * kLn2 : kNegInf;
   }
 }
 

@@ -27,7 +27,6 @@ __global__ void __launch_bounds__(kThreads, CPS) attention_kernel(const __grid_c
   using C = AttnConfig<MT, NT, CPS, FP8>;
   constexpr int M = C::M, STAGES = C::STAGES;
   static_assert(kThreads % NT == 0);
-  const float kNegInf = neg_inf();
 
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* sQ = smem;                                   // (M, D) bf16 swizzled

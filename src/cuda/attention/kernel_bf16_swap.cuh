@@ -100,7 +100,6 @@ __global__ void __launch_bounds__(Bf16SwapConfig<M>::THREADS, 1)
     attention_bf16_swap_kernel(const __grid_constant__ AttentionParams p) {
   using C = Bf16SwapConfig<M>;
   constexpr int NT = C::NT, J = C::J;
-  const float kNegInf = neg_inf();
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   Bf16SwapShared<M>& sh = aligned_shared<Bf16SwapShared<M>>(smem_raw);

@@ -160,7 +160,7 @@ __device__ __forceinline__ void masked_scores(const float (&s)[4 * J], int tok0,
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) x[j][h][u] = tok0 + 8 * h < lim[j][u] ? s[4 * j + 2 * h + u] * sl2r[j][u] : neg_inf();
+      for (int h = 0; h < 2; ++h) x[j][h][u] = tok0 + 8 * h < lim[j][u] ? s[4 * j + 2 * h + u] * sl2r[j][u] : kNegInf;
       float v = fmaxf(x[j][0][u], x[j][1][u]);
 #pragma unroll
       for (int d = 4; d <= 16; d <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, d));
@@ -269,7 +269,6 @@ template <bool E5M2, int M>
 __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid_constant__ AttentionParams p) {
   using C = Fp8SwapConfig<M>;
   constexpr int NT = C::NT, STAGES = C::STAGES, QB = C::QB, NBB = C::NBB;
-  const float kNegInf = neg_inf();
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   Fp8SwapShared<M>& sh = aligned_shared<Fp8SwapShared<M>>(smem_raw);

@@ -310,7 +310,6 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
     attention_wgmma_kernel(const __grid_constant__ AttentionParams p, const __grid_constant__ KvBoxMaps maps) {
   using C = WgConfig<FP8>;
   constexpr int M = C::M, NT = C::NT;
-  const float kNegInf = neg_inf();
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   WgShared& sh = aligned_shared<WgShared>(smem_raw);

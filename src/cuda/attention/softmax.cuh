@@ -27,12 +27,12 @@ struct SoftmaxStep {
 // (bench/NOTES.md, twenty-ninth session).
 inline constexpr float kLazyMaxSlack = 8.0f;
 // The exponent offset of a row whose running maximum is m.
-__device__ __forceinline__ float softmax_offset(float m) { return m == neg_inf() ? 0.0f : m; }
+__device__ __forceinline__ float softmax_offset(float m) { return m == kNegInf ? 0.0f : m; }
 template <bool LAZY = false, bool KEYLESS_ONE = false>
 __device__ __forceinline__ SoftmaxStep softmax_step(float m_run, float tile_max) {
   const float m = LAZY ? (tile_max > m_run + kLazyMaxSlack ? tile_max : m_run) : fmaxf(m_run, tile_max);
   const float mu = softmax_offset(m);
-  return {m, mu, KEYLESS_ONE && m_run == neg_inf() ? 1.0f : fast_exp2(m_run - mu)};
+  return {m, mu, KEYLESS_ONE && m_run == kNegInf ? 1.0f : fast_exp2(m_run - mu)};
 }
 
 // The maximum of the 16 scores of one accumulator row in a thread's S fragment (sc[4 j + e0],

@@ -267,7 +267,6 @@ __device__ __forceinline__ void store_row_lanes(const AttentionParams& p, const 
 // m (base 2) and l of row dst_row + r of unit u: (m, l) partials for a cut request (m = -inf
 // where l = 0), else the natural-log lse (-inf for a row with no key).
 __device__ __forceinline__ void store_row_stats(const AttentionParams& p, const UnitSpan& u, int r, float m, float l) {
-  const float kNegInf = neg_inf();
   const int64_t row = u.dst_row + r;
   if (u.split) {
     p.part_m[row] = l != 0.0f ? m : kNegInf;

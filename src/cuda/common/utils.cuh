@@ -11,13 +11,9 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
-namespace dcpmla::cuda_detail {
+#include "dcpmla/numeric.h"  // kLog2e, kLn2, kNegInf
 
-// The kernels' constants, defined once: scores go to base 2 (exp2), lse back to natural log.
-inline constexpr float kLog2e = 1.4426950408889634f;
-inline constexpr float kLn2 = 0.6931471805599453f;
-// -inf (the max of an empty row, the lse of a row with no key).
-__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
+namespace dcpmla::cuda_detail {
 
 // The GPU's global timer (ns), the same on every SM.
 __device__ __forceinline__ uint64_t global_ns() {

@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(256) correct_kernel(const CorrectParams p) {
     const auto [dest, at, c] = g.item(item);
     // A NaN partial poisons its cell rather than being dropped as an empty rank (the
     // library's NaN rule, docs/design.md); fmaxf alone would skip it.
-    float m = neg_inf();
+    float m = kNegInf;
     bool nan = false;
     for (int k = 0; k < g.world; ++k) {
       const float l = p.lse_all[k * stride + c];
@@ -154,16 +154,16 @@ __global__ void __launch_bounds__(256) correct_kernel(const CorrectParams p) {
     }
     if (nan) m = __int_as_float(0x7fc00000);
     float sum = 0.0f;
-    if (m != neg_inf())
+    if (m != kNegInf)
       for (int k = 0; k < g.world; ++k) {
         const float l = p.lse_all[k * stride + c];
-        if (l != neg_inf()) sum += expf(l - m);
+        if (l != kNegInf) sum += expf(l - m);
       }
-    const float global = m == neg_inf() ? neg_inf() : m + logf(sum);
+    const float global = m == kNegInf ? kNegInf : m + logf(sum);
     const float own = p.lse_all[g.me * stride + c];
     // exp(own - m) / sum, not exp(own - global): at a large |lse| the log of the sum rounds away
     // in m + log(sum). An empty partial adds nothing, whatever its out holds (SPEC §2).
-    const bool empty = m == neg_inf() || own == neg_inf();
+    const bool empty = m == kNegInf || own == kNegInf;
     const float scale = empty ? 0.0f : expf(own - m) / sum;
     const bf16* src = p.o + c * p.width;
     for (int col = lane * 2; col < p.width; col += 64) {
@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(256) block_attention_kernel(const BlockParams 
     const int keys = p.seq_lens[b] == 0 ? 0 : t + 1;  // causal inside the block
     if (keys == 0) {
       for (int col = lane; col < p.width; col += 32) out[col] = bf16{};
-      if (lane == 0) p.lse[item] = neg_inf();
+      if (lane == 0) p.lse[item] = kNegInf;
       continue;
     }
     const bf16* q = p.q + item * p.dim;
@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(256) block_attention_kernel(const BlockParams 
       for (int d = 16; d; d >>= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
       return s * p.softmax_scale * kLog2e;
     };
-    float m = neg_inf();
+    float m = kNegInf;
     for (int i = 0; i < keys; ++i) m = fmaxf(m, score(i));
     float l = 0.0f;
     float acc[16];  // width <= 512: columns lane, lane + 32, ...

@@ -10,7 +10,6 @@
 namespace dcpmla::cuda_detail {
 
 __global__ void __launch_bounds__(256) merge_kernel(const MergeParams p) {
-  const float kNegInf = neg_inf();
   const int lane = threadIdx.x & 31;
   for (int64_t row = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5); row < p.rows;
        row += int64_t(gridDim.x) * 8) {
