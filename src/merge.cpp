@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <optional>
 #include <vector>
 
@@ -10,7 +9,6 @@
 
 namespace dcpmla {
 namespace {
-
 
 // The checks below are plain comparisons, formatted only on failure.
 void require_pointer(const void* p, std::string_view field) {
