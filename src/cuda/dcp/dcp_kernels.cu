@@ -144,15 +144,9 @@ __global__ void __launch_bounds__(256) correct_kernel(const CorrectParams p) {
   for (int64_t item = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5); item < g.items(); item += int64_t(gridDim.x) * 8) {
     const auto [dest, at, c] = g.item(item);
     // A NaN partial poisons its cell rather than being dropped as an empty rank (the
-    // library's NaN rule, docs/design.md); fmaxf alone would skip it.
+    // library's NaN rule, docs/design.md): nan_max, as every merge; fmaxf would skip it.
     float m = kNegInf;
-    bool nan = false;
-    for (int k = 0; k < g.world; ++k) {
-      const float l = p.lse_all[k * stride + c];
-      nan |= isnan(l);
-      m = fmaxf(m, l);
-    }
-    if (nan) m = __int_as_float(0x7fc00000);
+    for (int k = 0; k < g.world; ++k) m = nan_max(m, p.lse_all[k * stride + c]);
     float sum = 0.0f;
     if (m != kNegInf)
       for (int k = 0; k < g.world; ++k) {
