@@ -2,8 +2,9 @@
 // must equal DCP1 (the CPU path on one rank, and the GPU step on one rank)
 // for every mode and dtype, both merge forms, interleave 1 and > 1, the two_stage route,
 // and after a CUDA graph replay that follows a re-plan. Requests shorter than N and ranks
-// holding no token of a row must give exact results (no NaN, -inf only for padding).
-// Bad input fails on every rank, never hangs.
+// holding no token of a row must give exact results (no NaN, -inf only for padding); a NaN
+// latent reaches the same rows as on the CPU path, also where its rank is a row's only
+// non-empty one. Bad input fails on every rank, never hangs.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -114,6 +115,59 @@ TEST(DcpStep, ShortRequestsAndEmptyRanksAreExact) {
           EXPECT_TRUE(std::isinf(got.lse[row]) && got.lse[row] < 0);
           for (int j = 0; j < kR; ++j) ASSERT_EQ(got.out[row * kR + j].bits, 0);
         }
+    }
+}
+
+// NaN containment across ranks (docs/design.md): a NaN latent reaches exactly the rows whose
+// window holds it, after the merge as on the CPU path, and no other row. Request 1 (length 1)
+// lives on rank 0 alone, so its other ranks' partials are empty (lse -inf) beside one NaN
+// partial: a merge whose maximum skipped the NaN (fmaxf) would find only empty partials and
+// write the row as padding (0, -inf). Request 5 (length 300) holds its NaN on one rank among
+// finite partials. Both merge forms (reduce_scatter's correction kernel, all_to_all's merge).
+TEST(DcpStep, NanReachesTheSameRowsAsOnTheCpu) {
+  DCPMLA_REQUIRE_GPU();
+  for (DcpMerge merge : {DcpMerge::reduce_scatter, DcpMerge::all_to_all})
+    for (Route route : {Route::one_stage, Route::split_k}) {
+      DcpCase c;
+      c.name = "nan";
+      c.world = 4;
+      c.merge = merge;
+      c.route = route;
+      c.mode = Mode::decode;
+      c.reduce = merge == DcpMerge::reduce_scatter && route == Route::split_k ? DataType::f32 : DataType::bf16;
+      c.heads_local = 4;
+      c.lens = lens_for(c.qlen);
+      c.seed = 91 + 2 * uint64_t(merge) + uint64_t(route == Route::split_k);
+      SCOPED_TRACE(c.describe());
+      GlobalBatch g = make_global(c.lens, c.qlen, c.world * c.heads_local, c.seed);
+      for (const auto& [b, pos] : {std::pair{1, 0}, std::pair{5, 100}}) {
+        const size_t at = (size_t(b) * size_t(g.Lmax) + size_t(pos)) * kD + 7;
+        g.kv16[at] = float_to_bf16(std::numeric_limits<float>::quiet_NaN());
+        g.kvf[at] = bf16_to_float(g.kv16[at]);
+      }
+      Result ref = cpu_reference(g, c);
+      Result got = run_gpu(c, g);
+      EXPECT_EQ(got.cache_mismatch, 0);
+      // The NaN rows: the same on both paths, and only those of requests 1 and 5. Then they
+      // are set aside (zero in both) and every other row must match as usual.
+      int64_t nan_rows = 0, mismatched = 0, stray = 0;
+      for (size_t row = 0; row < ref.lse.size(); ++row) {
+        const bool ref_nan = std::isnan(ref.lse[row]);
+        bool got_nan = std::isnan(got.lse[row]);
+        for (int j = 0; j < kR; ++j) got_nan |= std::isnan(bf16_to_float(got.out[row * kR + size_t(j)]));
+        const int b = int(row / (size_t(c.qlen) * size_t(g.H)));
+        nan_rows += ref_nan;
+        mismatched += ref_nan != got_nan;
+        stray += ref_nan && b != 1 && b != 5;
+        if (ref_nan) {
+          ref.lse[row] = got.lse[row] = 0.0f;
+          for (int j = 0; j < kR; ++j) ref.out[row * kR + size_t(j)] = got.out[row * kR + size_t(j)] = bf16{};
+        }
+      }
+      EXPECT_EQ(nan_rows, int64_t(2) * c.qlen * g.H) << "every row of requests 1 and 5, no other";
+      EXPECT_EQ(stray, 0);
+      EXPECT_EQ(mismatched, 0) << "NaN rows differ from the CPU path's";
+      expect_close(got, ref, g, "rows without NaN");
     }
 }
 
