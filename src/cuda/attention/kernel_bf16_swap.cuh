@@ -213,14 +213,23 @@ __global__ void __launch_bounds__(Bf16SwapConfig<M>::THREADS, 1)
           if (g == 0) sh.red[w][row_of(j, u)] = v;
         }
       wg_sync();
+      // Every row's maxima before the first P^T store (which may alias red for the compiler,
+      // and would make the rows' steps run one after another; kernel_fp8_swap.cuh's softmax_rows).
+      float tmax[J][2];
+#pragma unroll
+      for (int j = 0; j < J; ++j)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int r = row_of(j, u);
+          tmax[j][u] = fmaxf(fmaxf(sh.red[0][r], sh.red[1][r]), fmaxf(sh.red[2][r], sh.red[3][r]));
+        }
       float alpha[J][2];
 #pragma unroll
       for (int j = 0; j < J; ++j)
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
           const int r = row_of(j, u);
-          const float tmax = fmaxf(fmaxf(sh.red[0][r], sh.red[1][r]), fmaxf(sh.red[2][r], sh.red[3][r]));
-          const SoftmaxStep st = softmax_step(m_run[j][u], tmax * sl2);  // sl2 > 0
+          const SoftmaxStep st = softmax_step(m_run[j][u], tmax[j][u] * sl2);  // sl2 > 0
           alpha[j][u] = st.alpha;
           m_run[j][u] = st.m;
           const float p0 = fast_exp2(fmaf(sc[4 * j + u], sl2, -st.mu));
