@@ -18,6 +18,13 @@ checks the arithmetic of the shares; this checks what ptxas made of them:
     a wgmma on a data-dependent branch), it waits after every MMA, each behind its own
     WARPGROUP.ARRIVE, sometimes without a warning. A pipelined kernel has a few arrives per
     chain of MMAs; a serialised one about one per MMA.
+  - in the swap kernels (S^T = K Q^T: a row's scores spread over the four warps), no
+    shared-memory load follows a shared-memory store between a named barrier and the next
+    async-proxy fence: that stretch is the softmax after the tile maxima's exchange, which
+    reads every row's maxima and stores P^T for the next wgmma. The compiler must assume
+    the stores may alias the maxima, so a maximum read after a store waits for it, and the
+    rows' steps run one after another (1 340 of a 32-row fp8 tile's 3 140 cycles on the
+    H100, bench/NOTES.md, forty-ninth session). Never-executed padding (@!PT) is skipped.
 
 Liveness comes from nvdisasm's register life ranges (-lrm narrow: one column per
 register), so wide operands (a 128-register wgmma accumulator, 16-byte loads) count whole.
@@ -119,6 +126,39 @@ def serialised(instrs):
     return mmas >= 8 and 2 * arrives > mmas
 
 
+def loads_behind_stores(instrs):
+    """Shared-memory loads issued after a shared-memory store between a named barrier
+    (BAR.SYNC) and the next async-proxy fence (FENCE.VIEW.ASYNC.S), in address order."""
+    count, inside, stored = 0, False, False
+    for _, ins, _, _ in instrs:
+        if ins.startswith("@!PT"):
+            continue
+        op = ins.split()[1 if ins.startswith("@") else 0]
+        if op.startswith("BAR.SYNC"):
+            inside, stored = True, False
+        elif op.startswith("FENCE.VIEW.ASYNC"):
+            inside = False
+        elif inside and op.startswith("STS"):
+            stored = True
+        elif inside and stored and op.startswith("LDS"):
+            count += 1
+    return count
+
+
+def check_softmax_order(cubin, name, short, instrs):
+    """The swap kernels' softmax reads every row's maxima before its first P^T store."""
+    if "_swap_kernel" not in name:
+        return True
+    behind = loads_behind_stores(instrs)
+    if behind:
+        print(f"FAIL {os.path.basename(cubin)} {short}: {behind} shared-memory loads after a store between "
+              "a named barrier and the P^T fence (the softmax's rows wait on each other's stores: read "
+              "every row's maxima first)")
+        return False
+    print(f"ok   {os.path.basename(cubin)} {short}: the softmax's loads before its stores")
+    return True
+
+
 def check(nvdisasm, cubin, split=True):
     try:
         kernels = functions(nvdisasm, cubin)
@@ -133,6 +173,7 @@ def check(nvdisasm, cubin, split=True):
         splits = [(i, SETMAXREG.search(ins)) for i, (_, ins, _, _) in enumerate(instrs) if "USETMAXREG" in ins]
         kinds = {m.group(1) for _, m in splits if m}
         short = name if len(name) < 70 else name[:67] + "..."
+        ok &= check_softmax_order(cubin, name, short, instrs)
         if not split:
             if serialised(instrs):
                 print(f"FAIL {os.path.basename(cubin)} {short}: ptxas serialised its wgmma "

@@ -102,3 +102,46 @@ def test_nvdisasm_errors_name_the_file(tmp_path, monkeypatch, capsys):
     assert check.main(["x", missing]) == 1
     out = capsys.readouterr().out
     assert f"FAIL {missing}: nvdisasm cannot read it: nvdisasm fatal   : Cannot open object file {missing}" in out
+
+
+# The swap kernels' softmax stretch: a named barrier after the tile maxima's exchange, then
+# each row's maxima read (LDS) and its P^T stored (STS), then the fence that publishes P^T.
+def softmax_stretch(rows, loads_first):
+    loads = [f"LDS R{40 + r}, [R25+0x{0x36104 + 4 * r:x}]" for r in range(rows)]
+    stores = [f"STS.U16 [R5+UR17+0x{0x32000 + 0x400 * r:x}], R{60 + r}" for r in range(rows)]
+    body = loads + ["MUFU.EX2 R30, R30"] + stores if loads_first else [
+        ins for r in range(rows) for ins in (loads[r], "MUFU.EX2 R30, R30", stores[r])]
+    return ["BAR.SYNC.DEFER_BLOCKING 0x1, 0x80", *body, "@!PT LDS RZ, [RZ]", "MEMBAR.ALL.CTA",
+            "FENCE.VIEW.ASYNC.S", "SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR14+0x36ac8], RZ"]
+
+
+def test_softmax_loads_behind_stores_are_counted():
+    """Main before fd1914f: each row's maxima read after the row before it stored its P^T
+    (the 32-row fp8 kernel's SASS had 28 such loads of its 32); the never-executed padding
+    (@!PT LDS) and loads outside the barrier-to-fence stretch do not count."""
+    assert check.loads_behind_stores(sass(*softmax_stretch(8, loads_first=True))) == 0
+    assert check.loads_behind_stores(sass(*softmax_stretch(8, loads_first=False))) == 7
+    after_fence = softmax_stretch(8, loads_first=True) + ["STS [R1], R2", "LDS R3, [R1]"]
+    assert check.loads_behind_stores(sass(*after_fence)) == 0
+
+
+def test_swap_kernels_fail_with_the_softmax_behind_its_stores(monkeypatch, capsys):
+    """Only the swap kernels are held to the order: the wgmma kernel's fp8 form converts Q in
+    place between a barrier and a fence (loads after stores by design) and is not checked."""
+    split = ["USETMAXREG.DEALLOC.CTAPOOL 0x20", "EXIT", "USETMAXREG.TRY_ALLOC.CTAPOOL P0, 0xd8"]
+    pipelined = ["WARPGROUP.ARRIVE", *chain(18, "QGMMA.64x64x32.F32.E4M3.E4M3 R24, gdesc[UR8], R24"),
+                 "WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+    good = split + pipelined + softmax_stretch(8, loads_first=True) + ["EXIT"]
+    bad = split + pipelined + softmax_stretch(8, loads_first=False) + ["EXIT"]
+    swap = "_ZN6dcpmla11cuda_detail25attention_fp8_swap_kernelILb0ELi32EEEvNS_15AttentionParamsE"
+    wgmma = "_ZN6dcpmla11cuda_detail22attention_wgmma_kernelILb1EEEvNS_15AttentionParamsE"
+    monkeypatch.setattr(check, "functions", lambda nvdisasm, cubin: {swap: sass(*good)})
+    assert check.check("nvdisasm", "k.cubin")
+    assert "the softmax's loads before its stores" in capsys.readouterr().out
+    monkeypatch.setattr(check, "functions", lambda nvdisasm, cubin: {swap: sass(*bad)})
+    assert not check.check("nvdisasm", "k.cubin")
+    assert "7 shared-memory loads after a store" in capsys.readouterr().out
+    monkeypatch.setattr(check, "functions", lambda nvdisasm, cubin: {swap: sass(*bad[3:])})
+    assert not check.check("nvdisasm", "k.cubin", split=False)  # the unsplit (bf16 swap) form too
+    monkeypatch.setattr(check, "functions", lambda nvdisasm, cubin: {wgmma: sass(*bad)})
+    assert check.check("nvdisasm", "k.cubin")
