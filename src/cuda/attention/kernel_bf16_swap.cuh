@@ -213,16 +213,8 @@ __global__ void __launch_bounds__(Bf16SwapConfig<M>::THREADS, 1)
           if (g == 0) sh.red[w][row_of(j, u)] = v;
         }
       wg_sync();
-      // Every row's maxima before the first P^T store (which may alias red for the compiler,
-      // and would make the rows' steps run one after another; kernel_fp8_swap.cuh's softmax_rows).
-      float tmax[J][2];
-#pragma unroll
-      for (int j = 0; j < J; ++j)
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          const int r = row_of(j, u);
-          tmax[j][u] = fmaxf(fmaxf(sh.red[0][r], sh.red[1][r]), fmaxf(sh.red[2][r], sh.red[3][r]));
-        }
+      float tmax[J][2];  // every row's before the first P^T store (swap_tile_maxima)
+      swap_tile_maxima<J>(&sh.red[0][0], M, c, tmax);
       float alpha[J][2];
 #pragma unroll
       for (int j = 0; j < J; ++j)

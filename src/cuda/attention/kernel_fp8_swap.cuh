@@ -176,22 +176,13 @@ __device__ __forceinline__ void masked_scores(const float (&s)[4 * J], int tok0,
 
 // The online softmax's step for those rows at the tile maxima of the four warps (warp q's
 // maximum of row r at red[q QB + r]): the running maximum and sum move on, and each row's
-// exponentials go to store_p(r, p0, p1) and its rescale factor to on_alpha(j, u, alpha).
-// Every row's maxima are read before the first store: store_p and on_alpha write shared
-// memory, which the compiler must assume may alias red, so reads after a store wait for it
-// and the rows' steps ran one after another (1 340 of a 32-row tile's 3 140 cycles on the
-// H100, bench/NOTES.md, forty-ninth session).
+// exponentials go to store_p(r, p0, p1) and its rescale factor to on_alpha(j, u, alpha);
+// every row's maxima are read before the first store (swap_tile_maxima).
 template <int J, int QB, typename StoreP, typename OnAlpha>
 __device__ __forceinline__ void softmax_rows(const float (&x)[J][2][2], const float* red, int c, float (&m_run)[J][2],
                                              float (&l_run)[J][2], StoreP store_p, OnAlpha on_alpha) {
   float tmax[J][2];
-#pragma unroll
-  for (int j = 0; j < J; ++j)
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int r = 8 * j + 2 * c + u;
-      tmax[j][u] = fmaxf(fmaxf(red[r], red[QB + r]), fmaxf(red[2 * QB + r], red[3 * QB + r]));
-    }
+  swap_tile_maxima<J>(red, QB, c, tmax);
 #pragma unroll
   for (int j = 0; j < J; ++j)
 #pragma unroll

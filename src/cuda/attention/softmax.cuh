@@ -49,4 +49,21 @@ __device__ __forceinline__ float max16(const float (&sc)[32], int e0) {
   return v[0];
 }
 
+// The swap kernels' tile maxima (S^T: a row's 64 scores lie over the four warps, each warp's
+// maximum of row r at red[q stride + r]) of a thread's rows 8 j + 2 c + u (j < J, u < 2).
+// Read for every row before the first P^T store: the compiler must assume those stores may
+// alias red, so a row read after one waits for it and the rows' softmax steps run one after
+// another (1 340 of a 32-row fp8 tile's 3 140 cycles on the H100, bench/NOTES.md, forty-ninth
+// session; scripts/check_register_split.py fails a swap kernel whose SASS does so).
+template <int J>
+__device__ __forceinline__ void swap_tile_maxima(const float* red, int stride, int c, float (&tmax)[J][2]) {
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int r = 8 * j + 2 * c + u;
+      tmax[j][u] = fmaxf(fmaxf(red[r], red[stride + r]), fmaxf(red[2 * stride + r], red[3 * stride + r]));
+    }
+}
+
 }  // namespace dcpmla::cuda_detail
