@@ -115,8 +115,9 @@ endif()
 # ptxas drops a setmaxnreg split without a word when a region needs more than its share, and
 # the kernel then runs on the launch allocation; and it may serialise their wgmma. The bf16
 # swap kernel has no split (its one consumer warpgroup fits the launch allocation): only its
-# pipelining is checked. Both swap kernels' softmax must read its maxima before its P^T stores. The cubins are kept from the normal compile (-keep), so the check
-# costs no extra compilation; it runs without a GPU.
+# pipelining is checked. In the swap kernels' cubins (both kernels, every form), the softmax must
+# read its tile maxima before its P^T stores. The cubins are kept from the normal compile
+# (-keep), so the check costs no extra compilation; it runs without a GPU.
 if(DCPMLA_TESTS)
   set(_dcpmla_split_kernels wg64_bf16 wg64_fp8 fp8_swap_e4m3 fp8_swap_e5m2 fp8_swap32_e4m3 fp8_swap32_e5m2)
   set(_dcpmla_unsplit_kernels bf16_swap_m16 bf16_swap_m32)

@@ -126,22 +126,20 @@ def test_softmax_loads_behind_stores_are_counted():
 
 
 def test_swap_kernels_fail_with_the_softmax_behind_its_stores(monkeypatch, capsys):
-    """Only the swap kernels are held to the order: the wgmma kernel's fp8 form converts Q in
-    place between a barrier and a fence (loads after stores by design) and is not checked."""
+    """Only the swap kernels' cubins (by file name) are held to the order: the wgmma kernel's
+    fp8 form converts Q in place between a barrier and a fence and is not checked."""
     split = ["USETMAXREG.DEALLOC.CTAPOOL 0x20", "EXIT", "USETMAXREG.TRY_ALLOC.CTAPOOL P0, 0xd8"]
     pipelined = ["WARPGROUP.ARRIVE", *chain(18, "QGMMA.64x64x32.F32.E4M3.E4M3 R24, gdesc[UR8], R24"),
                  "WARPGROUP.DEPBAR.LE gsb0, 0x0"]
     good = split + pipelined + softmax_stretch(8, loads_first=True) + ["EXIT"]
     bad = split + pipelined + softmax_stretch(8, loads_first=False) + ["EXIT"]
-    swap = "_ZN6dcpmla11cuda_detail25attention_fp8_swap_kernelILb0ELi32EEEvNS_15AttentionParamsE"
-    wgmma = "_ZN6dcpmla11cuda_detail22attention_wgmma_kernelILb1EEEvNS_15AttentionParamsE"
-    monkeypatch.setattr(check, "functions", lambda nvdisasm, cubin: {swap: sass(*good)})
-    assert check.check("nvdisasm", "k.cubin")
+    monkeypatch.setattr(check, "functions", lambda nvdisasm, cubin: {"kernel": sass(*good)})
+    assert check.check("nvdisasm", "build/cubins/fp8_swap32_e4m3.cubin")
     assert "the softmax's loads before its stores" in capsys.readouterr().out
-    monkeypatch.setattr(check, "functions", lambda nvdisasm, cubin: {swap: sass(*bad)})
-    assert not check.check("nvdisasm", "k.cubin")
+    monkeypatch.setattr(check, "functions", lambda nvdisasm, cubin: {"kernel": sass(*bad)})
+    assert not check.check("nvdisasm", "build/cubins/fp8_swap32_e4m3.cubin")
     assert "7 shared-memory loads after a store" in capsys.readouterr().out
-    monkeypatch.setattr(check, "functions", lambda nvdisasm, cubin: {swap: sass(*bad[3:])})
-    assert not check.check("nvdisasm", "k.cubin", split=False)  # the unsplit (bf16 swap) form too
-    monkeypatch.setattr(check, "functions", lambda nvdisasm, cubin: {wgmma: sass(*bad)})
-    assert check.check("nvdisasm", "k.cubin")
+    monkeypatch.setattr(check, "functions", lambda nvdisasm, cubin: {"kernel": sass(*bad[3:])})
+    assert not check.check("nvdisasm", "bf16_swap_m16.cubin", split=False)  # the unsplit form too
+    monkeypatch.setattr(check, "functions", lambda nvdisasm, cubin: {"kernel": sass(*bad)})
+    assert check.check("nvdisasm", "build/cubins/wg64_fp8.cubin")
