@@ -29,13 +29,14 @@
 //     hands P^T and each row's rescale factor to the values warpgroup through buffers by
 //     tile parity (pfull / pfree mbarriers), so that it computes tile i + 1 while the values
 //     warpgroup (256 registers: O^T of all 512 dims, 128 f32 a thread) runs step 4 of tile
-//     i, in two halves of 64 dims a warp. At a unit's end the scores warpgroup leaves each
-//     row's sum and maximum in shared memory (sfull / sfree) and goes on to the next unit;
-//     the values warpgroup normalises and writes every row. A tile is read, transposed and
-//     multiplied once for all 32 rows. (The lock-step form before it, each consumer S and
-//     softmax of 16 rows and P V of 256 dims behind one barrier of both a tile, left the
-//     tensor cores idle through both softmaxes: 6 % slower on the H100, bench/NOTES.md,
-//     forty-fourth session.)
+//     i, in two halves of 64 dims a warp. The scores warpgroup is the kernel's critical
+//     path, so it runs steps 2-3 of tile i under tile i + 1's first two chains. At a unit's
+//     end it leaves each row's sum and maximum in shared memory (sfull / sfree) and goes on
+//     to the next unit; the values warpgroup normalises and writes every row. A tile is
+//     read, transposed and multiplied once for all 32 rows. (The lock-step form before it,
+//     each consumer S and softmax of 16 rows and P V of 256 dims behind one barrier of both
+//     a tile, left the tensor cores idle through both softmaxes: 6 % slower on the H100,
+//     bench/NOTES.md, forty-fourth session.)
 // Per tile (M = 16: each consumer on its own tiles; M = 32: steps 1-3 the scores warpgroup,
 // step 4 the values warpgroup):
 //   1. S^T (64 tokens, M rows) = K Q_hi^T + K Q_lo^T: 18 wgmma m64n(2M)k32 (B = Q_hi and
@@ -296,7 +297,8 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
   __syncthreads();
 
   cta_start(p, tid);
-  const PlanScalars ps = plan_scalars<M>(p);
+  // The plan's scalars (ps), like kv_scale's scales, are read by each role after setmaxnreg:
+  // a value live across it may be spilled.
 
   // Tiles are numbered across the CTA's units (gt): tile gt sits in stage gt % STAGES, its
   // n-th use (n = gt / STAGES) completes phase n of full[stage] and of empty[stage].
@@ -306,6 +308,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
   // Eight threads per token row (chunks lc + 8 m: one 128-byte row of each column block),
   // tokens lt + 16 j; a warp's copy reads 4 tokens x 128 contiguous bytes.
   auto producer_role = [&] {
+    const PlanScalars ps = plan_scalars<M>(p);
     const int lt = t >> 3, lc = t & 7;
     for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
       const UnitSpan us = unit_span<M, NT>(p, cur, ps);
@@ -353,9 +356,8 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
   }
 
   // =================== consumers ==================================================================
-  const float kv_scale = kv_scale_of(p);
-  const float sl2 = p.softmax_scale * kv_scale * kLog2e;
-  const float out_scale = kv_scale * (1.0f / 256.0f);  // v = stored * kv_scale; P entered as 256 P
+  auto scores_scale = [&] { return p.softmax_scale * kv_scale_of(p) * kLog2e; };
+  auto out_scale_of = [&] { return kv_scale_of(p) * (1.0f / 256.0f); };  // v = stored * kv_scale; P entered as 256 P
   float* sQscale = sh.qscale;
   int* sLen = sh.len;
   const uint32_t sQ_a = smem_addr(sh.q);
@@ -439,6 +441,8 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
     // into sL / m1 at its end (sfull). This thread's rows: 8 j + 2 c + u (j < 4, u < 2).
     if (role == 1) {
       setmaxnreg_inc<C::SCORES_REGS>();
+      const float sl2 = scores_scale();
+      const PlanScalars ps = plan_scalars<M>(p);
       uint32_t unit = 0;
       for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur); ++unit) {
         const UnitSpan us = unit_span<M, NT>(p, cur, ps);
@@ -458,21 +462,27 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
             m_run[j][u] = kNegInf;
             l_run[j][u] = 0.0f;
           }
-        for (int i = 0; i < us.ntiles; ++i) {
-          const uint32_t gt = gbase + uint32_t(i), st = gt % STAGES, b = gt & 1u;
+        // 1. S^T = K Q^T: one chain per column block (4 k32 steps), two in flight, each
+        //    summed (hi + lo) into sn as it completes (s at the tile's end). `between` runs
+        //    after the first two chains' issue: the last tile's steps 2-3, under them. No
+        //    mbarrier spin lies between a chain's issue and its wait (ptxas would serialise
+        //    every wgmma of the kernel); a named barrier may.
+        const SmemDesc dq(sQ_a, 16, 1024);
+        float s[16], x[4][2][2];  // the last tile's S, its masked scores
+        auto scores = [&](int i, auto between) {
+          const uint32_t gt = gbase + uint32_t(i), st = gt % STAGES;
           const uint32_t sK = sKV_a + st * C::TILE_BYTES;
-          mbar_wait(full_a + 8 * st, (gt / STAGES) & 1u);
-          // 1. S^T = K Q^T: one chain per column block (4 k32 steps), two in flight, each
-          //    summed (hi + lo) into s as it completes.
-          const SmemDesc dk(sK, 16, 1024), dq(sQ_a, 16, 1024);
-          float a[2][32], s[16];
+          const SmemDesc dk(sK, 16, 1024);
+          float a[2][32], sn[16];
           auto chain = [&](int cb, float (&acc)[32]) {
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < (cb < C::BLOCKS - 1 ? 4 : 2); ++ks) {
               const uint64_t da = dk.at(cb * (NT * 128) + ks * 32);
               const uint64_t db = dq.at(cb * (2 * QB * 128) + ks * 32);
-              if (ks == 0) wgmma_m64n64k32_fp8_ss<E5M2, false>(acc, da, db);
+              // In place: the fold of acc's last chain comes before this issue, so the five
+              // chains take two accumulators' registers, not five (the softmax runs beside them).
+              if (ks == 0) wgmma_m64n64k32_fp8_ss<E5M2, false, true>(acc, da, db);
               else wgmma_m64n64k32_fp8_ss<E5M2, true>(acc, da, db);
             }
             wgmma_commit();
@@ -482,13 +492,14 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
 #pragma unroll
             for (int e = 0; e < 16; ++e) {
               const float v = acc[e] + acc[16 + e];
-              s[e] = first ? v : s[e] + v;
+              sn[e] = first ? v : sn[e] + v;
             }
           };
           // Written out: the same sequence as a loop over cb gave ptxas other descriptor
           // arithmetic (a few integer instructions), and this is the form measured.
           chain(0, a[0]);
           chain(1, a[1]);
+          between();
           wgmma_wait<1>();
           fold(a[0], true);
           chain(2, a[0]);
@@ -503,23 +514,47 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
           wgmma_wait<0>();
           fold(a[0], false);
           mbar_arrive(empty_a + 8 * st);  // this warpgroup's reads of the stage are done
-
-          // 2. Scores in base 2, masked, and the softmax; 3. P^T and alpha by tile parity.
-          float x[4][2][2];
-          float* red = sh.red[b];  // by parity: tile gt + 2 rewrites it after the next barrier
-          masked_scores<4, QB>(s, us.tok_lo + i * NT + 16 * w + g, lim, sl2r, x, red, w, g, c);
-          wg_sync();
-          // P^T and alpha of parity b are free once the values warpgroup's P V of tile gt - 2 is done.
-          if (gt >= 2) mbar_wait(pfree_a + 8 * b, ((gt >> 1) - 1) & 1u);
+#pragma unroll
+          for (int e = 0; e < 16; ++e) s[e] = sn[e];
+        };
+        // 2. Tile i's scores in base 2 (x), masked, and their maxima (red, by parity) across
+        //    the four warps; 3. the softmax, P^T and alpha into the parity's buffers.
+        auto softmax = [&](int i) {
+          const uint32_t b = (gbase + uint32_t(i)) & 1u;
+          masked_scores<4, QB>(s, us.tok_lo + i * NT + 16 * w + g, lim, sl2r, x, sh.red[b], w, g, c);
+          wg_sync();  // red complete
           uint8_t* sPh = sh.p[b][0];
           uint8_t* sPl = sh.p[b][1];
           softmax_rows<4, QB>(
-              x, red, c, m_run, l_run, [&](int r, float p0, float p1) { store_p(sPh, sPl, r, p0, p1); },
+              x, sh.red[b], c, m_run, l_run, [&](int r, float p0, float p1) { store_p(sPh, sPl, r, p0, p1); },
               [&](int j, int u, float alpha) {
                 if (w == 0 && g == 0) sh.alpha[b][8 * j + 2 * c + u] = alpha;
               });
           fence_proxy_async();  // P^T is read by wgmma
           mbar_arrive(pfull_a + 8 * b);
+        };
+        // The spins before a tile's scores: its stage full, and (when tile i - 1's softmax
+        // runs under them) that tile's parity free, once the values warpgroup's P V of tile
+        // gt - 3 is done. (red of a parity is rewritten by tile gt + 2's softmax only after
+        // the barrier in tile gt + 1's, past every warp's reads of it in tile gt's.)
+        auto wait_free = [&](int i) {
+          const uint32_t gt = gbase + uint32_t(i);
+          if (gt >= 2) mbar_wait(pfree_a + 8 * (gt & 1u), ((gt >> 1) - 1) & 1u);
+        };
+        auto wait_full = [&](int i) {
+          const uint32_t gt = gbase + uint32_t(i);
+          mbar_wait(full_a + 8 * (gt % STAGES), (gt / STAGES) & 1u);
+        };
+        if (us.ntiles > 0) {
+          wait_full(0);
+          scores(0, [] {});
+          for (int i = 1; i < us.ntiles; ++i) {
+            wait_free(i - 1);
+            wait_full(i);
+            scores(i, [&] { softmax(i - 1); });
+          }
+          wait_free(us.ntiles - 1);
+          softmax(us.ntiles - 1);
         }
         gbase += uint32_t(us.ntiles);
         // The unit's row sums (per warp: lanes of one c share the rows) and maxima, once the
@@ -545,6 +580,8 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
     // a tile (a fresh accumulator each, summed in f32), a tile behind the scores warpgroup;
     // normalised and written at the unit's end.
     setmaxnreg_inc<C::VALUES_REGS>();
+    const float out_scale = out_scale_of();
+    const PlanScalars ps = plan_scalars<M>(p);
     const int dim0 = 128 * w + 2 * g;  // dims dim0 + 16 bb + h
     uint32_t unit = 0;
     for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur); ++unit) {
@@ -599,6 +636,8 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
     // ================= M 16: alternate tiles ===================================================
     static_assert(C::SCORES_REGS == C::VALUES_REGS);
     setmaxnreg_inc<C::SCORES_REGS>();
+    const float sl2 = scores_scale(), out_scale = out_scale_of();
+    const PlanScalars ps = plan_scalars<M>(p);
     // Consumer cw takes tiles cw, cw + 2, ... of each unit, all rows and dims.
     const int cw = role - 1;
     float* sRed = sh.red[cw];

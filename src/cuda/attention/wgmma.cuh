@@ -256,8 +256,12 @@ DCPMLA_WGMMA_16BIT_FORMS(256, 128, "%128, %129, p, 1, 1, %132, %131", "%130",
 //   a3 = A[16 w + g + 8][16 + 4 c ..]
 // D as above: d[4 j + 0, 1] = D[16 w + g][8 j + 2 c + 0, 1], d[4 j + 2, 3] = D[16 w + g + 8][same].
 // ACC = false: D = A B, the accumulators written only (no zeroing before a chain's first
-// step); ACC = true: D += A B.
-// One fp8 form in its four instantiations (A e4m3 or e5m2, D written or accumulated): N,
+// step); ACC = true: D += A B. IN_PLACE (default ACC) makes D an in-out operand even when
+// written only: the compiler then keeps a chain in the registers d already names, so the
+// reads of d's last chain must come before this issue. Without it, ptxas may give every
+// chain fresh registers and defer the reads of the last past the issue (the fp8 swap
+// kernel's scores warpgroup: five chains' accumulators live at once).
+// One fp8 form in its four instantiations (A e4m3 or e5m2, D in-out or written only): N,
 // NACC = N / 2 accumulators, OPS the operand numbers after them, SCALE the scale-d flag's,
 // then the input operands.
 #define DCPMLA_WGMMA_FP8_ASM(N, NACC, OPS, SCALE, ATYPE, C, ...)                                                   \
@@ -266,31 +270,31 @@ DCPMLA_WGMMA_16BIT_FORMS(256, 128, "%128, %129, p, 1, 1, %132, %131", "%130",
                ", p, 1, 1;\n}\n"                                                                                   \
                : DCPMLA_WGMMA_D##NACC(C, d)                                                                       \
                : __VA_ARGS__)
-#define DCPMLA_WGMMA_FP8_FORM(N, NACC, OPS, SCALE, ...)                                 \
-  if constexpr (A_E5M2 && ACC) DCPMLA_WGMMA_FP8_ASM(N, NACC, OPS, SCALE, "e5m2", "+f", __VA_ARGS__); \
-  else if constexpr (A_E5M2) DCPMLA_WGMMA_FP8_ASM(N, NACC, OPS, SCALE, "e5m2", "=f", __VA_ARGS__);   \
-  else if constexpr (ACC) DCPMLA_WGMMA_FP8_ASM(N, NACC, OPS, SCALE, "e4m3", "+f", __VA_ARGS__);      \
+#define DCPMLA_WGMMA_FP8_FORM(N, NACC, OPS, SCALE, IN_PLACE, ...)                                 \
+  if constexpr (A_E5M2 && IN_PLACE) DCPMLA_WGMMA_FP8_ASM(N, NACC, OPS, SCALE, "e5m2", "+f", __VA_ARGS__); \
+  else if constexpr (A_E5M2) DCPMLA_WGMMA_FP8_ASM(N, NACC, OPS, SCALE, "e5m2", "=f", __VA_ARGS__);        \
+  else if constexpr (IN_PLACE) DCPMLA_WGMMA_FP8_ASM(N, NACC, OPS, SCALE, "e4m3", "+f", __VA_ARGS__);      \
   else DCPMLA_WGMMA_FP8_ASM(N, NACC, OPS, SCALE, "e4m3", "=f", __VA_ARGS__)
 
 template <bool A_E5M2, bool ACC>
 __device__ __forceinline__ void wgmma_m64n32k32_fp8_ss(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {
-  DCPMLA_WGMMA_FP8_FORM(32, 16, "%16, %17", "%18", "l"(desc_a), "l"(desc_b), "r"(int(ACC)));
+  DCPMLA_WGMMA_FP8_FORM(32, 16, "%16, %17", "%18", ACC, "l"(desc_a), "l"(desc_b), "r"(int(ACC)));
 }
 
-template <bool A_E5M2, bool ACC>
+template <bool A_E5M2, bool ACC, bool IN_PLACE = ACC>
 __device__ __forceinline__ void wgmma_m64n64k32_fp8_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
-  DCPMLA_WGMMA_FP8_FORM(64, 32, "%32, %33", "%34", "l"(desc_a), "l"(desc_b), "r"(int(ACC)));
+  DCPMLA_WGMMA_FP8_FORM(64, 32, "%32, %33", "%34", IN_PLACE, "l"(desc_a), "l"(desc_b), "r"(int(ACC)));
 }
 
 template <bool A_E5M2, bool ACC>
 __device__ __forceinline__ void wgmma_m64n16k32_fp8_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b) {
-  DCPMLA_WGMMA_FP8_FORM(16, 8, "{%8, %9, %10, %11}, %12", "%13", "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]),
+  DCPMLA_WGMMA_FP8_FORM(16, 8, "{%8, %9, %10, %11}, %12", "%13", ACC, "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]),
                         "l"(desc_b), "r"(int(ACC)));
 }
 
 template <bool A_E5M2, bool ACC>
 __device__ __forceinline__ void wgmma_m64n32k32_fp8_rs(float (&d)[16], const uint32_t (&a)[4], uint64_t desc_b) {
-  DCPMLA_WGMMA_FP8_FORM(32, 16, "{%16, %17, %18, %19}, %20", "%21", "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]),
+  DCPMLA_WGMMA_FP8_FORM(32, 16, "{%16, %17, %18, %19}, %20", "%21", ACC, "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]),
                         "l"(desc_b), "r"(int(ACC)));
 }
 
