@@ -203,15 +203,12 @@ __global__ void __launch_bounds__(Bf16SwapConfig<M>::THREADS, 1)
             for (int u = 0; u < 2; ++u)
               if (t0 + 8 * h >= lim[j][u]) sc[4 * j + 2 * h + u] = kNegInf;
       }
+      float v[2 * J];
 #pragma unroll
       for (int j = 0; j < J; ++j)
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          float v = fmaxf(sc[4 * j + u], sc[4 * j + 2 + u]);
-#pragma unroll
-          for (int d = 4; d <= 16; d <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, d));
-          if (g == 0) sh.red[w][row_of(j, u)] = v;
-        }
+        for (int u = 0; u < 2; ++u) v[2 * j + u] = fmaxf(sc[4 * j + u], sc[4 * j + 2 + u]);
+      swap_warp_maxima<J>(v, g, [&](int j, int u, float m) { sh.red[w][row_of(j, u)] = m; });
       wg_sync();
       float tmax[J][2];  // every row's before the first P^T store (swap_tile_maxima)
       swap_tile_maxima<J>(&sh.red[0][0], M, c, tmax);

@@ -150,29 +150,21 @@ __device__ __forceinline__ void split_e4m3x2(float a, float b, uint16_t& hi, uin
 // tokens 16 w + g and 16 w + g + 8 of the tile (h = 0, 1). Their base-2 scores x[j][h][u]
 // from s[4 j + 2 h + u] (Q_hi's and Q_lo's columns summed), masked at each row's own limit;
 // each row's maximum over warp w's 16 tokens (the lanes of one c) goes to red[w QB + row],
-// for softmax_rows after a barrier of the warpgroup.
+// for softmax_rows after a barrier of the warpgroup (swap_warp_maxima).
 template <int J, int QB>
 __device__ __forceinline__ void masked_scores(const float (&s)[4 * J], int tok0, const int (&lim)[J][2],
                                               const float (&sl2r)[J][2], float (&x)[J][2][2], float* red, int w,
                                               int g, int c) {
-  float mx[J][2];
+  float v[2 * J];
 #pragma unroll
   for (int j = 0; j < J; ++j)
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) x[j][h][u] = tok0 + 8 * h < lim[j][u] ? s[4 * j + 2 * h + u] * sl2r[j][u] : kNegInf;
-      float v = fmaxf(x[j][0][u], x[j][1][u]);
-#pragma unroll
-      for (int d = 4; d <= 16; d <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, d));
-      mx[j][u] = v;
+      v[2 * j + u] = fmaxf(x[j][0][u], x[j][1][u]);
     }
-  if (g == 0) {
-#pragma unroll
-    for (int j = 0; j < J; ++j)
-#pragma unroll
-      for (int u = 0; u < 2; ++u) red[w * QB + 8 * j + 2 * c + u] = mx[j][u];
-  }
+  swap_warp_maxima<J>(v, g, [&](int j, int u, float m) { red[w * QB + 8 * j + 2 * c + u] = m; });
 }
 
 // The online softmax's step for those rows at the tile maxima of the four warps (warp q's

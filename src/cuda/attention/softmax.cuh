@@ -49,6 +49,34 @@ __device__ __forceinline__ float max16(const float (&sc)[32], int e0) {
   return v[0];
 }
 
+// The swap kernels' maxima over a warp's 16 tokens of a thread's rows 8 j + 2 c + u (j < J,
+// u < 2; v[2 j + u] the thread's two tokens' maximum), which the eight lanes of one c
+// (g = lane / 4) share: reduced by halves, each exchange sending the half of the values left
+// that the lane gives up and keeping the other, so that lane g ends with value g (J 4) or
+// g / 2 (J 2): 2 J - 1 shuffles (+ 1 at J 2) instead of 6 J for an all-reduce of every row.
+// store(j, u, max) runs once per row in the warp, in the lane that holds it.
+template <int J, typename Store>
+__device__ __forceinline__ void swap_warp_maxima(float (&v)[2 * J], int g, Store store) {
+  static_assert(J == 2 || J == 4, "2 J rows over the 8 lanes of one c");
+  int n = 2 * J;
+#pragma unroll
+  for (int d = 16; d >= 4; d >>= 1) {
+    if (n == 1) {
+      v[0] = fmaxf(v[0], __shfl_xor_sync(0xffffffffu, v[0], d));
+      continue;
+    }
+    n >>= 1;
+    const bool upper = (g & (d >> 2)) != 0;  // lane bit d is bit d / 4 of g
+#pragma unroll
+    for (int k = 0; k < n; ++k) {
+      const float send = upper ? v[k] : v[k + n], keep = upper ? v[k + n] : v[k];
+      v[k] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, d));
+    }
+  }
+  const int k = J == 4 ? g : g >> 1;
+  if (J == 4 || (g & 1) == 0) store(k >> 1, k & 1, v[0]);
+}
+
 // The swap kernels' tile maxima (S^T: a row's 64 scores lie over the four warps, each warp's
 // maximum of row r at red[q stride + r]) of a thread's rows 8 j + 2 c + u (j < J, u < 2).
 // Read for every row before the first P^T store: the compiler must assume those stores may
