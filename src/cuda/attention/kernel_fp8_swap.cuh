@@ -29,8 +29,9 @@
 //     hands P^T and each row's rescale factor to the values warpgroup through buffers by
 //     tile parity (pfull / pfree mbarriers), so that it computes tile i + 1 while the values
 //     warpgroup (256 registers: O^T of all 512 dims, 128 f32 a thread) runs step 4 of tile
-//     i, in two halves of 64 dims a warp. The scores warpgroup is the kernel's critical
-//     path, so it runs steps 2-3 of tile i under tile i + 1's first two chains. At a unit's
+//     i, in two halves of 64 dims a warp. The scores warpgroup runs steps 2-3 of tile i
+//     under tile i + 1's first two chains (its tile bound the kernel: bench/NOTES.md,
+//     forty-ninth and fiftieth sessions). At a unit's
 //     end it leaves each row's sum and maximum in shared memory (sfull / sfree) and goes on
 //     to the next unit; the values warpgroup normalises and writes every row. A tile is
 //     read, transposed and multiplied once for all 32 rows. (The lock-step form before it,
@@ -460,7 +461,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
         //    mbarrier spin lies between a chain's issue and its wait (ptxas would serialise
         //    every wgmma of the kernel); a named barrier may.
         const SmemDesc dq(sQ_a, 16, 1024);
-        float s[16], x[4][2][2];  // the last tile's S, its masked scores
+        float s[16];  // the last tile's S, read by its softmax under the next tile's chains
         auto scores = [&](int i, auto between) {
           const uint32_t gt = gbase + uint32_t(i), st = gt % STAGES;
           const uint32_t sK = sKV_a + st * C::TILE_BYTES;
@@ -513,6 +514,7 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
         //    the four warps; 3. the softmax, P^T and alpha into the parity's buffers.
         auto softmax = [&](int i) {
           const uint32_t b = (gbase + uint32_t(i)) & 1u;
+          float x[4][2][2];
           masked_scores<4, QB>(s, us.tok_lo + i * NT + 16 * w + g, lim, sl2r, x, sh.red[b], w, g, c);
           wg_sync();  // red complete
           uint8_t* sPh = sh.p[b][0];
@@ -525,10 +527,11 @@ __global__ void __launch_bounds__(384, 1) attention_fp8_swap_kernel(const __grid
           fence_proxy_async();  // P^T is read by wgmma
           mbar_arrive(pfull_a + 8 * b);
         };
-        // The spins before a tile's scores: its stage full, and (when tile i - 1's softmax
-        // runs under them) that tile's parity free, once the values warpgroup's P V of tile
-        // gt - 3 is done. (red of a parity is rewritten by tile gt + 2's softmax only after
-        // the barrier in tile gt + 1's, past every warp's reads of it in tile gt's.)
+        // The spins before a tile's scores: its stage full (wait_full), and before the
+        // softmax of tile i that runs under them its parity's P^T and alpha free (wait_free),
+        // once the values warpgroup's P V of tile i - 2 is done. (red of a parity is
+        // rewritten by tile gt + 2's softmax only after the barrier in tile gt + 1's, past
+        // every warp's reads of it in tile gt's.)
         auto wait_free = [&](int i) {
           const uint32_t gt = gbase + uint32_t(i);
           if (gt >= 2) mbar_wait(pfree_a + 8 * (gt & 1u), ((gt >> 1) - 1) & 1u);
