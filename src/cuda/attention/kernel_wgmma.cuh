@@ -159,7 +159,7 @@ __device__ __forceinline__ void wgmma_load_unit_q(const AttentionParams& p, cons
 // until both consumers have released the tile's stage, unpacks it there as f16 (exact: every
 // e4m3 / e5m2 value is an f16 value; kv_scale is applied outside), fences the stores for the
 // async proxy and arrives on the stage's full barrier.
-// The bytes in registers are the stream's only lead, and its loads' latency still costs 17-24 %
+// The bytes in registers are the stream's only lead, and its loads' latency still costs 12-24 %
 // of the fp8 64-row rows (bench/NOTES.md, fifty-first session): copying each tile into its
 // released stage and unpacking it there instead (no registers) was 18 % slower, and a second
 // producer warpgroup does not fit beside the consumers' registers.
