@@ -51,6 +51,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/params.h"
 #include "common/utils.cuh"
@@ -91,13 +92,16 @@ struct WgConfig {
   static_assert(Q_BYTES % 1024 == 0 && TILE_BYTES % 1024 == 0 && P_BYTES % 1024 == 0);
 };
 
-// Named barriers: 256 threads from WG0 (bar.arrive) to WG1 (bar.sync) and the two consumer
-// warpgroups together; 128 for one warpgroup alone.
+// Named barriers: 256 threads, one warpgroup arriving (bar.arrive) and the other waiting
+// (bar.sync); 128 for one warpgroup alone. Each consumer warpgroup runs its own copy of the
+// unit loop, and bar.sync is the aligned form (every thread that blocks in one generation
+// blocks at the same instruction), so only one warpgroup blocks on each barrier.
 enum WgBarrier : int {
-  kBarPReady = 1,     // P(i) and alpha(i) are in shared memory
-  kBarConsumers = 4,  // both consumers
-  kBarSoftmax = 5,    // WG0 alone (128 threads; fp8: its f16 Q is in place)
-  kBarPv = 6,         // WG1 alone (fp8: passed once a unit, as WG0 passes kBarSoftmax)
+  kBarPReady = 1,   // WG0 -> WG1: P(i) and alpha(i) are in shared memory
+  kBarStats = 4,    // WG0 -> WG1: the unit's row sums and maxima are in shared memory
+  kBarSoftmax = 5,  // WG0 alone (128 threads; fp8: its f16 Q is in place; the row statistics)
+  kBarPv = 6,       // WG1 alone: passed as often as WG0 passes kBarSoftmax (racecheck's bookkeeping)
+  kBarUnitEnd = 7,  // WG1 -> WG0: WG1 is past its reads of the unit's shared memory
 };
 // The mbarriers (WgShared::bar): full[s][q] at full_bar(s, q) ("part q of stage s holds its
 // columns of the tile"; one arrival per producer thread, after its copies or stores of parts
@@ -343,9 +347,11 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
   __syncthreads();
 
   cta_start(p, tid);
-  const PlanScalars ps = plan_scalars<M>(p);
+  // The plan's scalars are read by each role after its setmaxnreg: a value live across it
+  // may be spilled.
   if (wg == 2) {
     setmaxnreg_dec<C::PRODUCER_REGS>();
+    const PlanScalars ps = plan_scalars<M>(p);
     if constexpr (!FP8)
       stream_bf16_tiles<M>(p, ps, sKV_a, bar_a + 8 * full_bar<false>(0, 0), bar_a + 8 * kMbarEmpty0, t, &maps,
                            [&](const UnitSpan& u, uint32_t k) { wgmma_load_unit_q(p, u, k, sh, t); });
@@ -353,270 +359,293 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
     else wgmma_fp8_producer<false>(p, ps, sh, t);
     return;
   }
-  setmaxnreg_inc<C::CONSUMER_REGS>();
-  auto consumers_sync = [] { named_sync(kBarConsumers, C::CONSUMERS); };
+  // Each consumer warpgroup runs its own copy of the unit loop, with only its role's code in
+  // it, so that ptxas allocates each copy's registers for that role alone (the 128-head rows
+  // 1-2 % faster than one loop with both roles in it on the H100: bench/NOTES.md,
+  // fifty-second session). The barriers between them pair an arrive with a sync (WgBarrier).
+  auto consumer = [&](auto softmax_wg) {
+    constexpr bool kSoftmaxWg = decltype(softmax_wg)::value;
+    setmaxnreg_inc<C::CONSUMER_REGS>();
+    const PlanScalars ps = plan_scalars<M>(p);
 
-  const float kv_scale = FP8 ? kv_scale_of(p) : 1.0f;
-  const float sl2 = p.softmax_scale * kv_scale * kLog2e;
-  const float out_scale = kv_scale;  // v = stored * kv_scale
+    const float kv_scale = FP8 ? kv_scale_of(p) : 1.0f;
+    const float sl2 = p.softmax_scale * kv_scale * kLog2e;
+    const float out_scale = kv_scale;  // v = stored * kv_scale
 
-  uint32_t phase = 0;  // bit k: parity of the next completion of mbarrier k this thread waits for
-  uint32_t gbase = 0;  // the unit's first tile, numbered across the CTA's units
+    uint32_t phase = 0;  // bit k: parity of the next completion of mbarrier k this thread waits for
+    uint32_t gbase = 0;  // the unit's first tile, numbered across the CTA's units
 
-  float o[128];  // (64, 256) slice of O: this warpgroup's columns [256 wg, 256 wg + 256)
-  // O's rows r0, r1 times alpha; once the running maxima settle alpha is exactly 1 (skipped).
-  auto rescale_o = [&](float al0, float al1) {
-    if (__any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f)) {
-#pragma unroll
-      for (int k = 0; k < 128; k += 4) {
-        o[k] *= al0;
-        o[k + 1] *= al0;
-        o[k + 2] *= al1;
-        o[k + 3] *= al1;
-      }
-    }
-  };
-
-  for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
-    const UnitSpan u = unit_span<M, NT>(p, cur, ps);
-    const int nr = u.nr;
-    const int tok_lo = u.tok_lo, tok_hi = u.tok_hi, ntiles = u.ntiles;
-
-#pragma unroll
-    for (int k = 0; k < 128; ++k) o[k] = 0.0f;
-    float m_run[2] = {kNegInf, kNegInf}, l_run[2] = {0.0f, 0.0f};
-
-    // The softmax role (WG0): S, the online softmax, P and alpha to WG1, O[:, 0:256] += P V;
-    // then the row statistics for the epilogue.
-    auto softmax_role = [&] {
-      // The unit's Q and lengths, loaded by the producer (no proxy fence: cp.async bytes
-      // arrived through the mbarrier). Q is released after the unit's last S.
-      mbar_wait(bar_a + 8 * kMbarQFull, (phase >> kMbarQFull) & 1u);
-      phase ^= 1u << kMbarQFull;
-      // fp8: WG0 turns the unit's Q into f16 in place (two threads a row) and puts each
-      // row's scale beside it. Only WG0 touches Q, so the producer's next load of it waits
-      // for WG0 alone, and WG1 never sees Q or the scales.
-      if constexpr (FP8) {
-        const float qs = q_row_to_f16(sh.q, t >> 1, t & 1);
-        if ((t & 1) == 0) sh.qscale[t >> 1] = qs;
-        fence_proxy_async();  // the f16 Q is read by wgmma (async proxy)
-        named_sync(kBarSoftmax, 128);
-      }
-      // Rows past the unit's (padding to 64) have a zero Q and are never stored, so they go
-      // unmasked: their scores are 0, their maxima settle on the first tile and their warps
-      // take the fast path. Masked, they had no key, so every tile of theirs paid the mask, the
-      // maximum's step and a rescale of O (alpha = 2^-inf): 17-23 % at every row count above
-      // 64 that is not a multiple of it (bench/NOTES.md, twenty-ninth session).
-      const int lim0 = r0 >= nr ? tok_hi : min(sLen[r0], tok_hi), lim1 = r1 >= nr ? tok_hi : min(sLen[r1], tok_hi);
-      // This thread's four stmatrix addresses of P (one per k16 step; lane l addresses row
-      // l % 8 of matrix l / 8), made opaque so that ptxas keeps them rather than rebuilding them
-      // (a chain of about 20 instructions) between the P-free wait and the stores on every tile.
-      uint32_t p_st[4];
-      {
-        const int mi = lane >> 3, rr = lane & 7, row = (t >> 5) * 16 + (mi & 1) * 8 + rr;
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          p_st[kk] = sP_a + row * 128 + (((2 * kk + (mi >> 1)) ^ rr) << 4);
-          asm volatile("" : "+r"(p_st[kk]));
+    float o[128];  // (64, 256) slice of O: this warpgroup's columns [256 wg, 256 wg + 256)
+    // O's rows r0, r1 times alpha; once the running maxima settle alpha is exactly 1 (skipped).
+    auto rescale_o = [&](float al0, float al1) {
+      if (__any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f)) {
+  #pragma unroll
+        for (int k = 0; k < 128; k += 4) {
+          o[k] *= al0;
+          o[k + 1] *= al0;
+          o[k + 2] *= al1;
+          o[k + 3] *= al1;
         }
       }
-      // Each row's score scale (fp8: times the 2^-a its Q was scaled by).
-      const float sl2r0 = FP8 ? sl2 * sh.qscale[r0] : sl2, sl2r1 = FP8 ? sl2 * sh.qscale[r1] : sl2;
-      if (ntiles == 0) mbar_arrive(bar_a + 8 * kMbarQEmpty);
-      for (int i = 0; i < ntiles; ++i) {
-        const int s = (gbase + i) & 1;
-        // No proxy fence after the wait: cp.async bytes, completed through
-        // cp.async.mbarrier.arrive, go to wgmma straight after the barrier (as in
-        // FlashAttention-3's paged-KV path); the fp8 producer fences its own stores before
-        // arriving. Here fence.proxy.async is a MEMBAR that also waits for this thread's loads
-        // in flight: dropping it took verify16_q4 from 225 to 204 us (bench/NOTES.md).
-        const uint32_t sK = sKV_a + s * C::TILE_BYTES;
-        // S (64, 64) = Q (64, 576) K^T: k16 step ks reads 32 bytes of column block ks / 4; each
-        // part's steps start when the part has landed, one commit group per part (a spin on
-        // an mbarrier inside one group makes ptxas serialise every wgmma of the kernel).
-        // sc[4 j + e]: row r0, token 8 j + 2 c + e; sc[4 j + 2 + e]: row r1.
-        float sc[32];
-#pragma unroll
-        for (int k = 0; k < 32; ++k) sc[k] = 0.0f;  // (overwritten: the first step has scale_d = 0)
-#pragma unroll
-        for (int q = 0; q < C::PARTS; ++q) {
-          const int fb = full_bar<FP8>(s, q);
+    };
+
+    for (UnitCursor cur = unit_cursor(); next_unit<M>(p, ps, cur);) {
+      const UnitSpan u = unit_span<M, NT>(p, cur, ps);
+      const int nr = u.nr;
+      const int tok_lo = u.tok_lo, tok_hi = u.tok_hi, ntiles = u.ntiles;
+
+  #pragma unroll
+      for (int k = 0; k < 128; ++k) o[k] = 0.0f;
+      float m_run[2] = {kNegInf, kNegInf}, l_run[2] = {0.0f, 0.0f};
+
+      // The softmax role (WG0): S, the online softmax, P and alpha to WG1, O[:, 0:256] += P V;
+      // then the row statistics for the epilogue.
+      auto softmax_role = [&] {
+        // The unit's Q and lengths, loaded by the producer (no proxy fence: cp.async bytes
+        // arrived through the mbarrier). Q is released after the unit's last S.
+        mbar_wait(bar_a + 8 * kMbarQFull, (phase >> kMbarQFull) & 1u);
+        phase ^= 1u << kMbarQFull;
+        // fp8: WG0 turns the unit's Q into f16 in place (two threads a row) and puts each
+        // row's scale beside it. Only WG0 touches Q, so the producer's next load of it waits
+        // for WG0 alone, and WG1 never sees Q or the scales.
+        if constexpr (FP8) {
+          const float qs = q_row_to_f16(sh.q, t >> 1, t & 1);
+          if ((t & 1) == 0) sh.qscale[t >> 1] = qs;
+          fence_proxy_async();  // the f16 Q is read by wgmma (async proxy)
+          named_sync(kBarSoftmax, 128);
+        }
+        // Rows past the unit's (padding to 64) have a zero Q and are never stored, so they go
+        // unmasked: their scores are 0, their maxima settle on the first tile and their warps
+        // take the fast path. Masked, they had no key, so every tile of theirs paid the mask, the
+        // maximum's step and a rescale of O (alpha = 2^-inf): 17-23 % at every row count above
+        // 64 that is not a multiple of it (bench/NOTES.md, twenty-ninth session).
+        const int lim0 = r0 >= nr ? tok_hi : min(sLen[r0], tok_hi), lim1 = r1 >= nr ? tok_hi : min(sLen[r1], tok_hi);
+        // This thread's four stmatrix addresses of P (one per k16 step; lane l addresses row
+        // l % 8 of matrix l / 8), made opaque so that ptxas keeps them rather than rebuilding them
+        // (a chain of about 20 instructions) between the P-free wait and the stores on every tile.
+        uint32_t p_st[4];
+        {
+          const int mi = lane >> 3, rr = lane & 7, row = (t >> 5) * 16 + (mi & 1) * 8 + rr;
+  #pragma unroll
+          for (int kk = 0; kk < 4; ++kk) {
+            p_st[kk] = sP_a + row * 128 + (((2 * kk + (mi >> 1)) ^ rr) << 4);
+            asm volatile("" : "+r"(p_st[kk]));
+          }
+        }
+        // Each row's score scale (fp8: times the 2^-a its Q was scaled by).
+        const float sl2r0 = FP8 ? sl2 * sh.qscale[r0] : sl2, sl2r1 = FP8 ? sl2 * sh.qscale[r1] : sl2;
+        if (ntiles == 0) mbar_arrive(bar_a + 8 * kMbarQEmpty);
+        for (int i = 0; i < ntiles; ++i) {
+          const int s = (gbase + i) & 1;
+          // No proxy fence after the wait: cp.async bytes, completed through
+          // cp.async.mbarrier.arrive, go to wgmma straight after the barrier (as in
+          // FlashAttention-3's paged-KV path); the fp8 producer fences its own stores before
+          // arriving. Here fence.proxy.async is a MEMBAR that also waits for this thread's loads
+          // in flight: dropping it took verify16_q4 from 225 to 204 us (bench/NOTES.md).
+          const uint32_t sK = sKV_a + s * C::TILE_BYTES;
+          // S (64, 64) = Q (64, 576) K^T: k16 step ks reads 32 bytes of column block ks / 4; each
+          // part's steps start when the part has landed, one commit group per part (a spin on
+          // an mbarrier inside one group makes ptxas serialise every wgmma of the kernel).
+          // sc[4 j + e]: row r0, token 8 j + 2 c + e; sc[4 j + 2 + e]: row r1.
+          float sc[32];
+  #pragma unroll
+          for (int k = 0; k < 32; ++k) sc[k] = 0.0f;  // (overwritten: the first step has scale_d = 0)
+  #pragma unroll
+          for (int q = 0; q < C::PARTS; ++q) {
+            const int fb = full_bar<FP8>(s, q);
+            mbar_wait(bar_a + 8 * fb, (phase >> fb) & 1u);
+            phase ^= 1u << fb;
+            const SmemDesc dq(sQ_a, 16, 1024), dk(sK, 16, 1024);  // (per part: not held across the waits)
+            wgmma_fence();
+  #pragma unroll
+            for (int kq = 0; kq < 4 * C::BLOCKS_PER_PART; ++kq) {
+              const int ks = q * 4 * C::BLOCKS_PER_PART + kq;
+              const uint32_t off = uint32_t((ks >> 2) * (M * 128) + (ks & 3) * 32);
+              wgmma_m64n64k16_ss<0, 0, FP8>(sc, dq.at(off), dk.at(off), ks > 0);
+            }
+            wgmma_commit();
+          }
+          wgmma_wait<0>();
+          fence_regs(sc);
+          if (i + 1 == ntiles) mbar_arrive(bar_a + 8 * kMbarQEmpty);
+
+          // Online softmax, base 2; each row masked at its own local length, in place and only
+          // in a tile that reaches past one of this thread's two rows (a unit's last tile, or a
+          // verify row's shorter window): full tiles skip the 64 compares.
+          const int tok0 = tok_lo + i * NT;
+          if (tok0 + NT > min(lim0, lim1)) {
+  #pragma unroll
+            for (int j = 0; j < 8; ++j)
+  #pragma unroll
+              for (int e = 0; e < 4; ++e)
+                if (tok0 + 8 * j + 2 * c + (e & 1) >= (e < 2 ? lim0 : lim1)) sc[4 * j + e] = kNegInf;
+          }
+          auto x = [&](int j, int e) { return sc[4 * j + e]; };  // e 0, 1: row r0; 2, 3: row r1
+          // P (packed for P V) and its row sums under the exponent offsets mu0, mu1.
+          float sum0, sum1;
+          uint32_t pa[4][4];  // A fragments of P V, k16 step kk = tokens [16 kk, 16 kk + 16)
+          auto exponentials = [&](float mu0, float mu1) {
+            sum0 = 0.0f;
+            sum1 = 0.0f;
+  #pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              const float p0 = fast_exp2(fmaf(x(j, 0), sl2r0, -mu0)), p1 = fast_exp2(fmaf(x(j, 1), sl2r0, -mu0));
+              const float p2 = fast_exp2(fmaf(x(j, 2), sl2r1, -mu1)), p3 = fast_exp2(fmaf(x(j, 3), sl2r1, -mu1));
+              sum0 += p0 + p1;
+              sum1 += p2 + p3;
+              pa[j >> 1][(j & 1) * 2] = FP8 ? pack_f16x2(p0, p1) : pack_bf16x2(p0, p1);
+              pa[j >> 1][(j & 1) * 2 + 1] = FP8 ? pack_f16x2(p2, p3) : pack_bf16x2(p2, p3);
+            }
+          };
+          // bf16: the exponentials first, under the offsets the rows had. With the lazy maximum
+          // these stay on almost every tile, so the values are the step's own, and the
+          // exponentials no longer wait for the tile's maximum (a tree of compares and two
+          // shuffles); a warp where a row's offset moved computes them again (on a unit's first
+          // tile every warp does: a run-time gate for that tile cost 4 %, bench/NOTES.md). fp8's
+          // consumers (192 registers) cannot hold P beside the scores: there it spills and
+          // serialises.
+          constexpr bool kAhead = !FP8;
+          const float keep0 = softmax_offset(m_run[0]), keep1 = softmax_offset(m_run[1]);
+          if constexpr (kAhead) exponentials(keep0, keep1);
+          // A lazy maximum moves only for a score over 2^kLazyMaxSlack under the row's offset, so a
+          // warp where no row can move (and every row has a maximum already) keeps every offset:
+          // it skips the shuffles and the step, and alpha is 1 (on almost every tile). bf16 asks
+          // its sums (the exponentials are not negative) and skips the maximum's tree as well;
+          // fp8, with no exponentials yet, asks each thread's own maxima (the quad's maximum is
+          // within the bound exactly when every lane's is), so its tree comes first.
+          constexpr float kLazyMaxExp = float(1u << unsigned(kLazyMaxSlack));
+          float al0 = 1.0f, al1 = 1.0f;
+          float mx0 = kAhead ? 0.0f : max16(sc, 0), mx1 = kAhead ? 0.0f : max16(sc, 2);
+          const bool keeps = kAhead ? sum0 <= kLazyMaxExp && sum1 <= kLazyMaxExp
+                                    : mx0 * sl2r0 <= keep0 + kLazyMaxSlack && mx1 * sl2r1 <= keep1 + kLazyMaxSlack;
+          if (__any_sync(0xffffffffu, !keeps || m_run[0] == kNegInf || m_run[1] == kNegInf)) {
+            if constexpr (kAhead) {
+              mx0 = max16(sc, 0);
+              mx1 = max16(sc, 2);
+            }
+  #pragma unroll
+            for (int d = 1; d <= 2; d <<= 1) {
+              mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, d));
+              mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, d));
+            }
+            // (sl2r > 0: the scaled maximum is the maximum of the scaled scores.)
+            const SoftmaxStep st0 = softmax_step<true, !FP8>(m_run[0], mx0 * sl2r0),
+                              st1 = softmax_step<true, !FP8>(m_run[1], mx1 * sl2r1);
+            if (!kAhead || __any_sync(0xffffffffu, st0.mu != keep0 || st1.mu != keep1)) exponentials(st0.mu, st1.mu);
+            al0 = st0.alpha;
+            al1 = st1.alpha;
+            m_run[0] = st0.m;
+            m_run[1] = st1.m;
+            rescale_o(al0, al1);
+          } else if constexpr (!kAhead) {
+            exponentials(keep0, keep1);
+          }
+          l_run[0] = l_run[0] * al0 + sum0;
+          l_run[1] = l_run[1] * al1 + sum1;
+
+          // Hand P (bf16, fp8: f16; K-major swizzled (64, 64)) and alpha to WG1.
+          if (i > 0) {
+            mbar_wait(bar_a + 8 * kMbarPFree, (phase >> kMbarPFree) & 1u);
+            phase ^= 1u << kMbarPFree;
+          }
+          // One stmatrix per k16 step: pa[kk][i] is matrix i's fragment (rows r0 / r1 = the
+          // warp's rows 0-7 / 8-15, columns 16 kk + 8 (i >> 1) ..).
+  #pragma unroll
+          for (int kk = 0; kk < 4; ++kk) stmatrix_x4(p_st[kk], pa[kk]);
+          if (c == 0) {
+            sAlpha[r0] = al0;
+            sAlpha[r1] = al1;
+          }
+
+          // O[:, 0:256] += P V: V = dims [0, 256) of the tile, MN-major (4 blocks of 64 dims,
+          // LBO 8 KiB apart; 8-token groups SBO 1 KiB apart; k16 step = 2 KiB). Issued before
+          // the handoff's fence and arrival (as FlashMLA orders its P store, P V and fence): the
+          // tensor cores start on this half while the fence (a MEMBAR) drains the stores; P's
+          // registers were read by the stores above, before the wgmma takes them.
+          const SmemDesc dv(sK, NT * 128, 1024);
+          wgmma_fence();
+  #pragma unroll
+          for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_rs<1, FP8>(o, pa[kk], dv.at(kk * 2048), 1);
+          wgmma_commit();
+          fence_proxy_async();
+          named_arrive(kBarPReady, 256);
+          wgmma_wait<0>();
+          fence_regs(o);
+          mbar_arrive(bar_a + 8 * (kMbarEmpty0 + s));
+        }
+        // l over the quad of lanes that share a row (each summed its own tokens).
+  #pragma unroll
+        for (int d = 1; d <= 2; d <<= 1) {
+          l_run[0] += __shfl_xor_sync(0xffffffffu, l_run[0], d);
+          l_run[1] += __shfl_xor_sync(0xffffffffu, l_run[1], d);
+        }
+        if (c == 0) {
+          sL[r0] = l_run[0];
+          sL[r1] = l_run[1];
+          sM[r0] = m_run[0];
+          sM[r1] = m_run[1];
+        }
+      };
+      // The P V role (WG1): O[:, 256:512] += P V with P from shared memory.
+      auto pv_role = [&] {
+        // Nothing waits for this barrier: it keeps both consumers' barrier counts equal, which
+        // racecheck's bookkeeping needs (as in the fp8 swap kernel).
+        if constexpr (FP8) named_sync(kBarPv, 128);
+        for (int i = 0; i < ntiles; ++i) {
+          const int s = (gbase + i) & 1;
+          named_sync(kBarPReady, 256);
+          // The last part: every part has landed (no proxy fence: see WG0).
+          const int fb = full_bar<FP8>(s, C::PARTS - 1);
           mbar_wait(bar_a + 8 * fb, (phase >> fb) & 1u);
           phase ^= 1u << fb;
-          const SmemDesc dq(sQ_a, 16, 1024), dk(sK, 16, 1024);  // (per part: not held across the waits)
+          rescale_o(sAlpha[r0], sAlpha[r1]);
+          const uint32_t sK = sKV_a + s * C::TILE_BYTES;
+          const SmemDesc dp(sP_a, 16, 1024), dv(sK + 4 * (NT * 128), NT * 128, 1024);
           wgmma_fence();
-#pragma unroll
-          for (int kq = 0; kq < 4 * C::BLOCKS_PER_PART; ++kq) {
-            const int ks = q * 4 * C::BLOCKS_PER_PART + kq;
-            const uint32_t off = uint32_t((ks >> 2) * (M * 128) + (ks & 3) * 32);
-            wgmma_m64n64k16_ss<0, 0, FP8>(sc, dq.at(off), dk.at(off), ks > 0);
-          }
+  #pragma unroll
+          for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_ss<1, 0, FP8>(o, dp.at(kk * 32), dv.at(kk * 2048), 1);
           wgmma_commit();
+          wgmma_wait<0>();
+          fence_regs(o);
+          mbar_arrive(bar_a + 8 * (kMbarEmpty0 + s));
+          // sP and sAlpha may be rewritten once every WG1 thread has arrived (its reads above
+          // are released to WG0's writes of the next tile).
+          if (i + 1 < ntiles) mbar_arrive(bar_a + 8 * kMbarPFree);
         }
-        wgmma_wait<0>();
-        fence_regs(sc);
-        if (i + 1 == ntiles) mbar_arrive(bar_a + 8 * kMbarQEmpty);
-
-        // Online softmax, base 2; each row masked at its own local length, in place and only
-        // in a tile that reaches past one of this thread's two rows (a unit's last tile, or a
-        // verify row's shorter window): full tiles skip the 64 compares.
-        const int tok0 = tok_lo + i * NT;
-        if (tok0 + NT > min(lim0, lim1)) {
-#pragma unroll
-          for (int j = 0; j < 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              if (tok0 + 8 * j + 2 * c + (e & 1) >= (e < 2 ? lim0 : lim1)) sc[4 * j + e] = kNegInf;
-        }
-        auto x = [&](int j, int e) { return sc[4 * j + e]; };  // e 0, 1: row r0; 2, 3: row r1
-        // P (packed for P V) and its row sums under the exponent offsets mu0, mu1.
-        float sum0, sum1;
-        uint32_t pa[4][4];  // A fragments of P V, k16 step kk = tokens [16 kk, 16 kk + 16)
-        auto exponentials = [&](float mu0, float mu1) {
-          sum0 = 0.0f;
-          sum1 = 0.0f;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const float p0 = fast_exp2(fmaf(x(j, 0), sl2r0, -mu0)), p1 = fast_exp2(fmaf(x(j, 1), sl2r0, -mu0));
-            const float p2 = fast_exp2(fmaf(x(j, 2), sl2r1, -mu1)), p3 = fast_exp2(fmaf(x(j, 3), sl2r1, -mu1));
-            sum0 += p0 + p1;
-            sum1 += p2 + p3;
-            pa[j >> 1][(j & 1) * 2] = FP8 ? pack_f16x2(p0, p1) : pack_bf16x2(p0, p1);
-            pa[j >> 1][(j & 1) * 2 + 1] = FP8 ? pack_f16x2(p2, p3) : pack_bf16x2(p2, p3);
-          }
-        };
-        // bf16: the exponentials first, under the offsets the rows had. With the lazy maximum
-        // these stay on almost every tile, so the values are the step's own, and the
-        // exponentials no longer wait for the tile's maximum (a tree of compares and two
-        // shuffles); a warp where a row's offset moved computes them again (on a unit's first
-        // tile every warp does: a run-time gate for that tile cost 4 %, bench/NOTES.md). fp8's
-        // consumers (192 registers) cannot hold P beside the scores: there it spills and
-        // serialises.
-        constexpr bool kAhead = !FP8;
-        const float keep0 = softmax_offset(m_run[0]), keep1 = softmax_offset(m_run[1]);
-        if constexpr (kAhead) exponentials(keep0, keep1);
-        // A lazy maximum moves only for a score over 2^kLazyMaxSlack under the row's offset, so a
-        // warp where no row can move (and every row has a maximum already) keeps every offset:
-        // it skips the shuffles and the step, and alpha is 1 (on almost every tile). bf16 asks
-        // its sums (the exponentials are not negative) and skips the maximum's tree as well;
-        // fp8, with no exponentials yet, asks each thread's own maxima (the quad's maximum is
-        // within the bound exactly when every lane's is), so its tree comes first.
-        constexpr float kLazyMaxExp = float(1u << unsigned(kLazyMaxSlack));
-        float al0 = 1.0f, al1 = 1.0f;
-        float mx0 = kAhead ? 0.0f : max16(sc, 0), mx1 = kAhead ? 0.0f : max16(sc, 2);
-        const bool keeps = kAhead ? sum0 <= kLazyMaxExp && sum1 <= kLazyMaxExp
-                                  : mx0 * sl2r0 <= keep0 + kLazyMaxSlack && mx1 * sl2r1 <= keep1 + kLazyMaxSlack;
-        if (__any_sync(0xffffffffu, !keeps || m_run[0] == kNegInf || m_run[1] == kNegInf)) {
-          if constexpr (kAhead) {
-            mx0 = max16(sc, 0);
-            mx1 = max16(sc, 2);
-          }
-#pragma unroll
-          for (int d = 1; d <= 2; d <<= 1) {
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, d));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, d));
-          }
-          // (sl2r > 0: the scaled maximum is the maximum of the scaled scores.)
-          const SoftmaxStep st0 = softmax_step<true, !FP8>(m_run[0], mx0 * sl2r0),
-                            st1 = softmax_step<true, !FP8>(m_run[1], mx1 * sl2r1);
-          if (!kAhead || __any_sync(0xffffffffu, st0.mu != keep0 || st1.mu != keep1)) exponentials(st0.mu, st1.mu);
-          al0 = st0.alpha;
-          al1 = st1.alpha;
-          m_run[0] = st0.m;
-          m_run[1] = st1.m;
-          rescale_o(al0, al1);
-        } else if constexpr (!kAhead) {
-          exponentials(keep0, keep1);
-        }
-        l_run[0] = l_run[0] * al0 + sum0;
-        l_run[1] = l_run[1] * al1 + sum1;
-
-        // Hand P (bf16, fp8: f16; K-major swizzled (64, 64)) and alpha to WG1.
-        if (i > 0) {
-          mbar_wait(bar_a + 8 * kMbarPFree, (phase >> kMbarPFree) & 1u);
-          phase ^= 1u << kMbarPFree;
-        }
-        // One stmatrix per k16 step: pa[kk][i] is matrix i's fragment (rows r0 / r1 = the
-        // warp's rows 0-7 / 8-15, columns 16 kk + 8 (i >> 1) ..).
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) stmatrix_x4(p_st[kk], pa[kk]);
-        if (c == 0) {
-          sAlpha[r0] = al0;
-          sAlpha[r1] = al1;
-        }
-
-        // O[:, 0:256] += P V: V = dims [0, 256) of the tile, MN-major (4 blocks of 64 dims,
-        // LBO 8 KiB apart; 8-token groups SBO 1 KiB apart; k16 step = 2 KiB). Issued before
-        // the handoff's fence and arrival (as FlashMLA orders its P store, P V and fence): the
-        // tensor cores start on this half while the fence (a MEMBAR) drains the stores; P's
-        // registers were read by the stores above, before the wgmma takes them.
-        const SmemDesc dv(sK, NT * 128, 1024);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_rs<1, FP8>(o, pa[kk], dv.at(kk * 2048), 1);
-        wgmma_commit();
-        fence_proxy_async();
-        named_arrive(kBarPReady, 256);
-        wgmma_wait<0>();
-        fence_regs(o);
-        mbar_arrive(bar_a + 8 * (kMbarEmpty0 + s));
+      };
+      // sL, sM: WG0's threads store rows that other warps of WG0 wrote.
+      if constexpr (kSoftmaxWg) {
+        softmax_role();
+        named_arrive(kBarStats, C::CONSUMERS);
+        named_sync(kBarSoftmax, 128);
+      } else {
+        pv_role();
+        named_sync(kBarStats, C::CONSUMERS);
+        named_sync(kBarPv, 128);
       }
-      // l over the quad of lanes that share a row (each summed its own tokens).
-#pragma unroll
-      for (int d = 1; d <= 2; d <<= 1) {
-        l_run[0] += __shfl_xor_sync(0xffffffffu, l_run[0], d);
-        l_run[1] += __shfl_xor_sync(0xffffffffu, l_run[1], d);
-      }
-      if (c == 0) {
-        sL[r0] = l_run[0];
-        sL[r1] = l_run[1];
-        sM[r0] = m_run[0];
-        sM[r1] = m_run[1];
-      }
-    };
-    // The P V role (WG1): O[:, 256:512] += P V with P from shared memory.
-    auto pv_role = [&] {
-      // Nothing waits for this barrier: it keeps both consumers' barrier counts equal, which
-      // racecheck's bookkeeping needs (as in the fp8 swap kernel).
-      if constexpr (FP8) named_sync(kBarPv, 128);
-      for (int i = 0; i < ntiles; ++i) {
-        const int s = (gbase + i) & 1;
-        named_sync(kBarPReady, 256);
-        // The last part: every part has landed (no proxy fence: see WG0).
-        const int fb = full_bar<FP8>(s, C::PARTS - 1);
-        mbar_wait(bar_a + 8 * fb, (phase >> fb) & 1u);
-        phase ^= 1u << fb;
-        rescale_o(sAlpha[r0], sAlpha[r1]);
-        const uint32_t sK = sKV_a + s * C::TILE_BYTES;
-        const SmemDesc dp(sP_a, 16, 1024), dv(sK + 4 * (NT * 128), NT * 128, 1024);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_ss<1, 0, FP8>(o, dp.at(kk * 32), dv.at(kk * 2048), 1);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(o);
-        mbar_arrive(bar_a + 8 * (kMbarEmpty0 + s));
-        // sP and sAlpha may be rewritten once every WG1 thread has arrived (its reads above
-        // are released to WG0's writes of the next tile).
-        if (i + 1 < ntiles) mbar_arrive(bar_a + 8 * kMbarPFree);
-      }
-    };
-    if (wg == 0) softmax_role();
-    else pv_role();
-    consumers_sync();  // sL, sM
 
-    // ---- epilogue: normalise, write this warpgroup's 256 columns ----------------------------
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = h ? r1 : r0;
-      store_row_lanes<1, 2, 32>(p, u, r, r < nr, c, sL[r], out_scale, [&](int j) { return wg * 256 + 8 * j; },
-                                [&](int j) { return make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]); });
+      // ---- epilogue: normalise, write this warpgroup's 256 columns ----------------------------
+      // The first column opaque, so that ptxas computes the stores' addresses here rather than
+      // holding them in registers across the unit loop.
+      int col0 = wg * 256;
+      asm volatile("" : "+r"(col0));
+  #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = h ? r1 : r0;
+        store_row_lanes<1, 2, 32>(p, u, r, r < nr, c, sL[r], out_scale, [&](int j) { return col0 + 8 * j; },
+                                  [&](int j) { return make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]); });
+      }
+      if (kSoftmaxWg && tid < nr) store_row_stats(p, u, tid, sM[tid], sL[tid]);
+      gbase += uint32_t(ntiles);
+      // WG0 rewrites sAlpha and sP at the next unit's first tile and sL, sM at its end, after
+      // WG1's reads of this unit's.
+      if constexpr (kSoftmaxWg) named_sync(kBarUnitEnd, C::CONSUMERS);
+      else named_arrive(kBarUnitEnd, C::CONSUMERS);
     }
-    if (tid < nr) store_row_stats(p, u, tid, sM[tid], sL[tid]);
-    gbase += uint32_t(ntiles);
-    consumers_sync();  // shared memory is reused by the next unit
-  }
-  if (tid == 128) trace_cta(p, true);  // the first consumer thread, after its last unit
+    if (tid == 128) trace_cta(p, true);  // the first consumer thread, after its last unit
+  };
+  if (wg == 0) consumer(std::true_type{});
+  else consumer(std::false_type{});
 }
 
 template <bool FP8>
