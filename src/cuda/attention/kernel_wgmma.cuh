@@ -379,7 +379,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
     // O's rows r0, r1 times alpha; once the running maxima settle alpha is exactly 1 (skipped).
     auto rescale_o = [&](float al0, float al1) {
       if (__any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f)) {
-  #pragma unroll
+#pragma unroll
         for (int k = 0; k < 128; k += 4) {
           o[k] *= al0;
           o[k + 1] *= al0;
@@ -394,7 +394,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
       const int nr = u.nr;
       const int tok_lo = u.tok_lo, tok_hi = u.tok_hi, ntiles = u.ntiles;
 
-  #pragma unroll
+#pragma unroll
       for (int k = 0; k < 128; ++k) o[k] = 0.0f;
       float m_run[2] = {kNegInf, kNegInf}, l_run[2] = {0.0f, 0.0f};
 
@@ -426,7 +426,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
         uint32_t p_st[4];
         {
           const int mi = lane >> 3, rr = lane & 7, row = (t >> 5) * 16 + (mi & 1) * 8 + rr;
-  #pragma unroll
+#pragma unroll
           for (int kk = 0; kk < 4; ++kk) {
             p_st[kk] = sP_a + row * 128 + (((2 * kk + (mi >> 1)) ^ rr) << 4);
             asm volatile("" : "+r"(p_st[kk]));
@@ -448,16 +448,16 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
           // an mbarrier inside one group makes ptxas serialise every wgmma of the kernel).
           // sc[4 j + e]: row r0, token 8 j + 2 c + e; sc[4 j + 2 + e]: row r1.
           float sc[32];
-  #pragma unroll
+#pragma unroll
           for (int k = 0; k < 32; ++k) sc[k] = 0.0f;  // (overwritten: the first step has scale_d = 0)
-  #pragma unroll
+#pragma unroll
           for (int q = 0; q < C::PARTS; ++q) {
             const int fb = full_bar<FP8>(s, q);
             mbar_wait(bar_a + 8 * fb, (phase >> fb) & 1u);
             phase ^= 1u << fb;
             const SmemDesc dq(sQ_a, 16, 1024), dk(sK, 16, 1024);  // (per part: not held across the waits)
             wgmma_fence();
-  #pragma unroll
+#pragma unroll
             for (int kq = 0; kq < 4 * C::BLOCKS_PER_PART; ++kq) {
               const int ks = q * 4 * C::BLOCKS_PER_PART + kq;
               const uint32_t off = uint32_t((ks >> 2) * (M * 128) + (ks & 3) * 32);
@@ -474,9 +474,9 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
           // verify row's shorter window): full tiles skip the 64 compares.
           const int tok0 = tok_lo + i * NT;
           if (tok0 + NT > min(lim0, lim1)) {
-  #pragma unroll
+#pragma unroll
             for (int j = 0; j < 8; ++j)
-  #pragma unroll
+#pragma unroll
               for (int e = 0; e < 4; ++e)
                 if (tok0 + 8 * j + 2 * c + (e & 1) >= (e < 2 ? lim0 : lim1)) sc[4 * j + e] = kNegInf;
           }
@@ -487,7 +487,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
           auto exponentials = [&](float mu0, float mu1) {
             sum0 = 0.0f;
             sum1 = 0.0f;
-  #pragma unroll
+#pragma unroll
             for (int j = 0; j < 8; ++j) {
               const float p0 = fast_exp2(fmaf(x(j, 0), sl2r0, -mu0)), p1 = fast_exp2(fmaf(x(j, 1), sl2r0, -mu0));
               const float p2 = fast_exp2(fmaf(x(j, 2), sl2r1, -mu1)), p3 = fast_exp2(fmaf(x(j, 3), sl2r1, -mu1));
@@ -523,7 +523,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
               mx0 = max16(sc, 0);
               mx1 = max16(sc, 2);
             }
-  #pragma unroll
+#pragma unroll
             for (int d = 1; d <= 2; d <<= 1) {
               mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, d));
               mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, d));
@@ -550,7 +550,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
           }
           // One stmatrix per k16 step: pa[kk][i] is matrix i's fragment (rows r0 / r1 = the
           // warp's rows 0-7 / 8-15, columns 16 kk + 8 (i >> 1) ..).
-  #pragma unroll
+#pragma unroll
           for (int kk = 0; kk < 4; ++kk) stmatrix_x4(p_st[kk], pa[kk]);
           if (c == 0) {
             sAlpha[r0] = al0;
@@ -564,7 +564,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
           // registers were read by the stores above, before the wgmma takes them.
           const SmemDesc dv(sK, NT * 128, 1024);
           wgmma_fence();
-  #pragma unroll
+#pragma unroll
           for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_rs<1, FP8>(o, pa[kk], dv.at(kk * 2048), 1);
           wgmma_commit();
           fence_proxy_async();
@@ -574,7 +574,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
           mbar_arrive(bar_a + 8 * (kMbarEmpty0 + s));
         }
         // l over the quad of lanes that share a row (each summed its own tokens).
-  #pragma unroll
+#pragma unroll
         for (int d = 1; d <= 2; d <<= 1) {
           l_run[0] += __shfl_xor_sync(0xffffffffu, l_run[0], d);
           l_run[1] += __shfl_xor_sync(0xffffffffu, l_run[1], d);
@@ -602,7 +602,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
           const uint32_t sK = sKV_a + s * C::TILE_BYTES;
           const SmemDesc dp(sP_a, 16, 1024), dv(sK + 4 * (NT * 128), NT * 128, 1024);
           wgmma_fence();
-  #pragma unroll
+#pragma unroll
           for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_ss<1, 0, FP8>(o, dp.at(kk * 32), dv.at(kk * 2048), 1);
           wgmma_commit();
           wgmma_wait<0>();
@@ -629,7 +629,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
       // holding them in registers across the unit loop.
       int col0 = wg * 256;
       asm volatile("" : "+r"(col0));
-  #pragma unroll
+#pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = h ? r1 : r0;
         store_row_lanes<1, 2, 32>(p, u, r, r < nr, c, sL[r], out_scale, [&](int j) { return col0 + 8 * j; },
