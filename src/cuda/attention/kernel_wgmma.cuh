@@ -164,9 +164,13 @@ __device__ __forceinline__ void wgmma_load_unit_q(const AttentionParams& p, cons
 // e4m3 / e5m2 value is an f16 value; kv_scale is applied outside), fences the stores for the
 // async proxy and arrives on the stage's full barrier.
 // The bytes in registers are the stream's only lead, and its loads' latency still costs 12-24 %
-// of the fp8 64-row rows (bench/NOTES.md, fifty-first session): copying each tile into its
-// released stage and unpacking it there instead (no registers) was 18 % slower, and a second
-// producer warpgroup does not fit beside the consumers' registers.
+// of the fp8 64-row rows (bench/NOTES.md, fifty-first session). Each part's proxy fence is a
+// MEMBAR, which waits for every load this thread has in flight, so no load outlives a part's
+// unpacking whatever order they are issued in. Tried and slower (fifty-first and fifty-second
+// sessions): copying each tile into its released stage and unpacking it there (18 %); the
+// fences in the consumers after their waits (their own MEMBARs cost more), also with a tile
+// and a half of registers here; one part a tile with the next tile's loads after its fence. A
+// second producer warpgroup does not fit beside the consumers' registers.
 // One body per format: a run-time choice per chunk keeps both conversions' registers live.
 template <bool E5M2>
 __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, const PlanScalars& ps, WgShared& sh,
@@ -225,7 +229,8 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
     // the first use of a loaded register waits for every load in flight: with each piece
     // reloaded as soon as it was unpacked, a tile's first unpack waited for its last pieces,
     // issued just before. Now a wait covers one half, issued about half a tile of unpacking
-    // earlier (2-3.5 % on every fp8 row of this kernel, bench/NOTES.md, thirty-fourth session).
+    // earlier (2-3.5 % on every fp8 row of this kernel, bench/NOTES.md, thirty-fourth session);
+    // each part's fence drains what is in flight as well.
     // The next half's loads sit in `if (more)`: without the branch ptxas sank branch-free
     // non-coherent loads behind the tile's last arrival (16 % slower, thirty-third session).
     constexpr int KX = 4;
