@@ -37,10 +37,10 @@
 //     is an f16 value; one instruction a pair, where bf16 took four; kv_scale folded into the
 //     softmax and output scales) into the stage, fenced for the async proxy, then arrived, a
 //     third of the columns at a time (S starts on the first third); at one row group a request
-//     it also prefetches the next tile into L2. 120 registers; the
-//     consumers take 192. The tensor cores then run f16: WG0 turns each unit's Q
-//     into f16 in place, each row scaled by a power of two (its score scale undoes it), and
-//     P enters P V as f16 (11 significant bits, where the bf16 kernel rounds it to 8).
+//     it also prefetches the next tile into L2. 120 registers; WG0 takes 216 and WG1 168.
+//     The tensor cores then run f16: WG0 turns each unit's Q into f16 in place, each row
+//     scaled by a power of two (its score scale undoes it), and P enters P V as f16 (11
+//     significant bits, where the bf16 kernel rounds it to 8).
 //
 // Shared memory (WgShared, from a 1024-byte aligned base; every buffer is a stack of (rows, 64)
 // column blocks of 128-byte rows, the 16-byte chunk c of row r at chunk c ^ (r & 7)):
@@ -73,9 +73,10 @@ struct WgConfig {
   static constexpr int THREADS = 384;
   static constexpr int CONSUMERS = 256;
   // The register split (168 per thread at launch, 3 x 168 in all): fp8's producer holds a tile
-  // of raw bytes, bf16's only issues copies.
-  static constexpr int PRODUCER_REGS = FP8 ? 120 : 40, CONSUMER_REGS = FP8 ? 192 : 232;
-  static_assert(fits_launch_registers(THREADS, PRODUCER_REGS + (THREADS / 128 - 1) * CONSUMER_REGS));
+  // of raw bytes, bf16's only issues copies. fp8's WG1 (O and its P V) stays at the launch's
+  // 168, so that WG0 has the 216 it needs for the exponentials ahead of the tile's maximum.
+  static constexpr int PRODUCER_REGS = FP8 ? 120 : 40, SOFTMAX_REGS = FP8 ? 216 : 232, PV_REGS = FP8 ? 168 : 232;
+  static_assert(fits_launch_registers(THREADS, PRODUCER_REGS + SOFTMAX_REGS + PV_REGS));
   static constexpr int STAGES = 2;
   // fp8: a stage arrives in PARTS parts of BLOCKS_PER_PART 64-column blocks, each with its own
   // full barrier, and S starts on the first part while the producer dequantises the rest (4-7 %
@@ -355,7 +356,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
   // The plan's scalars are read by each role after its setmaxnreg: a value live across it
   // may be spilled.
   if (wg == 2) {
-    setmaxnreg_dec<C::PRODUCER_REGS>();
+    setmaxnreg_to<C::THREADS, C::PRODUCER_REGS>();
     const PlanScalars ps = plan_scalars<M>(p);
     if constexpr (!FP8)
       stream_bf16_tiles<M>(p, ps, sKV_a, bar_a + 8 * full_bar<false>(0, 0), bar_a + 8 * kMbarEmpty0, t, &maps,
@@ -370,7 +371,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
   // fifty-second session). The barriers between them pair an arrive with a sync (WgBarrier).
   auto consumer = [&](auto softmax_wg) {
     constexpr bool kSoftmaxWg = decltype(softmax_wg)::value;
-    setmaxnreg_inc<C::CONSUMER_REGS>();
+    setmaxnreg_to<C::THREADS, kSoftmaxWg ? C::SOFTMAX_REGS : C::PV_REGS>();
     const PlanScalars ps = plan_scalars<M>(p);
 
     const float kv_scale = FP8 ? kv_scale_of(p) : 1.0f;
@@ -502,32 +503,25 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
               pa[j >> 1][(j & 1) * 2 + 1] = FP8 ? pack_f16x2(p2, p3) : pack_bf16x2(p2, p3);
             }
           };
-          // bf16: the exponentials first, under the offsets the rows had. With the lazy maximum
-          // these stay on almost every tile, so the values are the step's own, and the
-          // exponentials no longer wait for the tile's maximum (a tree of compares and two
-          // shuffles); a warp where a row's offset moved computes them again (on a unit's first
-          // tile every warp does: a run-time gate for that tile cost 4 %, bench/NOTES.md). fp8's
-          // consumers (192 registers) cannot hold P beside the scores: there it spills and
-          // serialises.
-          constexpr bool kAhead = !FP8;
+          // The exponentials first, under the offsets the rows had. With the lazy maximum these
+          // stay on almost every tile, so the values are the step's own, and the exponentials no
+          // longer wait for the tile's maximum (a tree of compares and two shuffles); a warp where
+          // a row's offset moved computes them again (on a unit's first tile every warp does: a
+          // run-time gate for that tile cost 4 %, bench/NOTES.md). fp8's WG0 holds P beside the
+          // scores in its 216 registers (at 192 it spilled, and fp8 took the maximum first:
+          // even to 2 % slower, fifty-third session).
           const float keep0 = softmax_offset(m_run[0]), keep1 = softmax_offset(m_run[1]);
-          if constexpr (kAhead) exponentials(keep0, keep1);
+          exponentials(keep0, keep1);
           // A lazy maximum moves only for a score over 2^kLazyMaxSlack under the row's offset, so a
           // warp where no row can move (and every row has a maximum already) keeps every offset:
-          // it skips the shuffles and the step, and alpha is 1 (on almost every tile). bf16 asks
-          // its sums (the exponentials are not negative) and skips the maximum's tree as well;
-          // fp8, with no exponentials yet, asks each thread's own maxima (the quad's maximum is
-          // within the bound exactly when every lane's is), so its tree comes first.
+          // it skips the shuffles and the step, and alpha is 1 (on almost every tile). The sums
+          // say so (the exponentials are not negative; a NaN sum fails the test), and the
+          // maximum's tree is skipped as well.
           constexpr float kLazyMaxExp = float(1u << unsigned(kLazyMaxSlack));
           float al0 = 1.0f, al1 = 1.0f;
-          float mx0 = kAhead ? 0.0f : max16(sc, 0), mx1 = kAhead ? 0.0f : max16(sc, 2);
-          const bool keeps = kAhead ? sum0 <= kLazyMaxExp && sum1 <= kLazyMaxExp
-                                    : mx0 * sl2r0 <= keep0 + kLazyMaxSlack && mx1 * sl2r1 <= keep1 + kLazyMaxSlack;
+          const bool keeps = sum0 <= kLazyMaxExp && sum1 <= kLazyMaxExp;
           if (__any_sync(0xffffffffu, !keeps || m_run[0] == kNegInf || m_run[1] == kNegInf)) {
-            if constexpr (kAhead) {
-              mx0 = max16(sc, 0);
-              mx1 = max16(sc, 2);
-            }
+            float mx0 = max16(sc, 0), mx1 = max16(sc, 2);
 #pragma unroll
             for (int d = 1; d <= 2; d <<= 1) {
               mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, d));
@@ -536,14 +530,12 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
             // (sl2r > 0: the scaled maximum is the maximum of the scaled scores.)
             const SoftmaxStep st0 = softmax_step<true, !FP8>(m_run[0], mx0 * sl2r0),
                               st1 = softmax_step<true, !FP8>(m_run[1], mx1 * sl2r1);
-            if (!kAhead || __any_sync(0xffffffffu, st0.mu != keep0 || st1.mu != keep1)) exponentials(st0.mu, st1.mu);
+            if (__any_sync(0xffffffffu, st0.mu != keep0 || st1.mu != keep1)) exponentials(st0.mu, st1.mu);
             al0 = st0.alpha;
             al1 = st1.alpha;
             m_run[0] = st0.m;
             m_run[1] = st1.m;
             rescale_o(al0, al1);
-          } else if constexpr (!kAhead) {
-            exponentials(keep0, keep1);
           }
           l_run[0] = l_run[0] * al0 + sum0;
           l_run[1] = l_run[1] * al1 + sum1;
