@@ -8,12 +8,11 @@
 // Two consumer warpgroups, one CTA per SM (smem: Q 72 KiB + 2 KV stages of 72 KiB):
 //   WG0 ("softmax"): waits for tile i, S = Q K_i^T (36 wgmma m64n64k16, A and B from shared
 //       memory), masks each row at its own local length, online softmax (base 2, the
-//       running maximum lazy: softmax.cuh; bf16: the exponentials issued under the rows'
-//       offsets before the tile's maximum is known, and recomputed by a warp where one
-//       moved) in registers (a row's 64 scores live in one quad of lanes), hands P (bf16)
-//       and the rescale factors to WG1 through shared
-//       memory, then O[:, 0:256] += P V_i with P from registers (4 wgmma m64n256k16, V
-//       read MN-major from the same tile).
+//       running maximum lazy: softmax.cuh; the exponentials issued under the rows' offsets
+//       before the tile's maximum is known, and recomputed by a warp where one moved) in
+//       registers (a row's 64 scores live in one quad of lanes), hands P (bf16; fp8: f16)
+//       and the rescale factors to WG1 through shared memory, then O[:, 0:256] += P V_i
+//       with P from registers (4 wgmma m64n256k16, V read MN-major from the same tile).
 //   WG1: O[:, 256:512] += P V_i with P from shared memory.
 //   Per tile the tensor cores run S, then (after softmax) both halves of P V together; WG1's
 //   half may still run while WG0 starts the next S. (Overlapping softmax with the tensor
