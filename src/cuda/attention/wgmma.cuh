@@ -83,21 +83,22 @@ template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
 }
-// A warpgroup's share set to N from the launch's count (THREADS threads): increased above it,
-// decreased at or below it (a decrease to the launch count itself makes ptxas fit the code
-// after it in N, where that code would otherwise take the launch region's allocation).
+// Registers per thread at launch for a CTA of `threads` (one CTA an SM: the file's 65536, in
+// steps of 8).
+constexpr int launch_registers(int threads) { return 65536 / threads / 8 * 8; }
+// A warpgroup's share set to N from the launch's count: increased above it, decreased at or
+// below it (a decrease to the launch count itself makes ptxas fit the code after it in N,
+// where that code would otherwise take the launch region's allocation).
 template <int THREADS, int N>
 __device__ __forceinline__ void setmaxnreg_to() {
-  constexpr int kLaunch = 65536 / THREADS / 8 * 8;
-  if constexpr (N > kLaunch) setmaxnreg_inc<N>();
+  if constexpr (N > launch_registers(THREADS)) setmaxnreg_inc<N>();
   else setmaxnreg_dec<N>();
 }
-// setmaxnreg only moves registers within the CTA's launch allocation (65536 / threads per
-// thread, in steps of 8): a producer warpgroup and consumer warpgroups whose shares sum to
-// more make the consumers' increase wait forever. `warpgroup_regs`: the shares summed over
-// the CTA's warpgroups.
+// setmaxnreg only moves registers within the CTA's launch allocation: a producer warpgroup and
+// consumer warpgroups whose shares sum to more make the consumers' increase wait forever.
+// `warpgroup_regs`: the shares summed over the CTA's warpgroups.
 constexpr bool fits_launch_registers(int threads, int warpgroup_regs) {
-  return warpgroup_regs <= threads / 128 * (65536 / threads / 8 * 8);
+  return warpgroup_regs <= threads / 128 * launch_registers(threads);
 }
 
 // mbarrier in shared memory (8 bytes, 8-byte aligned).
