@@ -67,7 +67,9 @@ def read(path):
         return None
     if rows and "tree" in rows[0]:  # an ab of several trees (device.sh ab): NOTES
         return None
-    if meta.get("probe_no_fill"):  # a measuring build with no loads: wrong results, NOTES
+    # A measuring build: no loads (probe_no_fill: wrong results) or stamps that perturb the
+    # kernel (probe: the timeline's clock stamps): not the library's times, NOTES.
+    if meta.get("probe_no_fill") or meta.get("probe"):
         return None
     if isinstance(meta.get("gpu"), str) and CARD not in meta["gpu"]:  # another card: NOTES
         return None

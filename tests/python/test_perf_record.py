@@ -63,7 +63,8 @@ def perf_record(tmp_path, monkeypatch):
 
 def test_measuring_builds_stay_out_of_the_record(tmp_path, monkeypatch):
     """A DCPMLA_PROBE_NO_FILL build's records (meta.probe_no_fill) time kernels that load
-    nothing: the record must never take them for a run."""
+    nothing, and a probe build's (meta.probe, such as the timeline's clock stamps) kernels
+    that the probe slows: the record must never take them for a run."""
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import perf_record
 
@@ -71,6 +72,8 @@ def test_measuring_builds_stay_out_of_the_record(tmp_path, monkeypatch):
     (tmp_path / "run.json").write_text(json.dumps({"meta": meta, "rows": [row("decode128", 264.0)]}))
     (tmp_path / "nofill.json").write_text(
         json.dumps({"meta": {**meta, "probe_no_fill": True}, "rows": [{"name": "decode128", "us": 240.0}]}))
+    (tmp_path / "stamps.json").write_text(json.dumps(
+        {"meta": {**meta, "date": "2026-12-04T00:00:00Z", "probe": "timeline stamps"}, "rows": [row("decode128", 250.0)]}))
     monkeypatch.setattr(perf_record, "RESULTS", tmp_path)
     runs, dcp = perf_record.load()
     assert [path.name for path, _, _ in runs] == ["run.json"] and dcp == []
