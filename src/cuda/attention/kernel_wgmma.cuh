@@ -79,7 +79,8 @@ struct WgConfig {
   static constexpr int STAGES = 2;
   // fp8: a stage arrives in PARTS parts of BLOCKS_PER_PART 64-column blocks, each with its own
   // full barrier, and S starts on the first part while the producer dequantises the rest (4-7 %
-  // at 128 heads). bf16's cp.async tiles arrive whole: per-part waits only lengthened its S
+  // at 128 heads; whole stages were 8 % slower again in the fifty-third session, although a
+  // per-tile timeline found the parts mostly early). bf16's cp.async tiles arrive whole: per-part waits only lengthened its S
   // chain (5-8 % slower; bench/NOTES.md, seventh session).
   static constexpr int PARTS = FP8 ? 3 : 1;
   static constexpr int BLOCKS_PER_PART = kDim / 64 / PARTS;
@@ -169,7 +170,9 @@ __device__ __forceinline__ void wgmma_load_unit_q(const AttentionParams& p, cons
 // unpacking whatever order they are issued in. Tried and slower (fifty-first and fifty-second
 // sessions): copying each tile into its released stage and unpacking it there (18 %); the
 // fences in the consumers after their waits (their own MEMBARs cost more), also with a tile
-// and a half of registers here; one part a tile with the next tile's loads after its fence. A
+// and a half of registers here; one part a tile with the next tile's loads after its fence;
+// (fifty-third) the fences in WG1, idle while WG0 runs S and the softmax, on a second barrier
+// WG0 waits for (6-16 %); the loads pinned in program order, five orders (even to 7 %). A
 // second producer warpgroup does not fit beside the consumers' registers.
 // One body per format: a run-time choice per chunk keeps both conversions' registers live.
 template <bool E5M2>
@@ -230,7 +233,9 @@ __device__ __forceinline__ void wgmma_fp8_producer(const AttentionParams& p, con
     // reloaded as soon as it was unpacked, a tile's first unpack waited for its last pieces,
     // issued just before. Now a wait covers one half, issued about half a tile of unpacking
     // earlier (2-3.5 % on every fp8 row of this kernel, bench/NOTES.md, thirty-fourth session);
-    // each part's fence drains what is in flight as well.
+    // each part's fence drains what is in flight as well. This is the source order; ptxas
+    // issues the Y half above the wait for the stage's release, which beat every order pinned
+    // with volatile loads (fifty-third session): read the SASS before reordering.
     // The next half's loads sit in `if (more)`: without the branch ptxas sank branch-free
     // non-coherent loads behind the tile's last arrival (16 % slower, thirty-third session).
     constexpr int KX = 4;
@@ -507,8 +512,8 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
           // longer wait for the tile's maximum (a tree of compares and two shuffles); a warp where
           // a row's offset moved computes them again (on a unit's first tile every warp does: a
           // run-time gate for that tile cost 4 %, bench/NOTES.md). fp8's WG0 holds P beside the
-          // scores in its 216 registers (at 192 it spilled, and fp8 took the maximum first:
-          // even to 2 % slower, fifty-third session).
+          // scores in its 216 registers (at 192 it could not, and fp8 took the maximum first:
+          // even to 3 % slower on the H100, bench/NOTES.md, fifty-third session).
           const float keep0 = softmax_offset(m_run[0]), keep1 = softmax_offset(m_run[1]);
           exponentials(keep0, keep1);
           // A lazy maximum moves only for a score over 2^kLazyMaxSlack under the row's offset, so a
