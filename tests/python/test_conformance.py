@@ -360,3 +360,92 @@ def test_result_is_a_fresh_writable_numpy_array():
     lse2 = dcpmla.mla_attention(q, kv, lens)[1]
     assert np.array_equal(lse, lse2)
     assert math.isclose(float(dcpmla.mla_attention(q, kv, lens)[1][0, 0, 0]), float(lse[0, 0, 0]))
+
+
+# --- random configurations ------------------------------------------------------------------
+
+RANDOM_CASES = 100  # per device; each bounded to a few million score entries
+# Head counts the kernels' row groups (16, 32, 64 rows) meet at and off their edges.
+HEAD_CHOICES = [1, 2, 3, 8, 16, 20, 24, 32, 40, 48, 64, 96, 100, 128, 132, 160, 192]
+BLOCK_CHOICES = [1, 2, 3, 8, 12, 16, 32, 48, 64, 96, 128, 256, 512, 1024]
+
+
+def random_configuration(index):
+    """One configuration drawn from every axis at once (the grid above varies one axis a case):
+    the head count, qlen and per-request qlens, lengths around N * I and past split-K's
+    segments, block sizes that are not powers of two, every dtype, route and merge."""
+    rng = np.random.default_rng([index, 2026_12_06])
+    pick = lambda xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
+    mode = pick(["decode", "verify", "verify", "draft"])
+    qlen = 1 if mode == "decode" else int(rng.integers(1, 7))
+    heads = pick(HEAD_CHOICES)
+    world = int(rng.integers(1, 9))
+    block = pick(BLOCK_CHOICES)
+    interleave = pick([i for i in (1, 2, 3, 4, 8, 16) if block % i == 0])
+    dtype = pick(["bf16", "fp8_e4m3", "fp8_e5m2"])
+    use_qlens = mode != "decode" and rng.random() < 0.35
+    route = pick(["auto", "auto", "one_stage", "split_k"] + (["two_stage"] if mode == "verify" and not use_qlens else []))
+    merge = "scatter_heads" if heads % world == 0 and rng.random() < 0.4 else "all_heads"
+    batch = int(rng.integers(1, 7))
+    qlens = rng.integers(0, qlen + 1, size=batch).astype(np.int32) if use_qlens else np.full(batch, qlen, np.int32)
+    # Score entries (rows x heads x keys) and tokens stay under budgets, so a case takes about
+    # a second.
+    budget = min(3_000_000 // (heads * qlen), 24_000)
+    lens = []
+    for b in range(batch):
+        need = int(qlens[b]) if mode == "verify" else 1
+        kind = rng.random()
+        if kind < 0.15:
+            lens.append(0)  # a padding request
+        elif kind < 0.4:
+            lens.append(int(rng.integers(max(need, 1), max(need, world * interleave) + 2)))  # around N * I
+        else:
+            lens.append(int(rng.integers(max(need, 1), max(need + 1, budget // batch))))
+    lens = np.array(lens, dtype=np.int32)  # a padding request may still hold rows (qlens): 0 and -inf
+    kv_scale = 1.0 if dtype == "bf16" else float(np.float32(rng.uniform(0.2, 3.0)))
+    return dict(mode=mode, qlen=qlen, heads=heads, world=world, block=block, interleave=interleave, dtype=dtype,
+                route=route, merge=merge, lens=lens, qlens=qlens if use_qlens else None, kv_scale=kv_scale,
+                seed=index)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("index", range(RANDOM_CASES))
+def test_random_configuration(index, device):
+    c = random_configuration(index)
+    rng = np.random.default_rng(c["seed"] + 77)
+    lens, qlens, mode, H = c["lens"], c["qlens"], c["mode"], c["heads"]
+    Lmax = int(lens.max()) + 3
+    kv = rng.standard_normal((len(lens), Lmax, D), dtype=np.float32)
+    for b, L in enumerate(lens):
+        kv[b, L:] = np.nan  # a read past a length shows
+    rows = qlens if qlens is not None else np.full(len(lens), c["qlen"], np.int32)
+    q = rng.standard_normal((int(rows.sum()), H, D), dtype=np.float32)
+    what = (f"#{index} {mode} q{c['qlen']} H{H} N{c['world']} I{c['interleave']} bs{c['block']} {c['dtype']} "
+            f"{c['route']} {c['merge']} lens {lens.tolist()} qlens {None if qlens is None else qlens.tolist()} {device}")
+    opts = dict(mode=mode, world_size=c["world"], interleave=c["interleave"], block_size=c["block"],
+                kv_dtype=c["dtype"], kv_scale=c["kv_scale"], route=c["route"], merge=c["merge"], seed=c["seed"],
+                device=device)
+    if qlens is None:
+        out, lse = dcpmla.mla_attention(q.reshape(len(lens), c["qlen"], H, D), kv, lens, **opts)
+        out, lse = out.reshape(-1, H, R), lse.reshape(-1, H)
+    else:
+        out, lse = dcpmla.mla_attention(q, kv, lens, qlens=qlens, **opts)
+    # The reference request by request, each with its own rows, packed alike.
+    ref_out, ref_lse, row = [np.zeros((0, H, R))], [np.zeros((0, H))], 0
+    for b, (L, n) in enumerate(zip(lens, rows)):
+        if n == 0:
+            continue
+        o, l = reference_attention(q[row:row + n][None], kv[b:b + 1], [L], mode=mode, kv_dtype=c["dtype"],
+                                   kv_scale=c["kv_scale"])
+        ref_out.append(o[0])
+        ref_lse.append(l[0])
+        row += n
+    ref_out, ref_lse = np.concatenate(ref_out), np.concatenate(ref_lse)
+    # two_stage rounds stage B to bf16 before the local merge: up to about 1.5 bf16 ulps
+    # (docs/reliability.md, second audit), against one rounding per partial elsewhere.
+    bound = 2e-2 if c["route"] == "two_stage" else 1e-2
+    if len(out):  # every request may hold no row (qlens all 0): then nothing to compare
+        assert_close(out[:, None], lse[:, None], ref_out[:, None], ref_lse[:, None], bound=bound, what=what)
+    assert out.shape == (int(rows.sum()), H, R) and np.array_equal(round_bf16(out), out), what
+    empty = np.repeat(lens == 0, rows)
+    assert np.all(out[empty] == 0) and np.all(np.isneginf(lse[empty])), f"{what}: padding rows"
