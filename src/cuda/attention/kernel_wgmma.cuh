@@ -102,7 +102,6 @@ enum WgBarrier : int {
   kBarStats = 4,    // WG0 -> WG1: the unit's row sums and maxima are in shared memory
   kBarSoftmax = 5,  // WG0 alone (128 threads; fp8: its f16 Q is in place; the row statistics)
   kBarPv = 6,       // WG1 alone: passed as often as WG0 passes kBarSoftmax (racecheck's bookkeeping)
-  kBarUnitEnd = 7,  // WG1 -> WG0: WG1 is past its reads of the unit's shared memory
 };
 // The mbarriers (WgShared::bar): full[s][q] at full_bar(s, q) ("part q of stage s holds its
 // columns of the tile"; one arrival per producer thread, after its copies or stores of parts
@@ -113,7 +112,14 @@ enum WgBarrier : int {
 // then "Q full" (the unit's Q and row lengths have landed: one cp.async arrival per producer
 // thread, produce_unit_q) and "Q empty" (WG0 has read the lengths and run the unit's last S:
 // one arrival per WG0 thread; the producer then loads the next unit's Q while WG0 finishes
-// the unit). The full barriers take room for the most parts (fp8's).
+// the unit), then "unit end" (both consumers are past their reads of the unit's shared
+// memory: sP, sAlpha, sL and sM; one arrival per consumer thread, waited for by WG0 before
+// the next unit rewrites them). The unit end is an mbarrier, not a named barrier that WG1
+// arrives at and WG0 waits on: compute-sanitizer's racecheck does not take a bar.arrive as
+// ordering the arriving thread's earlier reads before the waiting threads' later writes (it
+// reported WG1's reads of sL against WG0's next writes), while it follows an mbarrier's
+// arrivals (release) and wait (acquire). The full barriers take room for the most parts
+// (fp8's).
 enum WgMbarrier : int {
   kMbarFull = 0,
   kMbarPFree = 6,
@@ -121,7 +127,8 @@ enum WgMbarrier : int {
   kMbarEmpty1 = 8,
   kMbarQFull = 9,
   kMbarQEmpty = 10,
-  kMbarCount = 11
+  kMbarUnitEnd = 11,
+  kMbarCount = 12
 };
 static_assert(kMbarPFree - kMbarFull == WgConfig<true>::STAGES * WgConfig<true>::PARTS &&
               WgConfig<true>::PARTS >= WgConfig<false>::PARTS);
@@ -350,6 +357,7 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
     mbar_init(bar_a + 8 * kMbarEmpty1, C::CONSUMERS);
     mbar_init(bar_a + 8 * kMbarQFull, 128);
     mbar_init(bar_a + 8 * kMbarQEmpty, 128);
+    mbar_init(bar_a + 8 * kMbarUnitEnd, C::CONSUMERS);
     // The full barriers are completed by the TMA unit (bf16 boxes, stream_bf16_tiles): their
     // initialisation made visible to the async proxy (as the CUDA guide's TMA example does).
     fence_proxy_async();
@@ -639,9 +647,12 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
       if (kSoftmaxWg && tid < nr) store_row_stats(p, u, tid, sM[tid], sL[tid]);
       gbase += uint32_t(ntiles);
       // WG0 rewrites sAlpha and sP at the next unit's first tile and sL, sM at its end, after
-      // WG1's reads of this unit's.
-      if constexpr (kSoftmaxWg) named_sync(kBarUnitEnd, C::CONSUMERS);
-      else named_arrive(kBarUnitEnd, C::CONSUMERS);
+      // both consumers' reads of this unit's.
+      mbar_arrive(bar_a + 8 * kMbarUnitEnd);
+      if constexpr (kSoftmaxWg) {
+        mbar_wait(bar_a + 8 * kMbarUnitEnd, (phase >> kMbarUnitEnd) & 1u);
+        phase ^= 1u << kMbarUnitEnd;
+      }
     }
     if (tid == 128) trace_cta(p, true);  // the first consumer thread, after its last unit
   };
