@@ -166,6 +166,21 @@ def check(q, kv, lens, what, **opts):
     return out, lse, routes
 
 
+def packed_reference(q, kv, lens, rows, **opts):
+    """The float64 reference of packed rows (qlens, qo_indptr style): request by request, each
+    with its own row count as its qlen, concatenated as q is."""
+    H = q.shape[1]
+    ref_out, ref_lse, row = [np.zeros((0, H, R))], [np.zeros((0, H))], 0
+    for b, (L, n) in enumerate(zip(lens, rows)):
+        if n == 0:
+            continue
+        o, l = reference_attention(q[row:row + n][None], kv[b:b + 1], [L], **opts)
+        ref_out.append(o[0])
+        ref_lse.append(l[0])
+        row += n
+    return np.concatenate(ref_out), np.concatenate(ref_lse)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES, ids=Case.id)
 def test_conformance(case, device):
@@ -229,17 +244,7 @@ def test_per_request_query_lengths(mode, world, interleave, block, dtype, route,
                                     block_size=block, kv_dtype=dtype, kv_scale=scale, route=route,
                                     device=device, seed=5, qlens=qlens)
     assert out.shape == (int(qlens.sum()), H, R) and lse.shape == (int(qlens.sum()), H)
-    # The reference request by request, each with its own qlen, packed alike.
-    ref_out, ref_lse, row = [], [], 0
-    for b, (L, n) in enumerate(zip(lens, qlens)):
-        if n == 0:
-            continue
-        o, l = reference_attention(q[row:row + n][None], kv[b:b + 1], [L], mode=mode, kv_dtype=dtype,
-                                   kv_scale=scale)
-        ref_out.append(o[0])
-        ref_lse.append(l[0])
-        row += n
-    ref_out, ref_lse = np.concatenate(ref_out), np.concatenate(ref_lse)
+    ref_out, ref_lse = packed_reference(q, kv, lens, qlens, mode=mode, kv_dtype=dtype, kv_scale=scale)
     assert_close(out[:, None], lse[:, None], ref_out[:, None], ref_lse[:, None],
                  what=f"qlens {qlens.tolist()} {mode} N={world} I={interleave} bs={block} {dtype} {route} {device}")
     padding_rows = slice(int(qlens[:2].sum()), int(qlens[:3].sum()))
@@ -430,17 +435,7 @@ def test_random_configuration(index, device):
         out, lse = out.reshape(-1, H, R), lse.reshape(-1, H)
     else:
         out, lse = dcpmla.mla_attention(q, kv, lens, qlens=qlens, **opts)
-    # The reference request by request, each with its own rows, packed alike.
-    ref_out, ref_lse, row = [np.zeros((0, H, R))], [np.zeros((0, H))], 0
-    for b, (L, n) in enumerate(zip(lens, rows)):
-        if n == 0:
-            continue
-        o, l = reference_attention(q[row:row + n][None], kv[b:b + 1], [L], mode=mode, kv_dtype=c["dtype"],
-                                   kv_scale=c["kv_scale"])
-        ref_out.append(o[0])
-        ref_lse.append(l[0])
-        row += n
-    ref_out, ref_lse = np.concatenate(ref_out), np.concatenate(ref_lse)
+    ref_out, ref_lse = packed_reference(q, kv, lens, rows, mode=mode, kv_dtype=c["dtype"], kv_scale=c["kv_scale"])
     # two_stage rounds stage B to bf16 before the local merge: up to about 1.5 bf16 ulps
     # (docs/reliability.md, second audit), against one rounding per partial elsewhere.
     bound = 2e-2 if c["route"] == "two_stage" else 1e-2
