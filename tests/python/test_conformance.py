@@ -389,7 +389,8 @@ def random_configuration(index):
     interleave = pick([i for i in (1, 2, 3, 4, 8, 16) if block % i == 0])
     dtype = pick(["bf16", "fp8_e4m3", "fp8_e5m2"])
     use_qlens = mode != "decode" and rng.random() < 0.35
-    route = pick(["auto", "auto", "one_stage", "split_k"] + (["two_stage"] if mode == "verify" and not use_qlens else []))
+    two_stage = ["two_stage"] if mode == "verify" and not use_qlens else []  # uniform query blocks only
+    route = pick(["auto", "auto", "one_stage", "split_k"] + two_stage)
     merge = "scatter_heads" if heads % world == 0 and rng.random() < 0.4 else "all_heads"
     batch = int(rng.integers(1, 7))
     qlens = rng.integers(0, qlen + 1, size=batch).astype(np.int32) if use_qlens else np.full(batch, qlen, np.int32)
@@ -426,7 +427,8 @@ def test_random_configuration(index, device):
     rows = qlens if qlens is not None else np.full(len(lens), c["qlen"], np.int32)
     q = rng.standard_normal((int(rows.sum()), H, D), dtype=np.float32)
     what = (f"#{index} {mode} q{c['qlen']} H{H} N{c['world']} I{c['interleave']} bs{c['block']} {c['dtype']} "
-            f"{c['route']} {c['merge']} lens {lens.tolist()} qlens {None if qlens is None else qlens.tolist()} {device}")
+            f"{c['route']} {c['merge']} lens {lens.tolist()} "
+            f"qlens {None if qlens is None else qlens.tolist()} {device}")
     opts = dict(mode=mode, world_size=c["world"], interleave=c["interleave"], block_size=c["block"],
                 kv_dtype=c["dtype"], kv_scale=c["kv_scale"], route=c["route"], merge=c["merge"], seed=c["seed"],
                 device=device)
