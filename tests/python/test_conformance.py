@@ -146,26 +146,6 @@ def make_inputs(rng, lens, qlen, heads, dim=D, tail=3):
     return q, kv
 
 
-def check(q, kv, lens, what, **opts):
-    route = opts.get("route", "auto")
-    out, lse, routes = dcpmla._mla_attention_with_routes(q, kv, lens, **opts)
-    ref_opts = {k: opts[k] for k in ("mode", "kv_dtype", "kv_scale", "softmax_scale",
-                                     "kv_lora_rank") if k in opts}
-    ref_out, ref_lse = reference_attention(q, kv, lens, **ref_opts)
-    assert out.dtype == np.float32 and lse.dtype == np.float32
-    assert_close(out, lse, ref_out, ref_lse, what=what)
-    # The output holds bf16 values.
-    assert np.array_equal(round_bf16(out), out), f"{what}: out is not bf16-representable"
-    pad = lens == 0
-    assert np.all(out[pad] == 0) and np.all(np.isneginf(lse[pad])), f"{what}: padding rows"
-    assert np.all(np.isfinite(lse[~pad])), f"{what}: non-padding rows must have finite lse"
-    if route != "auto":
-        assert set(routes) == {route}, f"{what}: forced {route}, planners took {routes}"
-    else:
-        assert set(routes) <= {"one_stage", "two_stage", "split_k"}, routes
-    return out, lse, routes
-
-
 def packed_reference(q, kv, lens, rows, **opts):
     """The float64 reference of packed rows (qlens, qo_indptr style): request by request, each
     with its own row count as its qlen, concatenated as q is."""
@@ -179,6 +159,40 @@ def packed_reference(q, kv, lens, rows, **opts):
         ref_lse.append(l[0])
         row += n
     return np.concatenate(ref_out), np.concatenate(ref_lse)
+
+
+def check(q, kv, lens, what, **opts):
+    """mla_attention against the float64 reference, with the contract's bound, bf16 outputs,
+    padding requests' zeros and -inf, finite lse elsewhere, and the route a forced route asks
+    for. With opts["qlens"], q and the results are packed ([sum(qlens), H, ...])."""
+    route, qlens = opts.get("route", "auto"), opts.get("qlens")
+    out, lse, routes = dcpmla._mla_attention_with_routes(q, kv, lens, **opts)
+    ref_opts = {k: opts[k] for k in ("mode", "kv_dtype", "kv_scale", "softmax_scale",
+                                     "kv_lora_rank") if k in opts}
+    assert out.dtype == np.float32 and lse.dtype == np.float32
+    if qlens is None:
+        ref_out, ref_lse = reference_attention(q, kv, lens, **ref_opts)
+        pad = lens == 0
+    else:
+        ref_out, ref_lse = packed_reference(q, kv, lens, qlens, **ref_opts)
+        # Each packed row compared as a request of one row.
+        out, lse, ref_out, ref_lse = out[:, None], lse[:, None], ref_out[:, None], ref_lse[:, None]
+        pad = np.repeat(lens == 0, qlens)
+    # two_stage rounds stage B to bf16 before the local merge: up to about 1.5 bf16 ulps
+    # (docs/reliability.md, second audit), against one rounding per partial elsewhere.
+    bound = 2e-2 if route == "two_stage" else 1e-2
+    assert out.shape == ref_out.shape, f"{what}: out shape {out.shape} != {ref_out.shape}"
+    if out.size:  # (packed rows: every request may hold none)
+        assert_close(out, lse, ref_out, ref_lse, bound=bound, what=what)
+    # The output holds bf16 values.
+    assert np.array_equal(round_bf16(out), out), f"{what}: out is not bf16-representable"
+    assert np.all(out[pad] == 0) and np.all(np.isneginf(lse[pad])), f"{what}: padding rows"
+    assert np.all(np.isfinite(lse[~pad])), f"{what}: non-padding rows must have finite lse"
+    if route != "auto":
+        assert set(routes) == {route}, f"{what}: forced {route}, planners took {routes}"
+    else:
+        assert set(routes) <= {"one_stage", "two_stage", "split_k"}, routes
+    return out, lse, routes
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -239,16 +253,9 @@ def test_per_request_query_lengths(mode, world, interleave, block, dtype, route,
     H = 8
     q = rng.standard_normal((int(qlens.sum()), H, D), dtype=np.float32)
     kv = rng.standard_normal((len(lens), int(lens.max()), D), dtype=np.float32)
-    scale = 1.0 if dtype == "bf16" else 0.37
-    out, lse = dcpmla.mla_attention(q, kv, lens, mode=mode, world_size=world, interleave=interleave,
-                                    block_size=block, kv_dtype=dtype, kv_scale=scale, route=route,
-                                    device=device, seed=5, qlens=qlens)
-    assert out.shape == (int(qlens.sum()), H, R) and lse.shape == (int(qlens.sum()), H)
-    ref_out, ref_lse = packed_reference(q, kv, lens, qlens, mode=mode, kv_dtype=dtype, kv_scale=scale)
-    assert_close(out[:, None], lse[:, None], ref_out[:, None], ref_lse[:, None],
-                 what=f"qlens {qlens.tolist()} {mode} N={world} I={interleave} bs={block} {dtype} {route} {device}")
-    padding_rows = slice(int(qlens[:2].sum()), int(qlens[:3].sum()))
-    assert np.all(lse[padding_rows] == -np.inf) and np.all(out[padding_rows] == 0)
+    check(q, kv, lens, f"qlens {qlens.tolist()} {mode} N={world} I={interleave} bs={block} {dtype} {route} {device}",
+          mode=mode, world_size=world, interleave=interleave, block_size=block, kv_dtype=dtype,
+          kv_scale=1.0 if dtype == "bf16" else 0.37, route=route, device=device, seed=5, qlens=qlens)
 
 
 def test_per_request_query_lengths_refused_plainly():
@@ -420,29 +427,12 @@ def test_random_configuration(index, device):
     c = random_configuration(index)
     rng = np.random.default_rng(c["seed"] + 77)
     lens, qlens, mode, H = c["lens"], c["qlens"], c["mode"], c["heads"]
-    Lmax = int(lens.max()) + 3
-    kv = rng.standard_normal((len(lens), Lmax, D), dtype=np.float32)
-    for b, L in enumerate(lens):
-        kv[b, L:] = np.nan  # a read past a length shows
-    rows = qlens if qlens is not None else np.full(len(lens), c["qlen"], np.int32)
-    q = rng.standard_normal((int(rows.sum()), H, D), dtype=np.float32)
+    q, kv = make_inputs(rng, lens, c["qlen"], H)
+    if qlens is not None:  # packed: each request's first qlens[b] rows
+        q = np.concatenate([q[b, :n] for b, n in enumerate(qlens)])
     what = (f"#{index} {mode} q{c['qlen']} H{H} N{c['world']} I{c['interleave']} bs{c['block']} {c['dtype']} "
             f"{c['route']} {c['merge']} lens {lens.tolist()} "
             f"qlens {None if qlens is None else qlens.tolist()} {device}")
-    opts = dict(mode=mode, world_size=c["world"], interleave=c["interleave"], block_size=c["block"],
-                kv_dtype=c["dtype"], kv_scale=c["kv_scale"], route=c["route"], merge=c["merge"], seed=c["seed"],
-                device=device)
-    if qlens is None:
-        out, lse = dcpmla.mla_attention(q.reshape(len(lens), c["qlen"], H, D), kv, lens, **opts)
-        out, lse = out.reshape(-1, H, R), lse.reshape(-1, H)
-    else:
-        out, lse = dcpmla.mla_attention(q, kv, lens, qlens=qlens, **opts)
-    ref_out, ref_lse = packed_reference(q, kv, lens, rows, mode=mode, kv_dtype=c["dtype"], kv_scale=c["kv_scale"])
-    # two_stage rounds stage B to bf16 before the local merge: up to about 1.5 bf16 ulps
-    # (docs/reliability.md, second audit), against one rounding per partial elsewhere.
-    bound = 2e-2 if c["route"] == "two_stage" else 1e-2
-    if len(out):  # every request may hold no row (qlens all 0): then nothing to compare
-        assert_close(out[:, None], lse[:, None], ref_out[:, None], ref_lse[:, None], bound=bound, what=what)
-    assert out.shape == (int(rows.sum()), H, R) and np.array_equal(round_bf16(out), out), what
-    empty = np.repeat(lens == 0, rows)
-    assert np.all(out[empty] == 0) and np.all(np.isneginf(lse[empty])), f"{what}: padding rows"
+    check(q, kv, lens, what, mode=mode, world_size=c["world"], interleave=c["interleave"], block_size=c["block"],
+          kv_dtype=c["dtype"], kv_scale=c["kv_scale"], route=c["route"], merge=c["merge"], seed=c["seed"],
+          device=device, qlens=qlens)
