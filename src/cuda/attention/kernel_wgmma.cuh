@@ -96,7 +96,9 @@ struct WgConfig {
 // Named barriers: 256 threads, one warpgroup arriving (bar.arrive) and the other waiting
 // (bar.sync); 128 for one warpgroup alone. Each consumer warpgroup runs its own copy of the
 // unit loop, and bar.sync is the aligned form (every thread that blocks in one generation
-// blocks at the same instruction), so only one warpgroup blocks on each barrier.
+// blocks at the same instruction), so only one warpgroup blocks on each barrier. They carry
+// WG0's writes to WG1; the unit's end, which orders reads before the next unit's writes, is
+// an mbarrier (kMbarUnitEnd, below).
 enum WgBarrier : int {
   kBarPReady = 1,   // WG0 -> WG1: P(i) and alpha(i) are in shared memory
   kBarStats = 4,    // WG0 -> WG1: the unit's row sums and maxima are in shared memory
@@ -380,7 +382,8 @@ __global__ void __launch_bounds__(WgConfig<FP8>::THREADS, 1)
   // Each consumer warpgroup runs its own copy of the unit loop, with only its role's code in
   // it, so that ptxas allocates each copy's registers for that role alone (the 128-head rows
   // 1-2 % faster than one loop with both roles in it on the H100: bench/NOTES.md,
-  // fifty-second session). The barriers between them pair an arrive with a sync (WgBarrier).
+  // fifty-second session). The barriers between them pair an arrive with a sync (WgBarrier),
+  // and the unit ends on an mbarrier both arrive at (kMbarUnitEnd).
   auto consumer = [&](auto softmax_wg) {
     constexpr bool kSoftmaxWg = decltype(softmax_wg)::value;
     setmaxnreg_to<C::THREADS, kSoftmaxWg ? C::SOFTMAX_REGS : C::PV_REGS>();
