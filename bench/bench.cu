@@ -700,31 +700,50 @@ Shape uniform(const char* name, int batch, int ctx, int heads, int qlen, KvDtype
   return Shape{name, batch, std::vector<int32_t>(size_t(batch), ctx), heads, qlen, d, world, rank};
 }
 
-// A uniform shape from --shape "BATCH:CONTEXT:HEADS:QLEN[:KV_DTYPE]", named from its fields
-// (b64_c8192_h32_q3, + _e4m3 / _e5m2 for fp8); nullopt and a message on stderr when a field is
-// not a whole number in its range.
+// A shape from --shape "BATCH:CONTEXT:HEADS:QLEN[:KV_DTYPE]": CONTEXT is every request's
+// length (a uniform shape, named from its fields: b64_c8192_h32_q3, + _e4m3 / _e5m2 for fp8) or
+// BATCH lengths joined by '/' (a varlen batch, such as a held-out serving batch: named
+// b<BATCH>_v<longest>_<6 hex digits of the lengths' hash>_h.._q..); nullopt and a message on
+// stderr when a field is not a whole number in its range.
 std::optional<Shape> parse_shape(const std::string& spec) {
-  std::vector<std::string> f;
-  for (size_t at = 0;;) {
-    const size_t colon = spec.find(':', at);
-    f.push_back(spec.substr(at, colon == std::string::npos ? std::string::npos : colon - at));
-    if (colon == std::string::npos) break;
-    at = colon + 1;
-  }
+  const auto split = [](const std::string& text, char sep) {
+    std::vector<std::string> f;
+    for (size_t at = 0;;) {
+      const size_t next = text.find(sep, at);
+      f.push_back(text.substr(at, next == std::string::npos ? std::string::npos : next - at));
+      if (next == std::string::npos) return f;
+      at = next + 1;
+    }
+  };
+  const std::vector<std::string> f = split(spec, ':');
   const auto fail = [&](const std::string& why) {
     std::fprintf(stderr, "dcpmla_bench: --shape %s: %s\n", spec.c_str(), why.c_str());
     return std::nullopt;
   };
   if (f.size() != 4 && f.size() != 5) return fail("expected BATCH:CONTEXT:HEADS:QLEN[:KV_DTYPE]");
+  // The text as a whole number v in lo..hi.
+  const auto number = [](const std::string& text, int lo, int hi, int& v) {
+    const char* end = text.data() + text.size();
+    const auto [ptr, ec] = std::from_chars(text.data(), end, v);
+    return ec == std::errc() && ptr == end && v >= lo && v <= hi;
+  };
+  const auto range = [](const std::string& name, const std::string& text, int lo, int hi) {
+    return name + " is '" + text + "', expected a whole number in " + std::to_string(lo) + ".." + std::to_string(hi);
+  };
   const char* names[4] = {"BATCH", "CONTEXT", "HEADS", "QLEN"};
   const int lo[4] = {1, 1, 1, 1}, hi[4] = {1024, 1 << 24, dcpmla::max_heads(dcpmla::Backend::cuda), 16};
   int v[4];
-  for (int i = 0; i < 4; ++i) {
-    const char* end = f[size_t(i)].data() + f[size_t(i)].size();
-    const auto [ptr, ec] = std::from_chars(f[size_t(i)].data(), end, v[i]);
-    if (ec != std::errc() || ptr != end || v[i] < lo[i] || v[i] > hi[i])
-      return fail(std::string(names[i]) + " is '" + f[size_t(i)] + "', expected a whole number in " +
-                  std::to_string(lo[i]) + ".." + std::to_string(hi[i]));
+  for (int i : {0, 2, 3})
+    if (!number(f[size_t(i)], lo[i], hi[i], v[i])) return fail(range(names[i], f[size_t(i)], lo[i], hi[i]));
+  const std::vector<std::string> ctx = split(f[1], '/');
+  if (ctx.size() != 1 && ctx.size() != size_t(v[0]))
+    return fail("CONTEXT has " + std::to_string(ctx.size()) + " lengths, expected 1 or BATCH = " + std::to_string(v[0]));
+  std::vector<int32_t> lens;
+  for (size_t b = 0; b < ctx.size(); ++b) {
+    if (!number(ctx[b], lo[1], hi[1], v[1]))
+      return fail(range(ctx.size() == 1 ? std::string("CONTEXT") : "CONTEXT length " + std::to_string(b), ctx[b], lo[1],
+                        hi[1]));
+    lens.push_back(v[1]);
   }
   KvDtype d = KvDtype::bf16;
   if (f.size() == 5) {
@@ -734,8 +753,18 @@ std::optional<Shape> parse_shape(const std::string& spec) {
       return fail(e.what());
     }
   }
-  const std::string name = "b" + f[0] + "_c" + f[1] + "_h" + f[2] + "_q" + f[3] + dcpmla::results::kv_row_suffix(d);
-  return Shape{name, v[0], std::vector<int32_t>(size_t(v[0]), v[1]), v[2], v[3], d};
+  std::string context = "_c" + f[1];
+  if (lens.size() > 1) {
+    uint32_t hash = 2166136261u;  // FNV-1a over the lengths' text
+    for (const char ch : f[1]) hash = (hash ^ uint8_t(ch)) * 16777619u;
+    char tag[16];
+    std::snprintf(tag, sizeof tag, "_%06x", unsigned(hash & 0xffffffu));
+    context = "_v" + std::to_string(*std::max_element(lens.begin(), lens.end())) + tag;
+  } else {
+    lens.assign(size_t(v[0]), lens[0]);
+  }
+  const std::string name = "b" + f[0] + context + "_h" + f[2] + "_q" + f[3] + dcpmla::results::kv_row_suffix(d);
+  return Shape{name, v[0], lens, v[2], v[3], d};
 }
 
 // The serving batches engines send (fixed seeds, so every run times the same lengths):
@@ -802,9 +831,11 @@ int main(int argc, char** argv) {
                  "not narrow it)")
       ->delimiter(',');
   app.add_option("--shape", custom,
-                 "Time these uniform shapes, BATCH:CONTEXT:HEADS:QLEN[:KV_DTYPE] (comma-separated; KV_DTYPE bf16, "
-                 "fp8_e4m3 or fp8_e5m2, default bf16; fp8 read with a cache scale of 0.5), named "
-                 "b<B>_c<C>_h<H>_q<Q>[_e4m3|_e5m2]: alone, or after the shapes --only picks")
+                 "Time these shapes, BATCH:CONTEXT:HEADS:QLEN[:KV_DTYPE] (comma-separated; CONTEXT one length for "
+                 "every request, or BATCH lengths joined by '/' for a varlen batch; KV_DTYPE bf16, fp8_e4m3 or "
+                 "fp8_e5m2, default bf16; fp8 read with a cache scale of 0.5), named b<B>_c<C>_h<H>_q<Q>[_e4m3|_e5m2] "
+                 "(varlen: b<B>_v<longest>_<hash of the lengths>_h<H>_q<Q>..): alone, or after the shapes --only "
+                 "picks")
       ->delimiter(',');
   app.add_option("--schedule", schedule, "The schedule's cost model: piece,cut,slack (ScheduleCost; default: each kernel's calibration, calibrated_schedule_cost); each JSON row records the cost its plan was dealt with (\"cost_model\", which scripts/cta_fit.py compares with the trace)")
       ->delimiter(',')
