@@ -46,14 +46,25 @@ inline nlohmann::json sm_clock_now_mhz(int device) {
   return read && mhz > 0 ? nlohmann::json(mhz) : nlohmann::json(nullptr);
 }
 
-inline nlohmann::json metadata(int device, int argc, char** argv) {
+// The command line as the record keeps it: the program and the --json file by their file
+// names (what ran, not where this machine keeps it), every other word as given (a varlen
+// --shape's lengths are joined by '/').
+inline std::string command_line(int argc, char** argv) {
+  const auto file_name = [](const std::string& path) { return path.substr(path.rfind('/') + 1); };
   std::string command;
-  // Each word by its file name: the record says what ran, not where this machine keeps it.
   for (int i = 0; i < argc; ++i) {
     const std::string word = argv[i];
-    const size_t slash = word.rfind('/');
-    command += (i ? " " : "") + (slash == std::string::npos ? word : word.substr(slash + 1));
+    const bool path = i == 0 || std::string(argv[i - 1]) == "--json";
+    const std::string kept = path ? file_name(word)
+                             : word.rfind("--json=", 0) == 0 ? "--json=" + file_name(word.substr(7))
+                                                               : word;
+    command += (i ? " " : "") + kept;
   }
+  return command;
+}
+
+inline nlohmann::json metadata(int device, int argc, char** argv) {
+  const std::string command = command_line(argc, argv);
   const std::time_t now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
   char date[32];
   std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
