@@ -1,6 +1,7 @@
 // The results files' command line (bench/results_json.h), on the host: the record names the
 // program and its --json file by their file names and keeps every other word as given, so a
-// varlen --shape (lengths joined by '/') can be run again from the record.
+// varlen --shape (lengths joined by '/') can be run again from the record. Registered in
+// bench/CMakeLists.txt, where the bench's nlohmann-json is found (no GPU, no label: CI runs it).
 #include <gtest/gtest.h>
 
 #include <string>

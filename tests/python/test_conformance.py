@@ -135,14 +135,17 @@ def draw_lengths(case, rng):
     return np.array(lens, dtype=np.int32)
 
 
-def make_inputs(rng, lens, qlen, heads, dim=D, tail=3):
-    """Normal latents; everything past each length is NaN, so a read past it shows."""
+def make_inputs(rng, lens, qlen, heads, dim=D, tail=3, qlens=None):
+    """Normal latents; everything past each length is NaN, so a read past it shows. With qlens,
+    q is packed (qo_indptr style): each request's first qlens[b] rows, [sum(qlens), heads, dim]."""
     B = len(lens)
     Lmax = int(lens.max()) + tail
     q = rng.standard_normal((B, qlen, heads, dim), dtype=np.float32)
     kv = rng.standard_normal((B, Lmax, dim), dtype=np.float32)
     for b, L in enumerate(lens):
         kv[b, L:] = np.nan
+    if qlens is not None:
+        q = np.concatenate([q[b, :n] for b, n in enumerate(qlens)])
     return q, kv
 
 
@@ -250,9 +253,7 @@ def test_per_request_query_lengths(mode, world, interleave, block, dtype, route,
     qlens = np.array([top, min(top, 3), top, 0, 1, max(top - 1, 0)], dtype=np.int32)
     if mode == "draft":
         qlens[4] = top
-    H = 8
-    q = rng.standard_normal((int(qlens.sum()), H, D), dtype=np.float32)
-    kv = rng.standard_normal((len(lens), int(lens.max()), D), dtype=np.float32)
+    q, kv = make_inputs(rng, lens, top, 8, qlens=qlens)
     check(q, kv, lens, f"qlens {qlens.tolist()} {mode} N={world} I={interleave} bs={block} {dtype} {route} {device}",
           mode=mode, world_size=world, interleave=interleave, block_size=block, kv_dtype=dtype,
           kv_scale=1.0 if dtype == "bf16" else 0.37, route=route, device=device, seed=5, qlens=qlens)
@@ -427,9 +428,7 @@ def test_random_configuration(index, device):
     c = random_configuration(index)
     rng = np.random.default_rng(c["seed"] + 77)
     lens, qlens, mode, H = c["lens"], c["qlens"], c["mode"], c["heads"]
-    q, kv = make_inputs(rng, lens, c["qlen"], H)
-    if qlens is not None:  # packed: each request's first qlens[b] rows
-        q = np.concatenate([q[b, :n] for b, n in enumerate(qlens)])
+    q, kv = make_inputs(rng, lens, c["qlen"], H, qlens=qlens)
     what = (f"#{index} {mode} q{c['qlen']} H{H} N{c['world']} I{c['interleave']} bs{c['block']} {c['dtype']} "
             f"{c['route']} {c['merge']} lens {lens.tolist()} "
             f"qlens {None if qlens is None else qlens.tolist()} {device}")
