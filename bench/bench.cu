@@ -704,7 +704,7 @@ Shape uniform(const char* name, int batch, int ctx, int heads, int qlen, KvDtype
 // length (a uniform shape, named from its fields: b64_c8192_h32_q3, + _e4m3 / _e5m2 for fp8) or
 // BATCH lengths joined by '/' (a varlen batch, such as a held-out serving batch: named
 // b<BATCH>_v<longest>_<6 hex digits of the lengths' hash>_h.._q..); nullopt and a message on
-// stderr when a field is not a whole number in its range.
+// stderr when a field is not a decimal integer in its range.
 std::optional<Shape> parse_shape(const std::string& spec) {
   const auto split = [](const std::string& text, char sep) {
     std::vector<std::string> f;
@@ -721,28 +721,25 @@ std::optional<Shape> parse_shape(const std::string& spec) {
     return std::nullopt;
   };
   if (f.size() != 4 && f.size() != 5) return fail("expected BATCH:CONTEXT:HEADS:QLEN[:KV_DTYPE]");
-  // The text as a whole number v in lo..hi.
-  const auto number = [](const std::string& text, int lo, int hi, int& v) {
-    const char* end = text.data() + text.size();
-    const auto [ptr, ec] = std::from_chars(text.data(), end, v);
-    return ec == std::errc() && ptr == end && v >= lo && v <= hi;
-  };
-  const auto range = [](const std::string& name, const std::string& text, int lo, int hi) {
-    return name + " is '" + text + "', expected a whole number in " + std::to_string(lo) + ".." + std::to_string(hi);
+  // Field `name` (its text) into v, checked as the CLIs check every integer option
+  // (cli::integer_in: decimal, no leading zeros, within lo..hi); the message, empty if it passes.
+  const auto number = [](const std::string& name, std::string text, int lo, int hi, int& v) {
+    const std::string why = dcpmla::cli::integer_in(lo, hi)(text);
+    if (why.empty()) std::from_chars(text.data(), text.data() + text.size(), v);
+    return why.empty() ? why : name + " " + why;
   };
   const char* names[4] = {"BATCH", "CONTEXT", "HEADS", "QLEN"};
   const int lo[4] = {1, 1, 1, 1}, hi[4] = {1024, 1 << 24, dcpmla::max_heads(dcpmla::Backend::cuda), 16};
   int v[4];
   for (int i : {0, 2, 3})
-    if (!number(f[size_t(i)], lo[i], hi[i], v[i])) return fail(range(names[i], f[size_t(i)], lo[i], hi[i]));
+    if (const std::string why = number(names[i], f[size_t(i)], lo[i], hi[i], v[i]); !why.empty()) return fail(why);
   const std::vector<std::string> ctx = split(f[1], '/');
   if (ctx.size() != 1 && ctx.size() != size_t(v[0]))
     return fail("CONTEXT has " + std::to_string(ctx.size()) + " lengths, expected 1 or BATCH = " + std::to_string(v[0]));
   std::vector<int32_t> lens;
   for (size_t b = 0; b < ctx.size(); ++b) {
-    if (!number(ctx[b], lo[1], hi[1], v[1]))
-      return fail(range(ctx.size() == 1 ? std::string("CONTEXT") : "CONTEXT length " + std::to_string(b), ctx[b], lo[1],
-                        hi[1]));
+    const std::string name = ctx.size() == 1 ? "CONTEXT" : "CONTEXT length " + std::to_string(b);
+    if (const std::string why = number(name, ctx[b], lo[1], hi[1], v[1]); !why.empty()) return fail(why);
     lens.push_back(v[1]);
   }
   KvDtype d = KvDtype::bf16;
