@@ -834,9 +834,9 @@ int main(int argc, char** argv) {
                  "(varlen: b<B>_v<longest>_<hash of the lengths>_h<H>_q<Q>..): alone, or after the shapes --only "
                  "picks")
       ->delimiter(',');
-  app.add_option("--schedule", schedule, "The schedule's cost model: piece,cut,slack (ScheduleCost; default: each kernel's calibration, calibrated_schedule_cost); each JSON row records the cost its plan was dealt with (\"cost_model\", which scripts/cta_fit.py compares with the trace)")
+  app.add_option("--schedule", schedule, "The schedule's cost model: piece,cut,slack[,combine] (ScheduleCost, in tiles; combine 2 when left out; default: each kernel's calibration, calibrated_schedule_cost); each JSON row records the cost its plan was dealt with (\"cost_model\", which scripts/cta_fit.py compares with the trace)")
       ->delimiter(',')
-      ->expected(3);
+      ->expected(3, 4);
   CLI11_PARSE(app, argc, argv);
   const bool baseline = !no_baseline, ceilings = !no_ceilings;
 
@@ -896,8 +896,11 @@ int main(int argc, char** argv) {
   std::printf("ceilings: D2D copy %.0f GB/s (read + write), cuBLAS bf16 8192^3 GEMM %.0f TFLOP/s\n", copy_GBps,
               gemm_TFLOPs);
   std::optional<ScheduleCost> cost;  // none: each shape's kernel's calibration
-  if (!schedule.empty()) cost = ScheduleCost{schedule[0], schedule[1], schedule[2]};
-  if (cost) std::printf("schedule cost: piece %.2f, cut %.2f, slack %.3f\n", cost->piece, cost->cut, cost->slack);
+  if (!schedule.empty())
+    cost = ScheduleCost{schedule[0], schedule[1], schedule[2], schedule.size() > 3 ? schedule[3] : ScheduleCost{}.combine};
+  if (cost)
+    std::printf("schedule cost: piece %.2f, cut %.2f, slack %.3f, combine %.2f\n", cost->piece, cost->cut, cost->slack,
+                cost->combine);
   cublasHandle_t blas;
   ckb(cublasCreate(&blas), "cublasCreate");
   std::vector<Row> rows;
@@ -943,6 +946,7 @@ int main(int argc, char** argv) {
                          {"cost_model", {{"piece", r.cost.piece},
                                          {"cut", r.cost.cut},
                                          {"slack", r.cost.slack},
+                                         {"combine", r.cost.combine},
                                          {"rows_per_unit", r.rows_per_unit}}},
                          {"mean_context", std::accumulate(r.s.lens.begin(), r.s.lens.end(), 0.0) / r.s.lens.size()},
                          {"us", r.us},

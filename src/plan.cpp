@@ -188,6 +188,8 @@ Planner::Planner(const PlannerConfig& config) : config_(config) {
           fmt::format("a cost in [0, {}] (tiles)", kMaxScheduleCost));
   require(c.cost.slack >= 0 && c.cost.slack <= kMaxScheduleCost, "cost.slack", c.cost.slack,
           fmt::format("a fraction in [0, {}] of a chunk's share", kMaxScheduleCost));
+  require(c.cost.combine >= 0 && c.cost.combine <= kMaxScheduleCost, "cost.combine", c.cost.combine,
+          fmt::format("a cost in [0, {}] (tiles)", kMaxScheduleCost));
   require_known("backend", c.backend);
   require_known("route", c.route);
   // Heads beyond what any route serves are the heads' fault, not the route's.
@@ -319,7 +321,8 @@ ScheduleCost calibrated_schedule_cost(int rows_per_unit, KvDtype kv_dtype, int r
 // chunks (bisected), so the most loaded chunk, which the step waits for, is as light as the
 // deal can make it. The longest request may thus run over many chunks, and a chunk may hold
 // many short requests. A batch of at most one request per chunk within the slack of the even
-// share is not cut at all.
+// share is not cut at all, nor one whose best deal of whole requests is within `combine` of
+// the cut deal's most loaded chunk.
 void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& plan, PlanStats& stats) const {
   const auto& c = config_;
   const ScheduleCost& cost = c.cost;
@@ -362,8 +365,10 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
   // chunk whole, over T if it must); false when they do not fit in the chunks. Only the final
   // deal writes the work items and the cut list (which overwrites `longest`).
   int count = 0, k = 0, splits = 0, slots = 0;
+  double peak = 0.0;  // the most loaded chunk's cost
   auto deal = [&](double T, bool final) {
     count = k = splits = slots = 0;
+    peak = 0.0;
     double used = 0.0;
     // A piece of a cut request has min_tiles..cap tiles (cap: what an empty chunk holds), so
     // a rest of r tiles goes in pieces only if ceil(r / cap) of them have min_tiles each.
@@ -405,6 +410,7 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
         if (whole <= room) {
           emit(n, cut);
           used += whole;
+          peak = std::max(peak, used);
           break;
         }
         int64_t take = 0;
@@ -420,6 +426,7 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
           emit(pos + take, true);
           cut = true;
           used += double(take) + cost.piece + cost.cut;
+          peak = std::max(peak, used);
           pos += take;
         } else if (used == 0.0) {
           // An empty chunk cannot take a piece within T: T is too small, unless no T splits
@@ -427,6 +434,7 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
           if (!whole_only) return false;
           emit(n, false);
           used += whole;
+          peak = std::max(peak, used);
           break;
         }
         if (k == chunks - 1) return false;  // no chunk left for the rest
@@ -439,21 +447,52 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
   };
   // The least T that fits, to half a tile or 0.3 % of it (with the calibrated costs a deal
   // changes only where T crosses a multiple of half a tile, so up to 166 tiles a chunk half a
-  // tile finds the least exactly). The share is a lower bound and the cuts' own costs usually
-  // need a tile or two more: the bracket grows from the share by doubling steps, then is
-  // bisected (about five deals of O(batch + chunks) each).
-  double lo = share, step = 1.0, hi = share + step;
-  while (!deal(hi, false)) {
-    lo = hi;
-    step *= 2.0;
-    hi = share + step;
-  }
-  while (hi - lo > std::max(0.5, 0.003 * hi)) {
-    const double mid = 0.5 * (lo + hi);
-    (deal(mid, false) ? hi : lo) = mid;
+  // tile finds the least exactly). `lo` is a lower bound and the cuts' own costs usually need a
+  // tile or two more: the bracket grows from it by doubling steps, then is bisected (about five
+  // deals of O(batch + chunks) each).
+  // fit_peak and fit_splits: the heaviest chunk and the cuts of the deal at the T it returns
+  // (the last deal that fitted), for the combine's check below.
+  double fit_peak = 0.0;
+  int fit_splits = 0;
+  auto fits = [&](double T) {
+    if (!deal(T, false)) return false;
+    fit_peak = peak;
+    fit_splits = splits;
+    return true;
+  };
+  auto least_fit = [&](double lo) {
+    const double from = lo;
+    double step = 1.0, hi = from + step;
+    while (!fits(hi)) {
+      lo = hi;
+      step *= 2.0;
+      hi = from + step;
+    }
+    while (hi - lo > std::max(0.5, 0.003 * hi)) {
+      const double mid = 0.5 * (lo + hi);
+      (fits(mid) ? hi : lo) = mid;
+    }
+    return hi;
+  };
+  double T = least_fit(share);
+  // A deal that cuts launches the combine, a cost of the step rather than of a chunk: it must
+  // beat the best deal of whole requests by more than `combine` (a small step whose longest
+  // request is cut to save a tile or two: H100, 12 requests of at most 480 tokens at 128 heads
+  // took 26.9 us cut, bench/NOTES.md). A forced split_k keeps its cuts.
+  if (cut_allowed && c.route != Route::split_k && cost.combine > 0.0 && fit_splits > 0 &&
+      double(most) + cost.piece <= fit_peak + cost.combine) {
+    const double cut_peak = fit_peak;
+    cut_allowed = false;
+    if (deal(cut_peak + cost.combine, false)) {
+      // Whole requests: each a piece, the longest at least in its own chunk.
+      const double whole_share = (double(tiles) + cost.piece * double(parts)) / chunks;
+      T = std::min(least_fit(std::max(whole_share, double(most) + cost.piece) - 0.5), cut_peak + cost.combine);
+    } else {
+      cut_allowed = true;
+    }
   }
   stats.max_segments = 0;
-  if (!deal(hi, true)) throw std::logic_error("dcpmla: the schedule's final deal did not fit");
+  if (!deal(T, true)) throw std::logic_error("dcpmla: the schedule's final deal did not fit");
   for (int j = k + 1; j <= chunks; ++j) chunk_work[j] = count;
   split_slot[splits] = slots;
   PlanHeader& h = plan.mutable_header();

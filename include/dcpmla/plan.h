@@ -35,13 +35,17 @@ inline constexpr int kCutTokens = 64;
 // `piece` (loading Q, filling the pipeline, the epilogue); a piece of a cut request also
 // `cut` (its partial write and share of the combine). Under the automatic route a batch of
 // at most one request per chunk is not cut when its longest request is within `slack` of the
-// even share, so that a uniform batch is not cut to win a few percent. The defaults are the
-// 16-row bf16 kernel's calibration; calibrated_schedule_cost gives each unit size and cache
-// dtype its own (H200: bench/NOTES.md).
+// even share, so that a uniform batch is not cut to win a few percent; nor is any batch whose
+// best deal of whole requests loads its fullest chunk at most `combine` more than the cut
+// deal's (the combine's launch and its wait, a cost of the step: a cut that saves a tile or two
+// of a small step costs more than it saves). The defaults are the 16-row bf16 kernel's
+// calibration; calibrated_schedule_cost gives each unit size and cache dtype its own (H200 and
+// H100: bench/NOTES.md).
 struct ScheduleCost {
   double piece = 1.0;
   double cut = 0.5;
   double slack = 0.05;
+  double combine = 2.0;
 };
 
 // The H200 calibration for units of rows_per_unit query rows of a kv_dtype cache, the widest
@@ -55,6 +59,8 @@ struct ScheduleCost {
 // eleventh session's grid of the serving batches and its check on the uniform shapes, where 3
 // lost 1-2 % at four groups and more; the twenty-second session's grids of the fp8 serving
 // batches, where 5 beat 2-3 by 2-10 % at 64 rows and 4 beat 2 by 2-4 % at 16 (bench/NOTES.md).
+// The combine costs 2 tiles on every kernel: the H100 traces' combine of 5-10 us against
+// bf16 tiles of 1.9-2.4 us (fp8 tiles are shorter, so 2 errs towards cutting, the older rule).
 ScheduleCost calibrated_schedule_cost(int rows_per_unit, KvDtype kv_dtype, int row_groups);
 
 // The row groups of a step of `rows` query rows (qlen x heads) on units of rows_per_unit

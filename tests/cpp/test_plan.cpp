@@ -260,6 +260,43 @@ TEST(Plan, RowGroupsShareTheChunks) {
   EXPECT_EQ(row_groups_of(INT64_MAX, INT32_MAX), INT32_MAX);
 }
 
+// A small step at 128 heads (two row groups, 66 chunks, 3 tiles a piece; the H100's varlen
+// sweep, bench/NOTES.md): whole, the 8-tile request bounds the step at 11, the 7-tile ones at
+// 10. Cutting the 8 into 4 + 4 saves that one tile and costs the combine's launch (26.9 us
+// cut, the same batch capped at 247 tokens 16.4 uncut), so the schedule keeps it whole; a
+// cut that saves more than the combine still happens, and a forced split_k still cuts.
+TEST(Plan, ACutMustSaveMoreThanTheCombineCosts) {
+  auto c = config();
+  c.heads = 128;
+  c.rows_per_unit = 64;
+  c.cost = calibrated_schedule_cost(64, KvDtype::bf16, 2);
+  c.limits = PlanLimits{16, 4, 1 << 17};
+  const std::vector<int32_t> small{402, 289, 443, 383, 480, 422, 363, 260, 412, 368, 358, 267};
+  auto cuts = [&](const PlannerConfig& cfg, const std::vector<int32_t>& lens) {
+    Planner planner(cfg);
+    Plan plan = planner.make_plan();
+    planner.plan(batch_of(lens, 1).desc(), plan);
+    EXPECT_SCHEDULE_OK(planner, plan);
+    EXPECT_EQ(plan.header().chunks, 66);
+    return plan.header().split_requests;
+  };
+  EXPECT_EQ(cuts(c, small), 0) << "one tile saved does not pay for the combine";
+  auto free_combine = c;
+  free_combine.cost.combine = 0.0;
+  EXPECT_EQ(cuts(free_combine, small), 1) << "without its cost the 480-token request is cut";
+  auto tight = c;
+  tight.cost.combine = 0.5;
+  EXPECT_EQ(cuts(tight, small), 1) << "a tile saved beats a combine of half a tile";
+  auto forced = c;
+  forced.route = Route::split_k;
+  EXPECT_EQ(cuts(forced, small), 1) << "a forced split_k cuts whatever the combine costs";
+  // Cuts that save more than the combine: 12 x 512 in pieces of 2 tiles (5.5 a chunk against
+  // 11 whole), 1 x 8192 and a 4712-token request among short ones over many chunks.
+  EXPECT_EQ(cuts(c, std::vector<int32_t>(12, 512)), 12);
+  EXPECT_EQ(cuts(c, {8192}), 1);
+  EXPECT_EQ(cuts(c, {444, 369, 4712}), 1);
+}
+
 TEST(Plan, PaddingNeverMovesACut) {
   Planner planner(config());
   Plan a = planner.make_plan(), b = planner.make_plan();
@@ -491,6 +528,9 @@ TEST(Plan, RefusesHostileCapacitiesCostsAndEnums) {
     c = config();
     c.cost.slack = bad;
     expect_error([&] { Planner p(c); }, "'cost.slack' = ");
+    c = config();
+    c.cost.combine = bad;
+    expect_error([&] { Planner p(c); }, "'cost.combine' = ");
   }
   // An unknown backend blamed the heads ("in [1, 0] on the ? backend"), an unknown route
   // showed '?' for its value.
