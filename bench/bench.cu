@@ -834,7 +834,7 @@ int main(int argc, char** argv) {
                  "(varlen: b<B>_v<longest>_<hash of the lengths>_h<H>_q<Q>..): alone, or after the shapes --only "
                  "picks")
       ->delimiter(',');
-  app.add_option("--schedule", schedule, "The schedule's cost model: piece,cut,slack[,combine] (ScheduleCost, in tiles; combine 2 when left out; default: each kernel's calibration, calibrated_schedule_cost); each JSON row records the cost its plan was dealt with (\"cost_model\", which scripts/cta_fit.py compares with the trace)")
+  app.add_option("--schedule", schedule, "The schedule's cost model: piece,cut,slack[,combine] (ScheduleCost, in tiles; combine ScheduleCost's default when left out; default: each kernel's calibration, calibrated_schedule_cost); each JSON row records the cost its plan was dealt with (\"cost_model\", which scripts/cta_fit.py compares with the trace)")
       ->delimiter(',')
       ->expected(3, 4);
   CLI11_PARSE(app, argc, argv);

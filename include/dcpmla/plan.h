@@ -45,7 +45,7 @@ struct ScheduleCost {
   double piece = 1.0;
   double cut = 0.5;
   double slack = 0.05;
-  double combine = 2.0;
+  double combine = 4.0;
 };
 
 // The H200 calibration for units of rows_per_unit query rows of a kv_dtype cache, the widest
@@ -59,8 +59,10 @@ struct ScheduleCost {
 // eleventh session's grid of the serving batches and its check on the uniform shapes, where 3
 // lost 1-2 % at four groups and more; the twenty-second session's grids of the fp8 serving
 // batches, where 5 beat 2-3 by 2-10 % at 64 rows and 4 beat 2 by 2-4 % at 16 (bench/NOTES.md).
-// The combine costs 2 tiles on every kernel: the H100 traces' combine of 5-10 us against
-// bf16 tiles of 1.9-2.4 us (fp8 tiles are shorter, so 2 errs towards cutting, the older rule).
+// The combine costs 4 tiles on every kernel: on the H100 every kernel class ran whole faster
+// than cut queued where the cut saved up to 4 tiles (in graph replay faster or within 0.6 us;
+// verify128_q2: 260 against 256 tiles, 427.5 against 437.1 us), and slower from 5.5-7
+// (bench/NOTES.md, fifty-sixth session).
 ScheduleCost calibrated_schedule_cost(int rows_per_unit, KvDtype kv_dtype, int row_groups);
 
 // The row groups of a step of `rows` query rows (qlen x heads) on units of rows_per_unit

@@ -628,7 +628,7 @@ TEST(ScheduleCostOfAConfig, CalibratedUnlessSet) {
     EXPECT_EQ(got.cut, want.cut);
     EXPECT_EQ(got.slack, want.slack);
     EXPECT_EQ(got.combine, want.combine);
-    EXPECT_EQ(got.combine, 2.0);
+    EXPECT_EQ(got.combine, 4.0);
   }
   c.schedule_cost = ScheduleCost{0.25, 3.0, 0.5, 7.0};
   for (int rows : {16, 64}) {

@@ -262,9 +262,10 @@ TEST(Plan, RowGroupsShareTheChunks) {
 
 // A small step at 128 heads (two row groups, 66 chunks, 3 tiles a piece; the H100's varlen
 // sweep, bench/NOTES.md): whole, the 8-tile request bounds the step at 11, the 7-tile ones at
-// 10. Cutting the 8 into 4 + 4 saves that one tile and costs the combine's launch (26.9 us
-// cut, the same batch capped at 247 tokens 16.4 uncut), so the schedule keeps it whole; a
-// cut that saves more than the combine still happens, and a forced split_k still cuts.
+// 10. Cutting the 8 into 4 + 4 saves that one tile and costs the combine (24.5 us cut, 21.2
+// whole), so the schedule keeps it whole; a cut that saves more than the combine still
+// happens, and a forced split_k still cuts. verify128_q2 is kept whole too: 4 tiles more
+// (260 against 256) and no combine of its 32 cut requests (437.1 us cut, 427.5 whole).
 TEST(Plan, ACutMustSaveMoreThanTheCombineCosts) {
   auto c = config();
   c.heads = 128;
@@ -295,6 +296,21 @@ TEST(Plan, ACutMustSaveMoreThanTheCombineCosts) {
   EXPECT_EQ(cuts(c, std::vector<int32_t>(12, 512)), 12);
   EXPECT_EQ(cuts(c, {8192}), 1);
   EXPECT_EQ(cuts(c, {444, 369, 4712}), 1);
+
+  auto verify = c;
+  verify.cost = calibrated_schedule_cost(64, KvDtype::bf16, 4);
+  verify.limits = PlanLimits{64, 2, 1 << 13};
+  auto verify_cuts = [&](const PlannerConfig& cfg) {
+    Planner planner(cfg);
+    Plan plan = planner.make_plan();
+    planner.plan(batch_of(std::vector<int32_t>(64, 8192), 2, 64, 128).desc(), plan);
+    EXPECT_SCHEDULE_OK(planner, plan);
+    EXPECT_EQ(plan.header().chunks, 33) << "256 rows: four row groups";
+    return plan.header().split_requests;
+  };
+  EXPECT_EQ(verify_cuts(verify), 0) << "verify128_q2: 260 tiles whole against 256 cut";
+  verify.cost.combine = 3.5;
+  EXPECT_EQ(verify_cuts(verify), 32) << "a combine of less than the 4 tiles the cuts save";
 }
 
 TEST(Plan, PaddingNeverMovesACut) {
