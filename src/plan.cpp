@@ -478,7 +478,7 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
   // A deal that cuts launches the combine, a cost of the step rather than of a chunk: it must
   // beat the best deal of whole requests by more than `combine` (a small step whose longest
   // request is cut to save a tile or two: H100, 12 requests of at most 480 tokens at 128 heads
-  // took 26.9 us cut, bench/NOTES.md). A forced split_k keeps its cuts.
+  // took 24.5 us cut and 21.2 whole, bench/NOTES.md). A forced split_k keeps its cuts.
   if (cut_allowed && c.route != Route::split_k && cost.combine > 0.0 && fit_splits > 0 &&
       double(most) + cost.piece <= fit_peak + cost.combine) {
     const double cut_peak = fit_peak;

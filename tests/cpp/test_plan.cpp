@@ -386,6 +386,8 @@ TEST(Plan, EverySchedulesInvariantsOnRandomBatches) {
     c.layout = Layout{1 + int(rng() % 8), 0, 1};
     c.layout.rank = int(rng() % uint64_t(c.layout.world_size));
     c.limits = PlanLimits{16, 4, 1 << 17};
+    // No combine cost (the cut deal), the default, and one that keeps whatever fits whole.
+    c.cost.combine = std::array{0.0, 4.0, 1e3}[(trial / 3) % 3];
     Planner planner(c);
     Plan plan = planner.make_plan();
     const int n = 1 + int(rng() % 16), qlen = 1 + int(rng() % 4);
