@@ -410,7 +410,6 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
         if (whole <= room) {
           emit(n, cut);
           used += whole;
-          peak = std::max(peak, used);
           break;
         }
         int64_t take = 0;
@@ -426,7 +425,6 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
           emit(pos + take, true);
           cut = true;
           used += double(take) + cost.piece + cost.cut;
-          peak = std::max(peak, used);
           pos += take;
         } else if (used == 0.0) {
           // An empty chunk cannot take a piece within T: T is too small, unless no T splits
@@ -434,15 +432,16 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
           if (!whole_only) return false;
           emit(n, false);
           used += whole;
-          peak = std::max(peak, used);
           break;
         }
         if (k == chunks - 1) return false;  // no chunk left for the rest
         chunk_work[++k] = count;  // (a dry deal's offsets are rewritten by the final one)
+        peak = std::max(peak, used);  // (a chunk's load only grows until it closes)
         used = 0.0;
       }
       if (final) stats.max_segments = std::max(stats.max_segments, count - first);
     }
+    peak = std::max(peak, used);
     return true;
   };
   // The least T that fits, to half a tile or 0.3 % of it (with the calibrated costs a deal
@@ -484,7 +483,9 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
     const double cut_peak = fit_peak;
     cut_allowed = false;
     if (deal(cut_peak + cost.combine, false)) {
-      // Whole requests: each a piece, the longest at least in its own chunk.
+      // Whole requests: each a piece, the longest at least in its own chunk. (least_fit tries
+      // lo + 1 first and bisects down to half a tile: from half a tile below the bound, the
+      // bound itself is tried.)
       const double whole_share = (double(tiles) + cost.piece * double(parts)) / chunks;
       T = std::min(least_fit(std::max(whole_share, double(most) + cost.piece) - 0.5), cut_peak + cost.combine);
     } else {

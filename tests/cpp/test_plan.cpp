@@ -83,21 +83,31 @@ std::vector<std::array<int, 3>> pieces_of(const Plan& plan, int b) {
   return out;
 }
 
-// The largest chunk's cost (tiles plus the per-piece cost) over the even share of the total.
-double imbalance(const Planner& planner, const Plan& plan) {
+// Each chunk's cost (tiles plus the per-piece cost, and the cut cost of a partial).
+std::vector<double> chunk_costs(const Planner& planner, const Plan& plan) {
   const PlanView v = plan.view();
   const ScheduleCost& cost = planner.config().cost;
-  double most = 0, total = 0;
+  std::vector<double> out;
   for (int k = 0; k < v.header->chunks; ++k) {
     double chunk = 0;
     for (int w = v.chunk_work[k]; w < v.chunk_work[k + 1]; ++w) {
       const int tiles = (v.work[w].tok_end - v.work[w].tok_begin + kCutTokens - 1) / kCutTokens;
       if (tiles > 0) chunk += tiles + cost.piece + (v.work[w].slot >= 0 ? cost.cut : 0.0);
     }
-    most = std::max(most, chunk);
-    total += chunk;
+    out.push_back(chunk);
   }
-  return most / (total / v.header->chunks);
+  return out;
+}
+
+double heaviest(const Planner& planner, const Plan& plan) {
+  const std::vector<double> c = chunk_costs(planner, plan);
+  return *std::max_element(c.begin(), c.end());
+}
+
+// The largest chunk's cost over the even share of the total.
+double imbalance(const Planner& planner, const Plan& plan) {
+  const std::vector<double> c = chunk_costs(planner, plan);
+  return heaviest(planner, plan) / (std::accumulate(c.begin(), c.end(), 0.0) / double(c.size()));
 }
 
 #define EXPECT_SCHEDULE_OK(planner, plan) EXPECT_EQ(testing::schedule_error((planner).config(), (plan)), "")
@@ -296,6 +306,25 @@ TEST(Plan, ACutMustSaveMoreThanTheCombineCosts) {
   EXPECT_EQ(cuts(c, std::vector<int32_t>(12, 512)), 12);
   EXPECT_EQ(cuts(c, {8192}), 1);
   EXPECT_EQ(cuts(c, {444, 369, 4712}), 1);
+
+  // The whole deal is the least one, not any that fits within the combine: 8, 4, 4 and 1
+  // tiles on 4 chunks (piece 1) are 9, 5, 5 and 2 whole; the cut deal's heaviest is 7, and a
+  // whole deal at 7 + 4 would put both 4-tile requests in one chunk (10).
+  auto four = config();
+  four.num_workers = 4;
+  {
+    Planner planner(four);
+    Plan plan = planner.make_plan();
+    planner.plan(batch_of({512, 256, 256, 64}, 1).desc(), plan);
+    EXPECT_SCHEDULE_OK(planner, plan);
+    EXPECT_EQ(plan.header().split_requests, 0);
+    EXPECT_EQ(heaviest(planner, plan), 9.0);
+    four.cost.combine = 0.0;
+    Planner cutting(four);
+    cutting.plan(batch_of({512, 256, 256, 64}, 1).desc(), plan);
+    EXPECT_EQ(plan.header().split_requests, 1);
+    EXPECT_EQ(heaviest(cutting, plan), 7.0);
+  }
 
   auto verify = c;
   verify.cost = calibrated_schedule_cost(64, KvDtype::bf16, 4);
