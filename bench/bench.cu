@@ -834,9 +834,9 @@ int main(int argc, char** argv) {
                  "(varlen: b<B>_v<longest>_<hash of the lengths>_h<H>_q<Q>..): alone, or after the shapes --only "
                  "picks")
       ->delimiter(',');
-  app.add_option("--schedule", schedule, "The schedule's cost model: piece,cut,slack[,combine] (ScheduleCost, in tiles; combine ScheduleCost's default when left out; default: each kernel's calibration, calibrated_schedule_cost); each JSON row records the cost its plan was dealt with (\"cost_model\", which scripts/cta_fit.py compares with the trace)")
+  app.add_option("--schedule", schedule, "The schedule's cost model: piece,cut,slack[,combine[,combine_piece]] (ScheduleCost, in tiles; combine and combine_piece ScheduleCost's defaults when left out; default: each kernel's calibration, calibrated_schedule_cost); each JSON row records the cost its plan was dealt with (\"cost_model\", which scripts/cta_fit.py compares with the trace)")
       ->delimiter(',')
-      ->expected(3, 4);
+      ->expected(3, 5);
   CLI11_PARSE(app, argc, argv);
   const bool baseline = !no_baseline, ceilings = !no_ceilings;
 
@@ -897,10 +897,11 @@ int main(int argc, char** argv) {
               gemm_TFLOPs);
   std::optional<ScheduleCost> cost;  // none: each shape's kernel's calibration
   if (!schedule.empty())
-    cost = ScheduleCost{schedule[0], schedule[1], schedule[2], schedule.size() > 3 ? schedule[3] : ScheduleCost{}.combine};
+    cost = ScheduleCost{schedule[0], schedule[1], schedule[2], schedule.size() > 3 ? schedule[3] : ScheduleCost{}.combine,
+                        schedule.size() > 4 ? schedule[4] : ScheduleCost{}.combine_piece};
   if (cost)
-    std::printf("schedule cost: piece %.2f, cut %.2f, slack %.3f, combine %.2f\n", cost->piece, cost->cut, cost->slack,
-                cost->combine);
+    std::printf("schedule cost: piece %.2f, cut %.2f, slack %.3f, combine %.2f + %.2f per cut piece per chunk\n",
+                cost->piece, cost->cut, cost->slack, cost->combine, cost->combine_piece);
   cublasHandle_t blas;
   ckb(cublasCreate(&blas), "cublasCreate");
   std::vector<Row> rows;
@@ -947,6 +948,7 @@ int main(int argc, char** argv) {
                                          {"cut", r.cost.cut},
                                          {"slack", r.cost.slack},
                                          {"combine", r.cost.combine},
+                                         {"combine_piece", r.cost.combine_piece},
                                          {"rows_per_unit", r.rows_per_unit}}},
                          {"mean_context", std::accumulate(r.s.lens.begin(), r.s.lens.end(), 0.0) / r.s.lens.size()},
                          {"us", r.us},

@@ -190,6 +190,8 @@ Planner::Planner(const PlannerConfig& config) : config_(config) {
           fmt::format("a fraction in [0, {}] of a chunk's share", kMaxScheduleCost));
   require(c.cost.combine >= 0 && c.cost.combine <= kMaxScheduleCost, "cost.combine", c.cost.combine,
           fmt::format("a cost in [0, {}] (tiles)", kMaxScheduleCost));
+  require(c.cost.combine_piece >= 0 && c.cost.combine_piece <= kMaxScheduleCost, "cost.combine_piece",
+          c.cost.combine_piece, fmt::format("a cost in [0, {}] (tiles per cut piece per chunk)", kMaxScheduleCost));
   require_known("backend", c.backend);
   require_known("route", c.route);
   // Heads beyond what any route serves are the heads' fault, not the route's.
@@ -321,8 +323,8 @@ ScheduleCost calibrated_schedule_cost(int rows_per_unit, KvDtype kv_dtype, int r
 // chunks (bisected), so the most loaded chunk, which the step waits for, is as light as the
 // deal can make it. The longest request may thus run over many chunks, and a chunk may hold
 // many short requests. A batch of at most one request per chunk within the slack of the even
-// share is not cut at all, nor one whose best deal of whole requests is within `combine` of
-// the cut deal's most loaded chunk.
+// share is not cut at all, nor one whose best deal of whole requests is within the combine's
+// cost of the cut deal's most loaded chunk.
 void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& plan, PlanStats& stats) const {
   const auto& c = config_;
   const ScheduleCost& cost = c.cost;
@@ -449,14 +451,15 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
   // tile finds the least exactly). `lo` is a lower bound and the cuts' own costs usually need a
   // tile or two more: the bracket grows from it by doubling steps, then is bisected (about five
   // deals of O(batch + chunks) each).
-  // fit_peak and fit_splits: the heaviest chunk and the cuts of the deal at the T it returns
-  // (the last deal that fitted), for the combine's check below.
+  // fit_peak, fit_splits and fit_slots: the heaviest chunk, the cut requests and their pieces
+  // in the deal at the T it returns (the last deal that fitted), for the combine's check below.
   double fit_peak = 0.0;
-  int fit_splits = 0;
+  int fit_splits = 0, fit_slots = 0;
   auto fits = [&](double T) {
     if (!deal(T, false)) return false;
     fit_peak = peak;
     fit_splits = splits;
+    fit_slots = slots;
     return true;
   };
   auto least_fit = [&](double lo) {
@@ -475,19 +478,22 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
   };
   double T = least_fit(share);
   // A deal that cuts launches the combine, a cost of the step rather than of a chunk: it must
-  // beat the best deal of whole requests by more than `combine` (a small step whose longest
-  // request is cut to save a tile or two: H100, 12 requests of at most 480 tokens at 128 heads
-  // took 24.5 us cut and 21.2 whole, bench/NOTES.md). A forced split_k keeps its cuts.
-  if (cut_allowed && c.route != Route::split_k && cost.combine > 0.0 && fit_splits > 0 &&
-      double(most) + cost.piece <= fit_peak + cost.combine) {
+  // beat the best deal of whole requests by more than the combine costs, its launch and its
+  // reads of the cut pieces' partials (a small step whose longest request is cut to save a tile
+  // or two: H100, 12 requests of at most 480 tokens at 128 heads took 24.5 us cut and 21.2
+  // whole; verify128_q2, 1.9 cut pieces a chunk, saved 4 tiles cut and took 9 us more,
+  // bench/NOTES.md). A forced split_k keeps its cuts.
+  const double combine = cost.combine + cost.combine_piece * double(fit_slots) / chunks;
+  if (cut_allowed && c.route != Route::split_k && combine > 0.0 && fit_splits > 0 &&
+      double(most) + cost.piece <= fit_peak + combine) {
     const double cut_peak = fit_peak;
     cut_allowed = false;
-    if (deal(cut_peak + cost.combine, false)) {
+    if (deal(cut_peak + combine, false)) {
       // Whole requests: each a piece, the longest at least in its own chunk. (least_fit tries
       // lo + 1 first and bisects down to half a tile: from half a tile below the bound, the
       // bound itself is tried.)
       const double whole_share = (double(tiles) + cost.piece * double(parts)) / chunks;
-      T = std::min(least_fit(std::max(whole_share, double(most) + cost.piece) - 0.5), cut_peak + cost.combine);
+      T = std::min(least_fit(std::max(whole_share, double(most) + cost.piece) - 0.5), cut_peak + combine);
     } else {
       cut_allowed = true;
     }

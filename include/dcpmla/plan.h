@@ -36,16 +36,19 @@ inline constexpr int kCutTokens = 64;
 // `cut` (its partial write and share of the combine). Under the automatic route a batch of
 // at most one request per chunk is not cut when its longest request is within `slack` of the
 // even share, so that a uniform batch is not cut to win a few percent; nor is any batch whose
-// best deal of whole requests loads its fullest chunk at most `combine` more than the cut
-// deal's (the combine's launch and its wait, a cost of the step: a cut that saves a tile or two
-// of a small step costs more than it saves). The defaults are the 16-row bf16 kernel's
-// calibration; calibrated_schedule_cost gives each unit size and cache dtype its own (H200 and
-// H100: bench/NOTES.md).
+// best deal of whole requests loads its fullest chunk at most the combine's cost more than the
+// cut deal's. The combine is a cost of the step, not of a chunk: `combine` for its launch and
+// wait, plus `combine_piece` for each cut piece per chunk (the partials the attention grid
+// writes and the combine reads back, M rows each), so a cut that saves a tile or two of a small
+// step, or a few tiles of a step with many cut pieces, is not made. The defaults are the 16-row
+// bf16 kernel's calibration; calibrated_schedule_cost gives each unit size and cache dtype its
+// own (H200 and H100: bench/NOTES.md).
 struct ScheduleCost {
   double piece = 1.0;
   double cut = 0.5;
   double slack = 0.05;
-  double combine = 4.0;
+  double combine = 3.0;
+  double combine_piece = 2.5;
 };
 
 // The H200 calibration for units of rows_per_unit query rows of a kv_dtype cache, the widest
@@ -59,10 +62,11 @@ struct ScheduleCost {
 // eleventh session's grid of the serving batches and its check on the uniform shapes, where 3
 // lost 1-2 % at four groups and more; the twenty-second session's grids of the fp8 serving
 // batches, where 5 beat 2-3 by 2-10 % at 64 rows and 4 beat 2 by 2-4 % at 16 (bench/NOTES.md).
-// The combine costs 4 tiles on every kernel: on the H100 every kernel class ran whole faster
-// than cut queued where the cut saved up to 4 tiles (in graph replay faster or within 0.6 us;
-// verify128_q2: 260 against 256 tiles, 427.5 against 437.1 us), and slower from 5.5-7
-// (bench/NOTES.md, fifty-sixth session).
+// The combine costs 3 tiles plus 2.5 per cut piece per chunk on every kernel: on the H100 a
+// step with few cut pieces a chunk ran whole faster where the cut saved up to 4-4.5 tiles and
+// slower from 5.5, one with one and a half ran whole faster up to 6.5-7.5 (verify128_q2, 1.9
+// pieces a chunk: 260 against 256 tiles, 427.5 against 437.1 us); fitted over 75 steps timed
+// cut and whole (bench/NOTES.md, fifty-sixth and fifty-seventh sessions).
 ScheduleCost calibrated_schedule_cost(int rows_per_unit, KvDtype kv_dtype, int row_groups);
 
 // The row groups of a step of `rows` query rows (qlen x heads) on units of rows_per_unit

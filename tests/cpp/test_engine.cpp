@@ -628,15 +628,18 @@ TEST(ScheduleCostOfAConfig, CalibratedUnlessSet) {
     EXPECT_EQ(got.cut, want.cut);
     EXPECT_EQ(got.slack, want.slack);
     EXPECT_EQ(got.combine, want.combine);
-    EXPECT_EQ(got.combine, 4.0);
+    EXPECT_EQ(got.combine, 3.0);
+    EXPECT_EQ(got.combine_piece, want.combine_piece);
+    EXPECT_EQ(got.combine_piece, 2.5);
   }
-  c.schedule_cost = ScheduleCost{0.25, 3.0, 0.5, 7.0};
+  c.schedule_cost = ScheduleCost{0.25, 3.0, 0.5, 7.0, 1.5};
   for (int rows : {16, 64}) {
     const ScheduleCost got = planner_config(c, Backend::cpu, 132, rows).cost;
     EXPECT_EQ(got.piece, 0.25);
     EXPECT_EQ(got.cut, 3.0);
     EXPECT_EQ(got.slack, 0.5);
     EXPECT_EQ(got.combine, 7.0);
+    EXPECT_EQ(got.combine_piece, 1.5);
   }
 }
 

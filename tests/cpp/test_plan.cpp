@@ -275,13 +275,16 @@ TEST(Plan, RowGroupsShareTheChunks) {
 // 10. Cutting the 8 into 4 + 4 saves that one tile and costs the combine (24.5 us cut, 21.2
 // whole), so the schedule keeps it whole; a cut that saves more than the combine still
 // happens, and a forced split_k still cuts. verify128_q2 is kept whole too: 4 tiles more
-// (260 against 256) and no combine of its 32 cut requests (437.1 us cut, 427.5 whole).
+// (260 against 256) and no combine of its 32 cut requests' 64 pieces (437.1 us cut, 427.5
+// whole). The combine's cost grows with the cut pieces a chunk (combine_piece): 22 requests of
+// 640 tokens on 66 chunks cut in 66 pieces save 5.5 tiles, more than the fixed 3, less than
+// 3 + 2.5 per piece a chunk.
 TEST(Plan, ACutMustSaveMoreThanTheCombineCosts) {
   auto c = config();
   c.heads = 128;
   c.rows_per_unit = 64;
   c.cost = calibrated_schedule_cost(64, KvDtype::bf16, 2);
-  c.limits = PlanLimits{16, 4, 1 << 17};
+  c.limits = PlanLimits{32, 4, 1 << 17};
   const std::vector<int32_t> small{402, 289, 443, 383, 480, 422, 363, 260, 412, 368, 358, 267};
   auto cuts = [&](const PlannerConfig& cfg, const std::vector<int32_t>& lens) {
     Planner planner(cfg);
@@ -293,11 +296,14 @@ TEST(Plan, ACutMustSaveMoreThanTheCombineCosts) {
   };
   EXPECT_EQ(cuts(c, small), 0) << "one tile saved does not pay for the combine";
   auto free_combine = c;
-  free_combine.cost.combine = 0.0;
+  free_combine.cost.combine = free_combine.cost.combine_piece = 0.0;
   EXPECT_EQ(cuts(free_combine, small), 1) << "without its cost the 480-token request is cut";
   auto tight = c;
   tight.cost.combine = 0.5;
+  tight.cost.combine_piece = 0.0;
   EXPECT_EQ(cuts(tight, small), 1) << "a tile saved beats a combine of half a tile";
+  tight.cost.combine_piece = 2.5;
+  EXPECT_EQ(cuts(tight, small), 1) << "two pieces on 66 chunks add a tenth of a tile";
   auto forced = c;
   forced.route = Route::split_k;
   EXPECT_EQ(cuts(forced, small), 1) << "a forced split_k cuts whatever the combine costs";
@@ -306,6 +312,15 @@ TEST(Plan, ACutMustSaveMoreThanTheCombineCosts) {
   EXPECT_EQ(cuts(c, std::vector<int32_t>(12, 512)), 12);
   EXPECT_EQ(cuts(c, {8192}), 1);
   EXPECT_EQ(cuts(c, {444, 369, 4712}), 1);
+  // Many cut pieces a chunk: 22 x 640 whole is 13 tiles a chunk (one request each), cut 7.5
+  // (66 pieces of 3-4 tiles, one a chunk); only the per-piece cost keeps it whole.
+  const std::vector<int32_t> many(22, 640);
+  EXPECT_EQ(cuts(c, many), 0) << "5.5 tiles saved, 3 + 2.5 x 1 piece a chunk to pay";
+  auto fixed_only = c;
+  fixed_only.cost.combine_piece = 0.0;
+  EXPECT_EQ(cuts(fixed_only, many), 22) << "without the per-piece cost the 5.5 tiles pay for 3";
+  fixed_only.cost.combine_piece = 2.0;
+  EXPECT_EQ(cuts(fixed_only, many), 22) << "3 + 2 x 1 is less than the 5.5 tiles saved";
 
   // The whole deal is the least one, not any that fits within the combine: 8, 4, 4 and 1
   // tiles on 4 chunks (piece 1) are 9, 5, 5 and 2 whole; the cut deal's heaviest is 7, and a
@@ -319,7 +334,7 @@ TEST(Plan, ACutMustSaveMoreThanTheCombineCosts) {
     EXPECT_SCHEDULE_OK(planner, plan);
     EXPECT_EQ(plan.header().split_requests, 0);
     EXPECT_EQ(heaviest(planner, plan), 9.0);
-    four.cost.combine = 0.0;
+    four.cost.combine = four.cost.combine_piece = 0.0;
     Planner cutting(four);
     cutting.plan(batch_of({512, 256, 256, 64}, 1).desc(), plan);
     EXPECT_EQ(plan.header().split_requests, 1);
@@ -339,7 +354,13 @@ TEST(Plan, ACutMustSaveMoreThanTheCombineCosts) {
   };
   EXPECT_EQ(verify_cuts(verify), 0) << "verify128_q2: 260 tiles whole against 256 cut";
   verify.cost.combine = 3.5;
+  verify.cost.combine_piece = 0.0;
   EXPECT_EQ(verify_cuts(verify), 32) << "a combine of less than the 4 tiles the cuts save";
+  verify.cost.combine = 0.0;
+  verify.cost.combine_piece = 2.5;
+  EXPECT_EQ(verify_cuts(verify), 0) << "64 pieces on 33 chunks: 4.8 tiles of partials";
+  verify.cost.combine_piece = 2.0;
+  EXPECT_EQ(verify_cuts(verify), 32) << "64 pieces on 33 chunks at 2 tiles each: 3.9";
 }
 
 TEST(Plan, PaddingNeverMovesACut) {
@@ -415,8 +436,10 @@ TEST(Plan, EverySchedulesInvariantsOnRandomBatches) {
     c.layout = Layout{1 + int(rng() % 8), 0, 1};
     c.layout.rank = int(rng() % uint64_t(c.layout.world_size));
     c.limits = PlanLimits{16, 4, 1 << 17};
-    // No combine cost (the cut deal), the default, and one that keeps whatever fits whole.
-    c.cost.combine = std::array{0.0, 4.0, 1e3}[(trial / 3) % 3];
+    // No combine cost (the cut deal), the default, one that keeps whatever fits whole, and the
+    // per-piece part alone.
+    c.cost.combine = std::array{0.0, 3.0, 1e3, 0.0}[(trial / 3) % 4];
+    c.cost.combine_piece = std::array{0.0, 2.5, 0.0, 40.0}[(trial / 3) % 4];
     Planner planner(c);
     Plan plan = planner.make_plan();
     const int n = 1 + int(rng() % 16), qlen = 1 + int(rng() % 4);
@@ -578,6 +601,9 @@ TEST(Plan, RefusesHostileCapacitiesCostsAndEnums) {
     c = config();
     c.cost.combine = bad;
     expect_error([&] { Planner p(c); }, "'cost.combine' = ");
+    c = config();
+    c.cost.combine_piece = bad;
+    expect_error([&] { Planner p(c); }, "'cost.combine_piece' = ");
   }
   // An unknown backend blamed the heads ("in [1, 0] on the ? backend"), an unknown route
   // showed '?' for its value.
