@@ -451,14 +451,13 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
   // tile finds the least exactly). `lo` is a lower bound and the cuts' own costs usually need a
   // tile or two more: the bracket grows from it by doubling steps, then is bisected (about five
   // deals of O(batch + chunks) each).
-  // fit_peak, fit_splits and fit_slots: the heaviest chunk, the cut requests and their pieces
-  // in the deal at the T it returns (the last deal that fitted), for the combine's check below.
+  // fit_peak and fit_slots: the heaviest chunk and the cut requests' pieces of the deal at the T
+  // it returns (the last deal that fitted), for the combine's check below.
   double fit_peak = 0.0;
-  int fit_splits = 0, fit_slots = 0;
+  int fit_slots = 0;
   auto fits = [&](double T) {
     if (!deal(T, false)) return false;
     fit_peak = peak;
-    fit_splits = splits;
     fit_slots = slots;
     return true;
   };
@@ -484,7 +483,7 @@ void Planner::schedule(const int32_t* longest, int b_count, int chunks, Plan& pl
   // whole; verify128_q2, 1.9 cut pieces a chunk, saved 4 tiles cut and took 9 us more,
   // bench/NOTES.md). A forced split_k keeps its cuts.
   const double combine = cost.combine + cost.combine_piece * double(fit_slots) / chunks;
-  if (cut_allowed && c.route != Route::split_k && combine > 0.0 && fit_splits > 0 &&
+  if (cut_allowed && c.route != Route::split_k && combine > 0.0 && fit_slots > 0 &&
       double(most) + cost.piece <= fit_peak + combine) {
     const double cut_peak = fit_peak;
     cut_allowed = false;

@@ -62,11 +62,11 @@ struct ScheduleCost {
 // eleventh session's grid of the serving batches and its check on the uniform shapes, where 3
 // lost 1-2 % at four groups and more; the twenty-second session's grids of the fp8 serving
 // batches, where 5 beat 2-3 by 2-10 % at 64 rows and 4 beat 2 by 2-4 % at 16 (bench/NOTES.md).
-// The combine costs 3 tiles plus 2.5 per cut piece per chunk on every kernel: on the H100 a
-// step with few cut pieces a chunk ran whole faster where the cut saved up to 4-4.5 tiles and
-// slower from 5.5, one with one and a half ran whole faster up to 6.5-7.5 (verify128_q2, 1.9
-// pieces a chunk: 260 against 256 tiles, 427.5 against 437.1 us); fitted over 75 steps timed
-// cut and whole (bench/NOTES.md, fifty-sixth and fifty-seventh sessions).
+// The combine costs 3 tiles plus 2.5 per cut piece per chunk on every kernel (ScheduleCost's
+// defaults): on the H100 a step with half a cut piece a chunk ran whole faster where the cut
+// saved up to about 4 tiles, one with one and a half up to 6.5-7.5 (verify128_q2, 1.9 pieces
+// a chunk: 260 against 256 tiles, 427.5 against 437.1 us); fitted over 75 steps timed cut and
+// whole (bench/NOTES.md, fifty-sixth and fifty-seventh sessions).
 ScheduleCost calibrated_schedule_cost(int rows_per_unit, KvDtype kv_dtype, int row_groups);
 
 // The row groups of a step of `rows` query rows (qlen x heads) on units of rows_per_unit
