@@ -66,7 +66,7 @@ struct ScheduleCost {
 // defaults): on the H100 a step with half a cut piece a chunk ran whole faster where the cut
 // saved up to about 4 tiles, one with one and a half up to 6.5-7.5 (verify128_q2, 1.9 pieces
 // a chunk: 260 against 256 tiles, 427.5 against 437.1 us); fitted over 75 steps timed cut and
-// whole (bench/NOTES.md, fifty-sixth and fifty-seventh sessions).
+// whole, and checked on 60 fresh steps on the H200 (bench/NOTES.md, sessions 56-58).
 ScheduleCost calibrated_schedule_cost(int rows_per_unit, KvDtype kv_dtype, int row_groups);
 
 // The row groups of a step of `rows` query rows (qlen x heads) on units of rows_per_unit
