@@ -8,7 +8,8 @@
 // `us`), the device time of CUDA-graph replays queued alike, and the synchronous per-call
 // time on the host (launch + sync included); and the mean device time of the calls queued
 // with no event between them (`b2b_us`: each call's kernels may then start beside the call
-// before). A table on stdout and, with --json, the rows and their metadata
+// before); after each of the four, the SM clock (`sm_mhz_after`: a card at its power cap runs
+// long compute-bound steps below its top clock). A table on stdout and, with --json, the rows and their metadata
 // (bench/results_json.h). `dcpmla_bench --help` lists the options.
 // --sweep also times every other kernel variant (AttentionTuning) at each shape and gives
 // its rel L2 against the default variant's output, "variant:us(relL2)". --trace records, for
@@ -175,6 +176,27 @@ __global__ void spin_kernel(uint64_t ns) {
 // Holds `st` for 20 ms, far longer than enqueueing the timed calls takes.
 void hold_stream(cudaStream_t st) { spin_kernel<<<1, 1, 0, st>>>(uint64_t(20) * 1000 * 1000); }
 
+// One thread counts its cycles over `ns` of the global timer: the SM clock, in MHz.
+__global__ void sm_clock_kernel(uint64_t ns, double* mhz) {
+  uint64_t start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  const long long c0 = clock64();
+  do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  while (now - start < ns);
+  *mhz = double(clock64() - c0) * 1e3 / double(now - start);
+}
+// The SM clock right after a column's timed calls (0.1 ms of counting). A card at its power
+// cap runs long compute-bound steps below its top clock, so a later column of such a shape
+// can read slower than an earlier one for that alone (bench/NOTES.md, fifty-ninth session).
+double sm_clock_mhz(cudaStream_t st) {
+  const dcpmla::cuda_detail::DeviceBuffer out(sizeof(double), "clock probe");
+  sm_clock_kernel<<<1, 1, 0, st>>>(100 * 1000, out.as<double>());
+  double mhz = 0;
+  ck(cudaMemcpyAsync(&mhz, out.get(), sizeof mhz, cudaMemcpyDeviceToHost, st), "clock probe");
+  ck(cudaStreamSynchronize(st), "clock probe");
+  return mhz;
+}
+
 // Median device time per call of `runs` calls enqueued on `st` behind a spin kernel: what a
 // call costs inside an engine's step, without the host's launch gaps.
 template <class F>
@@ -268,6 +290,7 @@ struct Row {
   ScheduleCost cost;      // the schedule's cost model this row's plan was dealt with
   int rows_per_unit = 0;  // query rows a CTA's unit covers (the kernel's)
   double us = 0, graph_us = 0, sync_us = 0, b2b_us = 0, kv_GBps = 0, tflops = 0, base_us = 0, check = -1;
+  double mhz_us = 0, mhz_b2b = 0, mhz_graph = 0, mhz_sync = 0;  // the SM clock after each column
   double kv_bytes = 0, flops = 0;
   std::optional<Trace> trace;
 };
@@ -505,7 +528,9 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, bool trace,
   for (int i = 0; i < 3; ++i) call(i);
   ck(cudaStreamSynchronize(st), "warm-up");
   row.us = queued_median_ms(runs, st, call) * 1e3;
+  row.mhz_us = sm_clock_mhz(st);
   row.b2b_us = back_to_back_mean_ms(runs, st, call) * 1e3;
+  row.mhz_b2b = sm_clock_mhz(st);
   // One graph per cache copy, each the call captured once.
   std::vector<cudaGraphExec_t> graphs;
   for (int k = 0; k < copies; ++k) {
@@ -521,7 +546,9 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, bool trace,
   auto replay = [&](int i) { ck(cudaGraphLaunch(graphs[size_t(i % copies)], st), "graph launch"); };
   for (int i = 0; i < 3; ++i) replay(i);
   row.graph_us = queued_median_ms(runs, st, replay) * 1e3;
+  row.mhz_graph = sm_clock_mhz(st);
   row.sync_us = sync_median_ms(runs, st, call) * 1e3;
+  row.mhz_sync = sm_clock_mhz(st);
   for (cudaGraphExec_t e : graphs) cudaGraphExecDestroy(e);
   ck(cudaDeviceSynchronize(), "timed runs");
   const cuda::AttentionVariant chosen = cuda::attention_variant(s.qlen, s.heads, s.dtype);
@@ -809,7 +836,8 @@ int main(int argc, char** argv) {
   CLI::App app{"dcpmla_bench: the copy and GEMM ceilings, a plain baseline (gather + cuBLAS + softmax) and\n"
                "dcpmla's attention at uniform and varlen shapes, on GPU 0: device time queued behind a spin\n"
                "kernel, the mean of calls queued back to back with no event between them, CUDA-graph replay\n"
-               "time and synchronous per-call time. Needs a CUDA GPU."};
+               "time and synchronous per-call time, each with the SM clock right after it (a card at its power\n"
+               "cap runs long compute-bound steps slower). Needs a CUDA GPU."};
   app.add_option("--json", json_path, "Also write the rows and their metadata as JSON to this file")
       ->check(dcpmla::cli::writable_file());
   app.add_option("--runs", runs, "Timed calls per measurement (median)")
@@ -913,10 +941,10 @@ int main(int argc, char** argv) {
     rows.push_back(run_shape(s, runs, baseline, sweep, trace, cost, blas));
     const Row& r = rows.back();
     std::fprintf(stderr,
-                 "  %-32s %9.1f us (back to back %.1f, graph %.1f, sync %.1f)  %7.0f GB/s  %6.1f TFLOP/s  route %s (%d "
-                 "cut)  %s  [%s]\n",
-                 s.name.c_str(), r.us, r.b2b_us, r.graph_us, r.sync_us, r.kv_GBps, r.tflops, r.route.c_str(), r.cut_requests,
-                 r.variant.c_str(), r.sweep.c_str());
+                 "  %-32s %9.1f us (back to back %.1f, graph %.1f, sync %.1f; SM MHz after each %.0f %.0f %.0f %.0f)  %7.0f "
+                 "GB/s  %6.1f TFLOP/s  route %s (%d cut)  %s  [%s]\n",
+                 s.name.c_str(), r.us, r.b2b_us, r.graph_us, r.sync_us, r.mhz_us, r.mhz_b2b, r.mhz_graph, r.mhz_sync,
+                 r.kv_GBps, r.tflops, r.route.c_str(), r.cut_requests, r.variant.c_str(), r.sweep.c_str());
     if (r.trace)
       std::fprintf(stderr,
                    "    trace: %d CTAs, last start %.1f us, ends p10 %.1f p50 %.1f last %.1f (a CTA %.1f at %.0f MHz); combine %d "
@@ -955,6 +983,7 @@ int main(int argc, char** argv) {
                          {"b2b_us", r.b2b_us},
                          {"graph_us", r.graph_us},
                          {"sync_us", r.sync_us},
+                         {"sm_mhz_after", {{"us", r.mhz_us}, {"b2b_us", r.mhz_b2b}, {"graph_us", r.mhz_graph}, {"sync_us", r.mhz_sync}}},
                          {"kv_GBps", r.kv_GBps},
                          {"TFLOPs", r.tflops},
                          {"copy_ratio", measured(copy_GBps > 0, r.kv_GBps / copy_GBps)},
