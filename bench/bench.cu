@@ -9,8 +9,8 @@
 // time on the host (launch + sync included); and the mean device time of the calls queued
 // with no event between them (`b2b_us`: each call's kernels may then start beside the call
 // before); after each of the four, the SM clock (`sm_mhz_after`: a card at its power cap runs
-// long compute-bound steps below its top clock). A table on stdout and, with --json, the rows and their metadata
-// (bench/results_json.h). `dcpmla_bench --help` lists the options.
+// long compute-bound steps below its top clock). A table on stdout and, with --json, the rows
+// and their metadata (bench/results_json.h). `dcpmla_bench --help` lists the options.
 // --sweep also times every other kernel variant (AttentionTuning) at each shape and gives
 // its rel L2 against the default variant's output, "variant:us(relL2)". --trace records, for
 // one more call of each shape, every CTA's start and end on the GPU's global timer
