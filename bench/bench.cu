@@ -185,14 +185,13 @@ __global__ void sm_clock_kernel(uint64_t ns, double* mhz) {
   while (now - start < ns);
   *mhz = double(clock64() - c0) * 1e3 / double(now - start);
 }
-// The SM clock right after a column's timed calls (0.1 ms of counting). A card at its power
-// cap runs long compute-bound steps below its top clock, so a later column of such a shape
-// can read slower than an earlier one for that alone (bench/NOTES.md, fifty-ninth session).
-double sm_clock_mhz(cudaStream_t st) {
-  const dcpmla::cuda_detail::DeviceBuffer out(sizeof(double), "clock probe");
-  sm_clock_kernel<<<1, 1, 0, st>>>(100 * 1000, out.as<double>());
+// The SM clock right after a column's timed calls (0.1 ms of counting, into `dev`). A card at
+// its power cap runs long compute-bound steps below its top clock, so a later column of such a
+// shape can read slower than an earlier one for that alone (bench/NOTES.md, fifty-ninth session).
+double sm_clock_mhz(cudaStream_t st, double* dev) {
+  sm_clock_kernel<<<1, 1, 0, st>>>(100 * 1000, dev);
   double mhz = 0;
-  ck(cudaMemcpyAsync(&mhz, out.get(), sizeof mhz, cudaMemcpyDeviceToHost, st), "clock probe");
+  ck(cudaMemcpyAsync(&mhz, dev, sizeof mhz, cudaMemcpyDeviceToHost, st), "clock probe");
   ck(cudaStreamSynchronize(st), "clock probe");
   return mhz;
 }
@@ -527,10 +526,11 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, bool trace,
   };
   for (int i = 0; i < 3; ++i) call(i);
   ck(cudaStreamSynchronize(st), "warm-up");
+  const dcpmla::cuda_detail::DeviceBuffer clock(sizeof(double), "clock probe");
   row.us = queued_median_ms(runs, st, call) * 1e3;
-  row.mhz_us = sm_clock_mhz(st);
+  row.mhz_us = sm_clock_mhz(st, clock.as<double>());
   row.b2b_us = back_to_back_mean_ms(runs, st, call) * 1e3;
-  row.mhz_b2b = sm_clock_mhz(st);
+  row.mhz_b2b = sm_clock_mhz(st, clock.as<double>());
   // One graph per cache copy, each the call captured once.
   std::vector<cudaGraphExec_t> graphs;
   for (int k = 0; k < copies; ++k) {
@@ -546,9 +546,9 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, bool trace,
   auto replay = [&](int i) { ck(cudaGraphLaunch(graphs[size_t(i % copies)], st), "graph launch"); };
   for (int i = 0; i < 3; ++i) replay(i);
   row.graph_us = queued_median_ms(runs, st, replay) * 1e3;
-  row.mhz_graph = sm_clock_mhz(st);
+  row.mhz_graph = sm_clock_mhz(st, clock.as<double>());
   row.sync_us = sync_median_ms(runs, st, call) * 1e3;
-  row.mhz_sync = sm_clock_mhz(st);
+  row.mhz_sync = sm_clock_mhz(st, clock.as<double>());
   for (cudaGraphExec_t e : graphs) cudaGraphExecDestroy(e);
   ck(cudaDeviceSynchronize(), "timed runs");
   const cuda::AttentionVariant chosen = cuda::attention_variant(s.qlen, s.heads, s.dtype);
@@ -837,7 +837,8 @@ int main(int argc, char** argv) {
                "dcpmla's attention at uniform and varlen shapes, on GPU 0: device time queued behind a spin\n"
                "kernel, the mean of calls queued back to back with no event between them, CUDA-graph replay\n"
                "time and synchronous per-call time, each with the SM clock right after it (a card at its power\n"
-               "cap runs long compute-bound steps slower). Needs a CUDA GPU."};
+               "cap runs long compute-bound steps slower). Needs a CUDA GPU: without one it says so and exits\n"
+               "with 77."};
   app.add_option("--json", json_path, "Also write the rows and their metadata as JSON to this file")
       ->check(dcpmla::cli::writable_file());
   app.add_option("--runs", runs, "Timed calls per measurement (median)")
@@ -917,6 +918,10 @@ int main(int argc, char** argv) {
       return 2;
     }
   // (The names are checked before the GPU is touched: a wrong one costs no ceiling run.)
+  if (dcpmla::cuda_detail::device_count() == 0) {
+    std::fprintf(stderr, "dcpmla_bench: no CUDA device (or driver): nothing to time\n");
+    return 77;
+  }
   cudaDeviceProp prop;
   ck(cudaGetDeviceProperties(&prop, 0), "props");
   std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
