@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -99,24 +100,38 @@ class RankClaims {
 
 // Runs body(rank) on `world` threads. The first exception is kept and abort() is called at
 // once, so the other ranks leave their collectives instead of waiting for the failed one;
-// returned (not rethrown) so that the caller can release what the ranks used first.
+// returned (not rethrown) so that the caller can release what the ranks used first. A thread
+// that cannot be started (a process or memory limit) is such a failure too: the ranks already
+// started are aborted and joined (a joinable std::thread destroyed by the unwinding would
+// terminate the process).
 inline std::exception_ptr run_rank_threads(int world, const std::function<void(int)>& body,
                                            const std::function<void()>& abort) {
   std::mutex mutex;
   std::exception_ptr first;
+  const auto keep_first = [&](std::exception_ptr e) {
+    std::lock_guard lock(mutex);
+    if (!first) first = std::move(e);
+  };
   std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        body(r);
-      } catch (...) {
-        {
-          std::lock_guard lock(mutex);
-          if (!first) first = std::current_exception();
+  threads.reserve(size_t(world));
+  for (int r = 0; r < world; ++r) {
+    try {
+      threads.emplace_back([&, r] {
+        try {
+          body(r);
+        } catch (...) {
+          keep_first(std::current_exception());
+          abort();
         }
-        abort();
-      }
-    });
+      });
+    } catch (const std::system_error& e) {
+      keep_first(std::make_exception_ptr(make_error(
+          "world_size", world,
+          fmt::format("ranks that can each start a thread here (starting rank {}'s failed: {})", r, e.what()))));
+      abort();
+      break;
+    }
+  }
   for (auto& t : threads) t.join();
   return first;
 }

@@ -21,8 +21,13 @@ class Error : public std::invalid_argument {
 
 // "field 'seq_lens[2]' = -3: expected >= 0"
 template <class T>
+Error make_error(std::string_view field, const T& value, std::string_view expected) {
+  return Error(fmt::format("dcpmla: field '{}' = {}: expected {}", field, value, expected));
+}
+
+template <class T>
 [[noreturn]] void fail(std::string_view field, const T& value, std::string_view expected) {
-  throw Error(fmt::format("dcpmla: field '{}' = {}: expected {}", field, value, expected));
+  throw make_error(field, value, expected);
 }
 
 // Its arguments are built before the call: where a message is formatted (fmt::format) and the

@@ -2,11 +2,14 @@
 
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <functional>
 #include <iterator>
@@ -196,6 +199,43 @@ TEST(Comm, RankBarrierTimesOutAndAbortsTheGroup) {
       [&] { open.abort(); });
   EXPECT_FALSE(failed);
   EXPECT_EQ(passed.load(), 300);
+}
+
+// A rank thread that cannot start (a process or memory limit) ended the process: the unwinding
+// destroyed the joinable threads already started (std::terminate; the sixtieth session's
+// audit). Now the started ranks are aborted and joined, and the failure names world_size.
+// Run in a child process whose address space leaves room for a few thread stacks only; its
+// exit code says what happened (0: some ranks started, then the failure was reported).
+[[noreturn]] void start_ranks_in_a_small_address_space() {
+  long pages = 0;
+  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%ld", &pages) != 1) pages = 0;
+    std::fclose(f);
+  }
+  const rlim_t room = rlim_t(pages) * rlim_t(sysconf(_SC_PAGESIZE)) + (rlim_t(64) << 20);
+  const rlimit limit{room, room};
+  if (pages == 0 || setrlimit(RLIMIT_AS, &limit) != 0) std::_Exit(2);
+  RankBarrier barrier(256);
+  std::atomic<int> ran{0};
+  const auto failed = run_rank_threads(
+      256,
+      [&](int) {
+        ++ran;
+        barrier.arrive_and_wait();
+      },
+      [&] { barrier.abort(); });
+  const std::string message = testing::error_of([&] {
+    if (failed) std::rethrow_exception(failed);
+  });
+  std::_Exit(ran > 0 && ran < 256 && message.find("'world_size' = 256") != std::string::npos ? 0 : 3);
+}
+
+TEST(CommDeathTest, RankThreadsThatCannotStartAreAReportedFailure) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "an address-space limit and ASan's shadow memory do not mix";
+#endif
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(start_ranks_in_a_small_address_space(), ::testing::ExitedWithCode(0), "");
 }
 
 namespace {
