@@ -310,12 +310,21 @@ void Engine::plan(HostInts1 seq_lens, HostInts2 block_tables, int qlen, const st
     fail("block_tables.shape[1]", block_tables.shape(1), "a table width that fits int32");
   if (qlens && qlens->shape(0) != seq_lens.shape(0))
     fail("qlens.shape[0]", qlens->shape(0), fmt::format("{} (B, the length of seq_lens)", seq_lens.shape(0)));
+  // Rows read in place at their pitch (strides in elements; a row's entries adjacent). The
+  // strides of an extent of at most one element are never followed.
+  const int64_t rows = int64_t(block_tables.shape(0)), width = int64_t(block_tables.shape(1));
+  if (width > 1 && block_tables.stride(1) != 1)
+    fail("block_tables.strides[1]", block_tables.stride(1) * 4, "4 bytes: each row's entries adjacent");
+  const int64_t pitch = rows > 1 && width > 0 ? block_tables.stride(0) : width;
+  if (pitch < width)
+    fail("block_tables.strides[0]", pitch * 4, fmt::format(">= the row's {} bytes: rows that do not overlap", width * 4));
   const BatchDesc batch{{seq_lens.data(), seq_lens.size()},
                         qlen,
-                        {block_tables.data(), block_tables.size()},
-                        int(block_tables.shape(1)),
+                        {block_tables.data(), rows == 0 ? size_t(0) : size_t((rows - 1) * pitch + width)},
+                        int(width),
                         parse_mode(mode),
-                        qlens ? std::span<const int32_t>(qlens->data(), qlens->size()) : std::span<const int32_t>()};
+                        qlens ? std::span<const int32_t>(qlens->data(), qlens->size()) : std::span<const int32_t>(),
+                        pitch};
   if (cpu_) {
     cpu_->plan(batch);
   } else {

@@ -28,7 +28,9 @@ using Tensor = nb::ndarray<nb::ro>;
 using OutTensor = nb::ndarray<>;
 // Host int32 arrays the planner reads (the Python layer converts lists and other int dtypes).
 using HostInts1 = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-using HostInts2 = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+// Block tables: rows may lie apart (a [:B, :W] slice of an engine's wider table), each row's
+// entries adjacent (the Python layer copies any other layout).
+using HostInts2 = nb::ndarray<const int32_t, nb::ndim<2>, nb::device::cpu>;
 
 // Where an engine's tensors live: the backend and, for CUDA, the device ordinal.
 struct Placement {

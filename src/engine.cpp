@@ -67,22 +67,38 @@ void require_run_disjoint(const PlannerConfig& c, int64_t rows, const void* q, c
                     {"kv_scale", scale.device, scale.device != nullptr ? 4 : 0}});
 }
 
+namespace {
+
+// Split-K floats the CPU engine takes for its planner's capacities (none when no plan cuts).
+int64_t cpu_workspace_floats(const Planner& p) {
+  if (!p.may_cut()) return 0;
+  const auto& c = p.config();
+  return split_workspace_floats(p.work_capacity(), c.limits.max_qlen, c.heads, c.dims.kv_lora_rank);
+}
+
+// The planner, once its engine's host memory (one plan and the split-K workspace) is known to
+// fit the host budget: refused with its size before either is allocated.
+Planner within_host_budget(Planner planner) {
+  const double bytes = double(planner.plan_host_bytes()) + double(cpu_workspace_floats(planner)) * sizeof(float);
+  require(bytes <= double(kMaxHostBytes), "host memory (plan and split-K workspace)",
+          fmt::format("{:.3g} GiB", bytes / double(1 << 30)),
+          fmt::format("<= {} GiB (lower heads, limits.max_batch, limits.max_qlen or limits.max_local_kv_len, or "
+                      "route one_stage)",
+                      kMaxHostBytes >> 30));
+  return planner;
+}
+
+}  // namespace
+
 Attention::Attention(const AttentionConfig& config)
-    : planner_(planner_config(config, Backend::cpu, kCpuWorkers, kCpuRowsPerUnit)),
+    : planner_(within_host_budget(Planner(planner_config(config, Backend::cpu, kCpuWorkers, kCpuRowsPerUnit)))),
       plan_(planner_.make_plan()),
       softmax_scale_(softmax_scale_of(config)) {
   // The split-K workspace of the capacities, taken here (plan() allocates nothing) unless no
-  // plan cuts a request; refused with its size before it is allocated. Not zero-filled: the
-  // kernels write every partial before the merge reads it, so the pages are committed only
-  // when a step cuts.
-  if (!planner_.may_cut()) return;
-  const auto& c = planner_.config();
-  const int64_t floats = split_workspace_floats(planner_.work_capacity(), c.limits.max_qlen, c.heads, c.dims.kv_lora_rank);
-  require(floats <= kMaxHostBytes / int64_t(sizeof(float)), "split-K workspace",
-          fmt::format("{:.3g} GiB", double(floats) * sizeof(float) / double(1 << 30)),
-          fmt::format("<= {} GiB (lower heads, limits.max_batch or limits.max_qlen, or route one_stage)",
-                      kMaxHostBytes >> 30));
-  workspace_ = std::make_unique_for_overwrite<float[]>(size_t(floats));
+  // plan cuts a request. Not zero-filled: the kernels write every partial before the merge
+  // reads it, so the pages are committed only when a step cuts.
+  if (const int64_t floats = cpu_workspace_floats(planner_); floats > 0)
+    workspace_ = std::make_unique_for_overwrite<float[]>(size_t(floats));
 }
 
 void Attention::plan(const BatchDesc& batch) {

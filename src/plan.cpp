@@ -40,8 +40,12 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 constexpr size_t kHeaderInts = sizeof(PlanHeader) / sizeof(int32_t);
 constexpr size_t kWorkInts = sizeof(WorkItem) / sizeof(int32_t);
 
+// The arena's parts, and beside it the plan's host copy of the batch (Plan::batch_copy_).
 struct ArenaOffsets {
   size_t rows, q_start, chunk_work, work, split_request, split_slot, subpages, total;
+  size_t batch_copy;
+  // What one plan holds in host memory, in int32s: both are bounded together.
+  size_t host_ints() const { return total + batch_copy; }
 };
 ArenaOffsets arena_offsets(const PlanLimits& limits, int64_t table_capacity, int64_t work_capacity, int chunk_capacity) {
   ArenaOffsets o;
@@ -53,13 +57,14 @@ ArenaOffsets arena_offsets(const PlanLimits& limits, int64_t table_capacity, int
   o.split_slot = o.split_request + size_t(limits.max_batch);
   o.subpages = o.split_slot + size_t(limits.max_batch) + 1;
   o.total = o.subpages + size_t(limits.max_batch) * size_t(table_capacity);
+  o.batch_copy = 3 * size_t(limits.max_batch) + 1 + size_t(limits.max_batch) * size_t(table_capacity);
   return o;
 }
 
 // The arena of a Plan of these capacities, checked: Plan is public, and a hand-made one must
 // not wrap its offsets (a max_batch of -1 made a 15-int arena). Each capacity is at least 1
 // and at most an int (the table's at most 2^30), so no product below overflows size_t before
-// the total is compared with kMaxArenaInts.
+// the host total (arena and batch copy) is compared with kMaxArenaInts.
 ArenaOffsets checked_offsets(const PlanLimits& limits, int64_t table_capacity, int work_capacity,
                              int chunk_capacity) {
   require(limits.max_batch >= 1, "limits.max_batch", limits.max_batch, ">= 1");
@@ -69,7 +74,8 @@ ArenaOffsets checked_offsets(const PlanLimits& limits, int64_t table_capacity, i
   require(work_capacity >= 1, "work_capacity", work_capacity, ">= 1");
   require(chunk_capacity >= 1, "chunk_capacity", chunk_capacity, ">= 1");
   const ArenaOffsets o = arena_offsets(limits, table_capacity, work_capacity, chunk_capacity);
-  require(o.total < size_t(kMaxArenaInts), "plan capacities", fmt::format("{} plan ints", o.total),
+  require(o.host_ints() < size_t(kMaxArenaInts), "plan capacities",
+          fmt::format("{} plan ints (arena and batch copy)", o.host_ints()),
           fmt::format("< {} (lower max_batch, max_qlen, table_capacity or work_capacity)", kMaxArenaInts));
   return o;
 }
@@ -141,8 +147,7 @@ Plan::Plan(const PlanLimits& limits, int64_t table_capacity, int work_capacity, 
     std::fill(arena_.base, arena_.base + arena_.size, 0);
   }
   mutable_header().route = int32_t(Route::one_stage);
-  // (Within the arena's own bound: the table part is the sub-page table's size.)
-  batch_copy_.assign(3 * size_t(limits.max_batch) + 1 + size_t(limits.max_batch) * size_t(table_capacity), 0);
+  batch_copy_.assign(o.batch_copy, 0);
 }
 
 size_t Plan::used_ints() const {
@@ -213,10 +218,27 @@ Planner::Planner(const PlannerConfig& config) : config_(config) {
   // the capacity far inside int once it passes.
   // The exact arena make_plan() takes (so that it never refuses this planner's plans).
   const int64_t work_capacity = int64_t(c.limits.max_batch) + c.num_workers;
-  const size_t ints = arena_offsets(c.limits, table_capacity_, work_capacity, c.num_workers).total;
-  require(ints < size_t(kMaxArenaInts), "limits", fmt::format("{} plan ints", ints),
+  const size_t ints = arena_offsets(c.limits, table_capacity_, work_capacity, c.num_workers).host_ints();
+  require(ints < size_t(kMaxArenaInts), "limits", fmt::format("{} plan ints (arena and batch copy)", ints),
           fmt::format("< {} (lower max_batch, max_local_kv_len or num_workers)", kMaxArenaInts));
   work_capacity_ = int(work_capacity);
+}
+
+size_t Planner::plan_host_bytes() const {
+  return arena_offsets(config_.limits, table_capacity_, work_capacity_, config_.num_workers).host_ints() *
+         sizeof(int32_t);
+}
+
+void validate_table_shape(const BatchDesc& batch) {
+  if (batch.table_width < 0) fail("table_width", batch.table_width, ">= 0");
+  if (batch.table_stride != 0 && batch.table_stride < batch.table_width)
+    fail("table_stride", batch.table_stride, fmt::format("0 (packed rows) or >= table_width ({})", batch.table_width));
+  if (!batch.tables_fit())
+    fail("block_tables", fmt::format("{} entries", batch.block_tables.size()),
+         batch.table_stride == 0
+             ? fmt::format("batch ({}) x table_width ({})", batch.seq_lens.size(), batch.table_width)
+             : fmt::format("(batch ({}) - 1) x table_stride ({}) + table_width ({})", batch.seq_lens.size(),
+                           batch.table_stride, batch.table_width));
 }
 
 Plan Planner::make_plan(int32_t* storage) const {
@@ -251,10 +273,7 @@ int64_t Planner::validate(const BatchDesc& batch, Plan& plan) const {
   if (c.route != Route::automatic && !is_supported(c.backend, c.route, batch.mode, c.kv_dtype, c.heads))
     fail("route", to_string(c.route), fmt::format("a route that serves mode {} (two_stage is verify-only)",
                                                   to_string(batch.mode)));
-  if (batch.table_width < 0) fail("table_width", batch.table_width, ">= 0");
-  if (int64_t(batch.block_tables.size()) != b_count * batch.table_width)
-    fail("block_tables", fmt::format("{} entries", batch.block_tables.size()),
-         fmt::format("batch ({}) x table_width ({})", b_count, batch.table_width));
+  validate_table_shape(batch);
   // Sub-page ids (block * block_size / page + k) are int32 in the plan; on CUDA so are a bf16
   // cache's rows (block * block_size + k: the 64-row kernel's TMA box coordinates, kv_box_maps,
   // rows [0, 2^31)), where a row past them would read as zeros, not fault. That bound is the
@@ -285,7 +304,7 @@ int64_t Planner::validate(const BatchDesc& batch, Plan& plan) const {
     if (entries > batch.table_width)
       fail("table_width", batch.table_width, fmt::format(">= {} entries for seq_lens[{}] = {}", entries, b, len));
     // entries <= table_capacity_: the length's share fits max_local_kv_len (checked above).
-    const int32_t* src = batch.block_tables.data() + size_t(b) * size_t(batch.table_width);
+    const int32_t* src = batch.table_of(size_t(b)).data();
     int32_t* row = tables + table_start[b];
     table_start[b + 1] = table_start[b] + int32_t(entries);
     int32_t lo = 0, hi = -1;

@@ -104,10 +104,7 @@ std::vector<int64_t> slots_of(std::span<const int64_t> positions, std::span<cons
   // size and the tables' shape (the planner's rule), so that every subspan below is in bounds.
   layout.validate_with_block_size(block_size);
   if (num_blocks < 1) fail("num_blocks", num_blocks, ">= 1");
-  if (batch.table_width < 0) fail("table_width", batch.table_width, ">= 0");
-  if (batch.block_tables.size() != batch.seq_lens.size() * size_t(batch.table_width))
-    fail("block_tables", fmt::format("{} entries", batch.block_tables.size()),
-         fmt::format("batch ({}) x table_width ({})", batch.seq_lens.size(), batch.table_width));
+  validate_table_shape(batch);
   if (requests.size() != positions.size())
     fail("requests", requests.size(), fmt::format("one request index per position ({})", positions.size()));
   std::vector<int64_t> slots(positions.size());
@@ -115,7 +112,7 @@ std::vector<int64_t> slots_of(std::span<const int64_t> positions, std::span<cons
     const int32_t b = requests[n];
     if (b < 0 || size_t(b) >= batch.seq_lens.size())
       fail(fmt::format("requests[{}]", n), b, fmt::format("a request in [0, {})", batch.seq_lens.size()));
-    const auto table = batch.block_tables.subspan(size_t(b) * size_t(batch.table_width), size_t(batch.table_width));
+    const auto table = batch.table_of(size_t(b));
     // Per position: p >= 0, its block index within table_width, its block id in [0, num_blocks).
     slots[n] = detail::slot_of_validated(positions[n], table, block_size, num_blocks, layout, b);
   }
@@ -327,13 +324,15 @@ CacheConfig cache_config(const Inputs& in, const AttentionOptions& o) {
 // Everything the conformance path will hold in this process, counted before anything is
 // allocated (the planner also checks the configuration here, once): the inputs' bf16 copies,
 // latents and tables (shared by the ranks), and per rank here its merge buffers (each rank
-// gathers every rank's partial, so that term grows as N^2) and, with the CPU engines, its
-// cache shard and kernel workspace (the CUDA engines keep those in device memory).
+// gathers every rank's partial, so that term grows as N^2), its plans (sized by the batch
+// even when no request has a query row: one for a CPU engine, a CUDA engine's two staging
+// copies) and, with the CPU engines, its cache shard and kernel workspace (the CUDA engines
+// keep those in device memory).
 void check_memory(const Inputs& in, const AttentionOptions& o, int ranks_here, bool cpu_engines) {
   const int N = o.world_size;
   const Planner sizing(planner_config(rank_config(in, o, 0), o.backend, kCpuWorkers, kCpuRowsPerUnit));
   const double cells = double(in.rows) * in.heads, R = o.kv_lora_rank;
-  double per_rank = (N + 3) * cells * (R * 2 + 4) + cells * R * 4;
+  double per_rank = (N + 3) * cells * (R * 2 + 4) + cells * R * 4 + (cpu_engines ? 1 : 2) * double(sizing.plan_host_bytes());
   if (cpu_engines)  // the workspace as the CPU engine takes it: none for one_stage
     per_rank += double(cache_config(in, o).bytes()) +
                 (sizing.may_cut() ? 4.0 * double(split_workspace_floats(sizing.work_capacity(), in.qlen, in.heads,
@@ -343,7 +342,7 @@ void check_memory(const Inputs& in, const AttentionOptions& o, int ranks_here, b
                                double(in.tokens) * in.dim) +
                         12.0 * double(in.tokens) + 4.0 * double(in.batch) * double(in.width) + 4.0 * double(in.num_blocks);
   const double total = shared + per_rank * ranks_here;
-  require(total <= double(kMaxInProcessBytes), "host memory (input copies; per rank: cache, workspace, merge buffers)",
+  require(total <= double(kMaxInProcessBytes), "host memory (input copies; per rank: plans, cache, workspace, merge buffers)",
           fmt::format("{:.3g} GiB for {} rank(s) here", total / double(1 << 30), ranks_here),
           fmt::format("<= {} GiB in one process (lower world_size, block_size, heads or the batch)",
                       kMaxInProcessBytes >> 30));

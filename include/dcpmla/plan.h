@@ -104,14 +104,39 @@ struct PlannerConfig {
 struct BatchDesc {
   std::span<const int32_t> seq_lens;      // [B] L_b incl. the query block; 0 = padding
   int qlen = 1;                           // rows per request; with qlens, the largest allowed
-  std::span<const int32_t> block_tables;  // [B, table_width] shared by all ranks
+  std::span<const int32_t> block_tables;  // B rows of table_width entries, shared by all ranks
   int table_width = 0;
   Mode mode = Mode::verify;               // the step's windows (SPEC §1)
   // Per-request query rows (qo_indptr style), each in [0, qlen]; empty: qlen for every
   // request. Query rows are packed in request order: q [sum qlens, H, D], out and lse alike.
   // Request b's row t sees the window of SPEC §1 with its own qlens[b].
   std::span<const int32_t> qlens = {};
+  // Ints from one request's table row to the next (>= table_width); 0: table_width, packed
+  // rows. A slice of a wider table (an engine's persistent one, [:B, :W]) is read in place:
+  // block_tables then spans (B - 1) x table_stride + table_width ints.
+  int64_t table_stride = 0;
+
+  int64_t table_pitch() const { return table_stride != 0 ? table_stride : table_width; }
+  // Whether block_tables has the rows' shape (validate_table_shape names what is wrong).
+  bool tables_fit() const {
+    if (table_width < 0 || (table_stride != 0 && table_stride < table_width)) return false;
+    // Overflow-checked: a hostile stride must not wrap the span's size into a match.
+    int64_t span = 0;
+    if (!seq_lens.empty() && (__builtin_mul_overflow(int64_t(seq_lens.size()) - 1, table_pitch(), &span) ||
+                              __builtin_add_overflow(span, int64_t(table_width), &span)))
+      return false;
+    return block_tables.size() == uint64_t(span);
+  }
+  // Request b's row (b < B and the shape checked: validate_table_shape).
+  std::span<const int32_t> table_of(size_t b) const {
+    return block_tables.subspan(b * size_t(table_pitch()), size_t(table_width));
+  }
 };
+
+// The tables' shape against the batch (table_width >= 0, table_stride 0 or >= table_width,
+// block_tables exactly the B rows' span), so that every table_of() is in bounds: the planner's
+// rule, also the write path's.
+void validate_table_shape(const BatchDesc& batch);
 
 // A contiguous run of rank-local tokens [tok_begin, tok_end) of one request (a piece of a
 // chunk). slot < 0: the request is whole here and the piece writes out and lse; else the
@@ -291,6 +316,9 @@ class Planner {
   size_t plan_ints() const {
     return Plan::ints(config_.limits, table_capacity_, work_capacity_, config_.num_workers);
   }
+  // Host bytes one plan holds (its arena, owned or the caller's, and its copy of the batch):
+  // what an engine counts against its host budget before make_plan() allocates.
+  size_t plan_host_bytes() const;
   // Validates the batch and writes the plan. The batch is read once, into the plan's copy of
   // it (beside its arena), and checked there before the plan itself is touched: a refused batch
   // leaves the plan as it was. Host work in O(batch + table entries); no allocation, and no

@@ -21,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import _dcpmla
-from ._checks import _INT64_MAX, _INT64_MIN, _array, _error, _int, _int_array, _require_usable_cuda, _scale, _str
+from ._checks import (_INT64_MAX, _INT64_MIN, _array, _bytes_held, _error, _host_array, _int, _int_array,
+                      _require_usable_cuda, _scale, _str)
 from ._engine import Attention, merge_states, write_kv
 
 __version__ = _dcpmla.__version__
@@ -62,9 +63,12 @@ def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_
                softmax_scale, kv_lora_rank, route, device, merge, seed, qlens=None):
     # The shapes first, the values after: seq_lens and qlens are checked against the batch from
     # their shapes before they are copied or read (a broadcast view can describe 2**40 entries).
-    kv = _array("kv", kv, np.float32, 3, "[B, Lmax, D]")
+    # Each copy is checked beside what the other array will hold, before either is made.
+    q, kv = _host_array("q", q), _host_array("kv", kv)
+    q_held, kv_held = _bytes_held(q, np.float32), _bytes_held(kv, np.float32)
+    kv = _array("kv", kv, np.float32, 3, "[B, Lmax, D]", held=q_held)
     if qlens is None:
-        q = _array("q", q, np.float32, 4, "[B, qlen, H, D]")
+        q = _array("q", q, np.float32, 4, "[B, qlen, H, D]", held=kv_held)
         B, _, H, D = q.shape
         what = f"the batch B of q {tuple(q.shape)}"
         if kv.shape[0] != B:
@@ -95,7 +99,7 @@ def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_
         if bad.any():
             b = int(np.argmax(bad))
             raise _error(f"qlens[{b}]", int(qlens[b]), f"in [0, {_dcpmla.max_qlen}] (request {b}'s query rows)")
-        q = _array("q", q, np.float32, 3, "[sum(qlens), H, D]")
+        q = _array("q", q, np.float32, 3, "[sum(qlens), H, D]", held=kv_held)
         _, H, D = q.shape
         if q.shape[0] != int(qlens.sum(dtype=np.int64)):
             raise _error("q.shape[0]", q.shape[0], f"{int(qlens.sum(dtype=np.int64))} (sum(qlens))")

@@ -88,10 +88,11 @@ def _host_array(field, x):
         raise _error(field, type(x).__name__, f"an array ({e})") from None
 
 
-def _array(field, x, dtype, ndim, layout):
+def _array(field, x, dtype, ndim, layout, held=0):
     """A C-contiguous numpy array of exactly `dtype` and `ndim` (no silent casts). A view is
     copied; a view that would copy more than the in-process limit (a broadcast array can
-    describe petabytes in a few bytes) is refused instead."""
+    describe petabytes in a few bytes) is refused instead, counting `held` bytes the call
+    holds for its other arrays (_bytes_held)."""
     a = _host_array(field, x)
     dtype = np.dtype(dtype)
     if a.dtype != dtype:
@@ -102,23 +103,33 @@ def _array(field, x, dtype, ndim, layout):
         # The library's bf16 copy of the values is held beside this one: counted with it. A
         # misaligned view (a byte offset into another buffer) is copied too: the library reads
         # whole float32 elements.
-        _too_big_to_copy(field, a, dtype, "copy", kept=2)
+        _too_big_to_copy(field, a, dtype, "copy", kept=2, held=held)
     return np.require(a, requirements=["C_CONTIGUOUS", "ALIGNED"])
 
 
-def _too_big_to_copy(field, a, dtype, what, kept=0):
+def _bytes_held(a, dtype):
+    """Bytes the call holds for host array `a` once _array has it as `dtype`: the library's bf16
+    copy of its values and, where _array must copy it, that copy. Passed as the other arrays'
+    `held`, so that two views each within the limit cannot together exceed it."""
+    copied = not (a.dtype == dtype and a.flags.c_contiguous and a.flags.aligned)
+    return a.size * (2 + (np.dtype(dtype).itemsize if copied else 0))
+
+
+def _too_big_to_copy(field, a, dtype, what, kept=0, held=0):
     """Refuses copying (or scanning) `a` into `dtype` beyond the in-process limit, from its shape
     alone: a broadcast view describes petabytes in a few bytes, and copying or
     reading it would run out of memory, or run for hours, before any value is checked. kept:
     bytes per value that the library then holds beside the copy (its own check, later, does not
-    see this copy)."""
+    see this copy); held: bytes the call holds for its other arrays."""
     limit = _dcpmla.max_in_process_bytes
-    nbytes = a.size * (max(a.dtype.itemsize, dtype.itemsize) + kept)
+    nbytes = a.size * (max(a.dtype.itemsize, dtype.itemsize) + kept) + held
     if nbytes > limit:
         kind = "a non-contiguous view" if not a.flags.c_contiguous else "an array"
-        held = f" and the library's {kept}-byte copy of each value" if kept else ""
+        held_text = f" and the library's {kept}-byte copy of each value" if kept else ""
+        if held:
+            held_text += f", beside {held / 2**30:.3g} GiB for the call's other arrays"
         raise _error(field, f"{kind} of shape {a.shape}, dtype {a.dtype} ({nbytes / 2**30:.3g} GiB with its "
-                     f"{what}{held})", f"at most {limit / 2**30:.3g} GiB (pass a C-contiguous {dtype} array)")
+                     f"{what}{held_text})", f"at most {limit / 2**30:.3g} GiB (pass a C-contiguous {dtype} array)")
 
 
 def _index(a, flat):
@@ -143,7 +154,15 @@ def _has_bool(x):
     return False
 
 
-def _int_array(field, x, dtype, layout, ndim=1, check_shape=None, kept=0):
+def _rows_in_place(a):
+    """Whether a 2-d array's rows can be read in place at their pitch: each row's entries
+    adjacent, rows apart in order without overlapping (a [:B, :W] slice of a wider table)."""
+    rows, cols = a.shape
+    return a.flags.aligned and (cols <= 1 or a.strides[1] == a.itemsize) and \
+        (rows <= 1 or cols == 0 or a.strides[0] >= cols * a.itemsize)
+
+
+def _int_array(field, x, dtype, layout, ndim=1, check_shape=None, kept=0, rows_in_place=False, max_cols=None):
     """A C-contiguous integer array of `ndim` dimensions, converted losslessly to `dtype`: no copy
     when it already is one (numpy, or a host tensor through DLPack); lists and other integer
     dtypes are converted, and a value that does not fit is named.
@@ -151,7 +170,9 @@ def _int_array(field, x, dtype, layout, ndim=1, check_shape=None, kept=0):
     check_shape(shape), when given, checks the extents (e.g. B <= max_batch) before anything is
     copied or scanned; beyond that a copy or scan larger than the in-process limit is refused,
     from the shape alone (with `kept` bytes per value the call then holds beside it, e.g. its
-    result)."""
+    result). For a 2-d array, rows_in_place also takes rows of `dtype` that lie apart as they
+    are (_rows_in_place), and max_cols drops the columns past what the reader can use before
+    anything is copied."""
     a = _host_array(field, x)
     if a.ndim != ndim:
         raise _error(f"{field}.ndim", a.ndim, f"{ndim} {layout}")
@@ -160,8 +181,10 @@ def _int_array(field, x, dtype, layout, ndim=1, check_shape=None, kept=0):
     if isinstance(x, (list, tuple)) and a.dtype.kind in "iu" and _has_bool(x):
         # numpy read [True, 20] as [1, 20]: the values as given, where the object path names a bool.
         a = np.asarray(x, dtype=object)
+    if max_cols is not None and a.shape[1] > max_cols:
+        a = a[:, :max_cols]
     dtype = np.dtype(dtype)
-    if a.dtype == dtype and a.flags.c_contiguous and a.flags.aligned:
+    if a.dtype == dtype and a.flags.aligned and (a.flags.c_contiguous or (rows_in_place and _rows_in_place(a))):
         return a
     _too_big_to_copy(field, a, dtype, "copy" if a.dtype == dtype else "convert", kept)
     if a.dtype == dtype:

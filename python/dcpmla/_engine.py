@@ -13,7 +13,6 @@ check that fails raises ``ValueError`` naming the argument and value before anyt
 from __future__ import annotations
 
 import itertools
-import math
 import sys
 import weakref
 
@@ -263,6 +262,9 @@ class Attention:
         self.kv_lora_rank = kv_lora_rank
         self._max_batch = max_batch
         self._max_rows = max_batch * max_qlen  # the plan's row capacity, fixed for the object's life
+        # Table entries a request can use (its largest rank share over block_size): plan() reads
+        # no column past them, so a wider table is cut there before anything is copied.
+        self._table_cols = -(-max_local_len // block_size)
         self._cuda_index = None if backend == "cpu" else self._native.device_index
         self.device = "cpu" if backend == "cpu" else f"cuda:{self._cuda_index}"
         self.handle = next(_HANDLES)
@@ -301,8 +303,10 @@ class Attention:
                 it. None: torch's current stream when torch is imported, else the legacy default
                 stream. Never inside a graph capture: plan outside, then replay.
 
-        int32 C-contiguous arrays are read in place; other integer arrays and lists are converted
-        (a value that does not fit int32 is refused, naming it). The extents are checked first
+        int32 C-contiguous arrays are read in place, and so are block tables whose rows lie apart
+        (a ``[:B, :W]`` slice of an engine's persistent table: no copy each step); columns past
+        ``ceil(max_local_len / block_size)`` are never read. Other integer arrays and lists are
+        converted (a value that does not fit int32 is refused, naming it). The extents are checked first
         (B <= max_batch, one table row and one qlens entry per request), from the shapes, so that
         a broadcast view of 2**40 entries is refused before anything copies or reads it.
         """
@@ -329,7 +333,7 @@ class Attention:
                 raise _error("block_tables.shape[1]", shape[1], "a table width that fits int32")
 
         block_tables = _int_array("block_tables", block_tables, np.int32, "[B, table_width]", ndim=2,
-                                  check_shape=table_shape)
+                                  check_shape=table_shape, rows_in_place=True, max_cols=self._table_cols)
         if qlens is not None:
             qlens = _int_array("qlens", qlens, np.int32, "[B]", check_shape=per_request("qlens", ""))
         self._native.plan(seq_lens, block_tables, _int("qlen", qlen), _str("mode", mode), qlens,
@@ -366,16 +370,7 @@ class Attention:
         cache_in = _tensor("kv_cache", kv_cache, s, _CACHE[self.kv_dtype], kv_dtype=self.kv_dtype)
         value, tensor = _kv_scale(kv_scale, s)
         if out is None or lse is None:
-            # q's leading shape, not the plan's: a plan() in another thread may replace the plan
-            # before the run takes it, and a q that does not fit the plan is refused by name.
-            # Only a q that can fit (H, D and at most the capacity's rows) sizes the outputs: out
-            # holds H x R values per row of q, so a q of other trailing extents, or a broadcast
-            # view, asked numpy for up to H x R times q's size (a MemoryError, not a ValueError).
-            # Any other q gets empty placeholders, and the native call names q.
-            shape = tuple(getattr(q, "shape", ()))
-            fits = len(shape) in (3, 4) and shape[-2:] == (self.heads, self.kv_lora_rank + 64) and \
-                math.prod(shape[:-2]) <= self._max_rows
-            lead = shape[:-2] if fits else (0,) * max(len(shape) - 2, 0)
+            lead = self._output_lead(tuple(getattr(q, "shape", ())))
             if out is None:
                 out = _empty_like("out", q, lambda _: (*lead, self.heads, self.kv_lora_rank), True)
             if lse is None:
@@ -386,6 +381,20 @@ class Attention:
               tensors=[("q", q_in, False), ("kv_cache", cache_in, False), ("kv_scale", tensor, False),
                        ("out", out_in, True), ("lse", lse_out, True)])
         return out, lse
+
+    def _output_lead(self, shape):
+        """The leading extents (rows) of the outputs run() allocates for a q of `shape`: q's own,
+        not the plan's (a plan() in another thread may replace the plan before the run takes it,
+        and a q that does not fit the plan is refused by name). Only a q that can fit (H, D and at
+        most the capacity's rows) sizes the outputs: out holds H x R values per row of q, so a q
+        of other trailing extents, or a broadcast view, asked for up to H x R times q's size (a
+        MemoryError, not a ValueError). Any other q gets empty placeholders, and the native call
+        names q. (A plain loop, not math.prod: torch.compile traces this from torch_ops.run.)"""
+        rows = 1
+        for n in shape[:-2]:
+            rows *= n
+        fits = len(shape) in (3, 4) and shape[-2:] == (self.heads, self.kv_lora_rank + 64) and rows <= self._max_rows
+        return shape[:-2] if fits else (0,) * max(len(shape) - 2, 0)
 
     def __repr__(self):
         return (f"dcpmla.Attention(heads={self.heads}, kv_dtype={self.kv_dtype!r}, device={self.device!r}, "

@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _engine
+from . import _checks, _engine
 
 Tensor = torch.Tensor
 
@@ -65,18 +65,22 @@ def _merge_states_fake(out_parts, lse_parts):
 
 
 def _scale_args(kv_scale):
-    return (1.0, kv_scale) if isinstance(kv_scale, Tensor) else (float(kv_scale), None)
+    # A float as the plain calls check it (a string or a bool is refused, not converted).
+    return (1.0, kv_scale) if isinstance(kv_scale, Tensor) else (_checks._scale("kv_scale", kv_scale), None)
 
 
 def run(att: "_engine.Attention", q: Tensor, kv_cache: Tensor, kv_scale=1.0, out: Optional[Tensor] = None,
         lse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """:meth:`dcpmla.Attention.run` through ``torch.ops.dcpmla.run``: the same checks and result;
-    outputs not given are allocated from q's shape (``[*q.shape[:-1], R]`` of q's dtype, bf16
-    for a CUDA q, and ``q.shape[:-1]`` float32)."""
-    if out is None:
-        out = q.new_empty((*q.shape[:-1], att.kv_lora_rank))
-    if lse is None:
-        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    outputs not given are allocated as run() allocates them (``[*q.shape[:-1], R]`` of q's
+    dtype and ``q.shape[:-1]`` float32, for a q that can fit the engine; empty placeholders
+    otherwise, and the op names q)."""
+    if out is None or lse is None:
+        lead = att._output_lead(tuple(q.shape))
+        if out is None:
+            out = q.new_empty((*lead, att.heads, att.kv_lora_rank))
+        if lse is None:
+            lse = q.new_empty((*lead, att.heads), dtype=torch.float32)
     torch.ops.dcpmla.run(att.handle, q, kv_cache, *_scale_args(kv_scale), out, lse)
     return out, lse
 

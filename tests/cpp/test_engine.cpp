@@ -452,7 +452,7 @@ TEST_F(Refusals, WorkspaceBeyondTheHostCapIsRefusedAtConstruction) {
           c.route = r;
           Attention{c};
         }(),
-        "'split-K workspace' = ");
+        "'host memory (plan and split-K workspace)' = ");
   c.route = Route::one_stage;
   EXPECT_NO_THROW(Attention{c});
   c = config;

@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
+#include <cstdint>
 #include <functional>
 #include <numeric>
 #include <random>
@@ -59,6 +61,42 @@ TEST(Plan, RowLengthsAndRoute) {
   for (int t = 0; t < 3; ++t) EXPECT_EQ(plan.row_local_len(1, t), 0);
   EXPECT_EQ(plan.stats().active_requests, 2);
   EXPECT_EQ(plan.stats().min_local_len, 3);  // rank 0's share of 5
+}
+
+// An engine's persistent block table is wider than the step's: a [:B, :W] slice of it is read
+// in place at its row pitch (table_stride) and plans exactly as its packed copy; a stride below
+// the width or a span that is not the rows' own is refused by name.
+TEST(Plan, StridedTableRowsPlanAsTheirPackedCopy) {
+  auto c = config();
+  c.layout = Layout{2, 1, 2};
+  Planner planner(c);
+  const std::vector<int32_t> lens{300, 0, 129, 64};
+  const int B = 4, width = 3, pitch = 11;
+  // The wide table: each request's three entries, then columns of other values (never read).
+  std::vector<int32_t> wide(size_t((B - 1) * pitch + width), -7);
+  std::vector<int32_t> packed(size_t(B * width));
+  for (int b = 0; b < B; ++b)
+    for (int j = 0; j < width; ++j) packed[size_t(b * width + j)] = wide[size_t(b * pitch + j)] = 100 * b + 17 * j;
+  Plan from_packed = planner.make_plan(), from_wide = planner.make_plan();
+  planner.plan(BatchDesc{lens, 2, packed, width, Mode::verify}, from_packed);
+  planner.plan(BatchDesc{lens, 2, wide, width, Mode::verify, {}, pitch}, from_wide);
+  ASSERT_EQ(from_packed.used_ints(), from_wide.used_ints());
+  EXPECT_TRUE(std::equal(from_packed.arena().begin(), from_packed.arena().begin() + ptrdiff_t(from_packed.used_ints()),
+                         from_wide.arena().begin()));
+  EXPECT_EQ(from_wide.view().subpage_table[0], 0);  // request 0's first block, not a gap's -7
+  // A stride below the width, and spans one int short or long, are refused.
+  expect_error([&] { planner.plan(BatchDesc{lens, 2, wide, width, Mode::verify, {}, width - 1}, from_wide); },
+               "'table_stride' = 2: expected 0 (packed rows) or >= table_width (3)");
+  const std::span<const int32_t> all(wide);
+  expect_error([&] { planner.plan(BatchDesc{lens, 2, all.first(all.size() - 1), width, Mode::verify, {}, pitch}, from_wide); },
+               "'block_tables' = 35 entries: expected (batch (4) - 1) x table_stride (11) + table_width (3)");
+  std::vector<int32_t> longer(wide);
+  longer.push_back(0);
+  expect_error([&] { planner.plan(BatchDesc{lens, 2, longer, width, Mode::verify, {}, pitch}, from_wide); },
+               "'block_tables' = 37 entries");
+  // A stride so large that (B - 1) x stride overflows int64 matches no span.
+  expect_error([&] { planner.plan(BatchDesc{lens, 2, wide, width, Mode::verify, {}, INT64_MAX / 2}, from_wide); },
+               "'block_tables' = 36 entries");
 }
 
 TEST(Plan, SubpagesExpandBlocks) {
@@ -618,6 +656,18 @@ TEST(Plan, RefusesHostileCapacitiesCostsAndEnums) {
   expect_error([] { Plan p(PlanLimits{1, 1, 1}, 0, 1, 1); }, "'table_capacity' = 0");
   expect_error([] { (void)Plan::ints(PlanLimits{1, 1, 1}, -1, 1, 1); }, "'table_capacity' = -1");
   expect_error([] { Plan p(PlanLimits{1 << 20, 1, 1}, 1 << 20, 1, 1); }, "'plan capacities' = ");
+  // A plan's copy of the batch counts with its arena (the sixtieth session's audit): one request
+  // of 3 x 2^28 one-token sub-pages is an arena of 0.8 G ints and a copy as large, 6 GiB that
+  // an engine took at construction. Refused before anything is allocated.
+  auto one_token_pages = config();
+  one_token_pages.block_size = 1;
+  one_token_pages.limits = PlanLimits{1, 1, 3 << 28};
+  expect_error([&] { Planner p(one_token_pages); }, "plan ints (arena and batch copy): expected < 1073741824");
+  expect_error([] { Plan p(PlanLimits{1, 1, 1}, 3 << 28, 1, 1); }, "'plan capacities' = ");
+  one_token_pages.limits = PlanLimits{1, 1, 3 << 26};  // a quarter: 1.5 GiB, within the bound
+  const Planner fits(one_token_pages);  // the arena (work: a request and 132 chunks) and the copy
+  EXPECT_EQ(fits.plan_host_bytes(),
+            sizeof(int32_t) * (Plan::ints(one_token_pages.limits, 3 << 26, 1 + 132, 132) + 3 + 1 + (3 << 26)));
   // The capability query shifted by the enums' values (Mode(40): undefined behaviour); an
   // unknown dtype took the fp8 calibration.
   expect_error([] { (void)is_supported(Backend::cpu, Route::one_stage, Mode(40), KvDtype::bf16, 16); }, "'mode' = 40");

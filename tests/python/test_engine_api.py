@@ -106,6 +106,35 @@ def test_per_request_query_lengths(step, qlens):
         att.run(q[:-1], numpy_cache(num_blocks, step), kv_scale=scale_of(step))
 
 
+def test_a_slice_of_a_wider_table_is_read_in_place():
+    """An engine keeps one persistent block table [max_batch, max_blocks] and passes its [:B, :W]
+    slice each step: read in place at its row pitch (no copy a step) with the packed table's
+    answer; its other columns (ids the planner would refuse) are never read. Columns past what a
+    request can use are cut before anything is copied: a broadcast table 2**30 - 1 wide (16 GiB
+    to copy: refused, or 19 s and 8 GiB at one request, before) plans at once."""
+    from dcpmla._checks import _int_array
+
+    step = STEPS[4]
+    q, kv, t, num_blocks, ref = make_inputs(step)
+    B, W = t.shape
+    wide = np.full((B + 3, W + 9), -5, dtype=np.int32)
+    wide[:B, :W] = t
+    sliced = wide[:B, :W]
+    assert np.shares_memory(_int_array("block_tables", sliced, np.int32, "", ndim=2, rows_in_place=True), wide)
+    out, lse = dcpmla.merge_states(*map(np.stack, run_step(step, q, kv, sliced, num_blocks)))
+    assert_close(out, lse, *ref, what="a [:B, :W] slice")
+    # Rows that are not in place (columns apart) are copied, with the same answer.
+    strided_cols = np.full((B, 2 * W), -5, dtype=np.int32)
+    strided_cols[:, ::2] = t
+    assert not np.shares_memory(_int_array("block_tables", strided_cols[:, ::2], np.int32, "", ndim=2,
+                                           rows_in_place=True), strided_cols)
+    out2, lse2 = dcpmla.merge_states(*map(np.stack, run_step(step, q, kv, strided_cols[:, ::2], num_blocks)))
+    assert np.array_equal(out, out2) and np.array_equal(lse, lse2)
+    att = dcpmla.Attention(**attention_kwargs(step, 0, **LIMITS))
+    att.plan(list(step.lengths), np.broadcast_to(t[:, :1], (B, 2**31 - 1)), step.qlen, mode=step.mode)
+    assert att.batch == B
+
+
 def planned(step=Step(), **extra):
     q, kv, t, num_blocks, _ = make_inputs(step)
     att = dcpmla.Attention(**attention_kwargs(step, 0, **{**LIMITS, **extra}))

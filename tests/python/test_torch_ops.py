@@ -92,3 +92,30 @@ def test_a_dead_attention_handle_is_refused():
     del att
     with pytest.raises(ValueError, match=f"field 'handle' = {handle}: expected the handle of a live dcpmla.Attention"):
         torch.ops.dcpmla.run(handle, torch.zeros(1), torch.zeros(1), 1.0, None, torch.zeros(1), torch.zeros(1))
+
+
+def test_run_sizes_its_outputs_only_from_a_q_that_can_fit():
+    # The op sized out from q.shape[:-1] before any check: a q of the wrong last extent asked
+    # torch for R times its size (an OOM, not a ValueError; the sixtieth session's audit). Now
+    # it allocates what Attention.run would, placeholders for a q that cannot fit, and the op
+    # names q.
+    att = dcpmla.Attention(heads=16, device="cpu", max_batch=4, max_qlen=2, max_local_len=64)
+    att.plan([3], [[0]], 1, mode="decode")
+    cache = torch.zeros((1, 64, D), dtype=torch.bfloat16)
+    wide = torch.zeros(1).expand(1 << 24, 1)  # one value, described as 2^24 rows
+    with pytest.raises(ValueError, match="field 'q"):
+        ops.run(att, wide, cache)
+    q = torch.zeros((1, 1, 16, D), dtype=torch.bfloat16)
+    out, lse = ops.run(att, q, cache)
+    assert out.shape == (1, 1, 16, D - 64) and lse.shape == (1, 1, 16)
+
+
+def test_kv_scale_is_checked_as_the_plain_calls_check_it():
+    # float(kv_scale) took "0.5" and True; the plain calls refuse both.
+    att = dcpmla.Attention(heads=16, device="cpu", max_batch=4, max_qlen=2, max_local_len=64)
+    att.plan([3], [[0]], 1, mode="decode")
+    cache = torch.zeros((1, 64, D), dtype=torch.bfloat16)
+    q = torch.zeros((1, 1, 16, D), dtype=torch.bfloat16)
+    for bad in ("0.5", True):
+        with pytest.raises(ValueError, match="field 'kv_scale'"):
+            ops.run(att, q, cache, kv_scale=bad)

@@ -57,6 +57,10 @@ class CudaRank final : public RankEngine {
             fmt::format("positions ({}) x dim ({}) values", positions.size(), dim));
     require(requests.size() == positions.size(), "requests", requests.size(),
             fmt::format("one request index per position ({})", positions.size()));
+    // The device slot mapping reads packed rows (the runner's tables are).
+    validate_table_shape(batch);
+    require(batch.table_pitch() == batch.table_width, "table_stride", batch.table_stride,
+            fmt::format("0 or table_width ({}): packed rows", batch.table_width));
     const int64_t n = int64_t(positions.size());
     if (n == 0) return;
     cudaStream_t s = stream_.get();

@@ -246,8 +246,15 @@ void DcpStep::plan(const BatchDesc& batch) {
   if (config_.check_agreement) {
     // Same shape, lengths and tables everywhere; then every rank's planner sees the same
     // batch and accepts or refuses it alike (its checks use rank 0's share).
+    // The tables' rows only: the gaps of a strided table (another slice's columns) may differ.
+    // A malformed shape hashes whole (the planner names it once the ranks agree).
+    uint32_t tables_hash = fnv1a(batch.block_tables);
+    if (batch.tables_fit()) {
+      tables_hash = fnv1a({});
+      for (int b = 0; b < B; ++b) tables_hash = fnv1a(batch.table_of(size_t(b)), tables_hash);
+    }
     const int32_t signature[] = {B, batch.qlen, batch.table_width, int32_t(batch.mode), int32_t(fnv1a(batch.seq_lens)),
-                                 int32_t(fnv1a(batch.block_tables))};
+                                 int32_t(tables_hash)};
     check_ranks_agree(*host_, signature, "batch (B, qlen, table_width, mode, seq_lens hash, block_tables hash)");
   }
 
@@ -285,7 +292,7 @@ void DcpStep::plan(const BatchDesc& batch) {
     const int32_t L = batch.seq_lens[size_t(b)];
     lens[b] = L;
     if (L == 0) continue;
-    const auto table = batch.block_tables.subspan(size_t(b) * size_t(batch.table_width), size_t(batch.table_width));
+    const auto table = batch.table_of(size_t(b));
     for (int t = 0; t < qlen; ++t)
       // The planner validated the layout and block size: the per-token form checks only p and the table.
       slots[int64_t(b) * qlen + t] =
