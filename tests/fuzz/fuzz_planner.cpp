@@ -51,9 +51,12 @@ int64_t spec_page(int64_t block_size) {
 struct Batch {
   std::vector<int32_t> lens, tables, qlens;  // qlens empty: qlen rows per request
   int qlen = 1, width = 0;
+  int64_t stride = 0;  // rows `stride` ints apart in `tables` (0: packed)
   Mode mode = Mode::verify;
-  BatchDesc desc() const { return BatchDesc{lens, qlen, tables, width, mode, qlens}; }
+  BatchDesc desc() const { return BatchDesc{lens, qlen, tables, width, mode, qlens, stride}; }
   int qlen_of(size_t r) const { return qlens.empty() ? qlen : qlens[r]; }
+  int64_t pitch() const { return stride != 0 ? stride : width; }
+  int32_t entry(int64_t r, int64_t j) const { return tables[size_t(r * pitch() + j)]; }
 };
 
 // Global window of row t (SPEC §1), or two_stage's sharded prefix.
@@ -68,6 +71,13 @@ __int128 arena_ints(const PlannerConfig& c, int64_t page) {
   const __int128 stride = (__int128(c.limits.max_local_kv_len) + page - 1) / page;
   const __int128 work = __int128(c.limits.max_batch) + c.num_workers;
   return __int128(c.limits.max_batch) * (__int128(c.limits.max_qlen) + stride + 3) + work * 4 + c.num_workers;
+}
+
+// Host ints one plan holds: its arena and its copy of the batch (lengths, qlens, table starts
+// and each request's used entries, stride at most), bounded together.
+__int128 plan_host_ints(const PlannerConfig& c, int64_t page) {
+  const __int128 stride = (__int128(c.limits.max_local_kv_len) + page - 1) / page;
+  return arena_ints(c, page) + __int128(c.limits.max_batch) * (stride + 3) + 1;
 }
 
 // The configurations the contract and docs/design.md accept.
@@ -87,7 +97,7 @@ bool config_is_valid(const PlannerConfig& c) {
   if (!is_supported(c.backend, checked, Mode::decode, c.kv_dtype, c.heads) &&
       !is_supported(c.backend, checked, Mode::verify, c.kv_dtype, c.heads))
     return false;
-  return arena_ints(c, spec_page(c.block_size)) < (int64_t(1) << 30);
+  return plan_host_ints(c, spec_page(c.block_size)) < (int64_t(1) << 30);
 }
 
 bool batch_is_valid(const PlannerConfig& c, const Batch& b) {
@@ -98,7 +108,8 @@ bool batch_is_valid(const PlannerConfig& c, const Batch& b) {
   if (!b.qlens.empty() && int64_t(b.qlens.size()) != n) return false;
   for (size_t r = 0; r < b.qlens.size(); ++r)
     if (b.qlens[r] < 0 || b.qlens[r] > b.qlen || (c.route == Route::two_stage && b.qlens[r] != b.qlen)) return false;
-  if (b.width < 0 || int64_t(b.tables.size()) != n * b.width) return false;
+  if (b.width < 0 || (b.stride != 0 && b.stride < b.width)) return false;
+  if (__int128(b.tables.size()) != (n - 1) * __int128(b.pitch()) + b.width) return false;
   const Layout& l = c.layout;
   // int32 sub-page ids; on CUDA with a bf16 cache, int32 row indices (the TMA boxes).
   const int64_t block_limit = c.backend == Backend::cuda && c.kv_dtype == KvDtype::bf16
@@ -112,7 +123,7 @@ bool batch_is_valid(const PlannerConfig& c, const Batch& b) {
     const int64_t entries = ceil_div(largest, c.block_size);
     if (entries > b.width) return false;
     for (int64_t j = 0; j < entries; ++j) {
-      const int32_t id = b.tables[size_t(r * b.width + j)];
+      const int32_t id = b.entry(r, j);
       if (id < 0 || id >= block_limit) return false;
     }
   }
@@ -183,13 +194,13 @@ void check_plan(const Planner& planner, const Batch& b, const Plan& plan) {
     widest = std::max(widest, tiles);
     FUZZ_CHECK(tiles <= stride && stride <= v.table_capacity);
     for (int64_t k = 0; k < tiles; ++k) {
-      const int64_t want = int64_t(b.tables[size_t(r * b.width + k / per_block)]) * per_block + k % per_block;
+      const int64_t want = int64_t(b.entry(r, k / per_block)) * per_block + k % per_block;
       const int32_t got = v.subpage_table[int64_t(r) * stride + k];
       FUZZ_CHECK(got == want);
       FUZZ_CHECK(got >= 0);
     }
     const int64_t entries = ceil_div(spec_local_length(b.lens[size_t(r)], l.world_size, 0, l.interleave), c.block_size);
-    for (int64_t j = 0; j < entries; ++j) max_block = std::max<int64_t>(max_block, b.tables[size_t(r * b.width + j)]);
+    for (int64_t j = 0; j < entries; ++j) max_block = std::max<int64_t>(max_block, b.entry(int64_t(r), j));
   }
   FUZZ_CHECK(stride == widest);
   FUZZ_CHECK(plan.stats().max_block == max_block);
@@ -223,8 +234,7 @@ void check_padding_is_neutral(const Planner& planner, const Batch& b, Plan& plan
     kept.push_back(int(r));
     active.lens.push_back(b.lens[r]);
     if (!b.qlens.empty()) active.qlens.push_back(b.qlens[r]);
-    active.tables.insert(active.tables.end(), b.tables.begin() + int64_t(r) * b.width,
-                         b.tables.begin() + int64_t(r + 1) * b.width);
+    for (int64_t j = 0; j < b.width; ++j) active.tables.push_back(b.entry(int64_t(r), j));
   }
   if (kept.empty() || kept.size() == b.lens.size()) return;
   const Route route = plan.route();
@@ -290,6 +300,18 @@ Batch read_batch(FuzzedDataProvider& in, const Fuzzed& f) {
   const int64_t hi = std::clamp<int64_t>(f.num_blocks, 1, INT32_MAX) - 1;
   for (int64_t i = 0; i < int64_t(n) * std::max(b.width, 0); ++i)
     b.tables.push_back(any_id ? pick<int32_t>(in) : int32_t(in.ConsumeIntegralInRange<int64_t>(0, hi)));
+  // Sometimes the rows lie apart (a slice of a wider table), the gaps poisoned; sometimes the
+  // stride is below the width or huge (refused).
+  if (n > 0 && b.width >= 0 && in.ConsumeIntegralInRange<int>(0, 3) == 0) {
+    const int64_t gap = in.ConsumeIntegralInRange<int64_t>(-2, 5);
+    b.stride = in.ConsumeIntegralInRange<int>(0, 31) == 0 ? pick<int64_t>(in) : b.width + gap;
+    if (b.stride >= b.width && b.stride > 0 && (__int128(n) - 1) * b.stride + b.width <= kMaxTableEntries) {
+      std::vector<int32_t> apart(size_t((int64_t(n) - 1) * b.stride + b.width), INT32_MIN);
+      for (int64_t r = 0; r < n; ++r)
+        std::copy_n(b.tables.begin() + r * b.width, b.width, apart.begin() + r * b.stride);
+      b.tables = std::move(apart);
+    }
+  }
   if (!b.tables.empty() && in.ConsumeIntegralInRange<int>(0, 15) == 0) b.tables.pop_back();  // wrong size
   // Per-request query lengths, sometimes: mostly within [0, qlen], sometimes out of range or short.
   if (in.ConsumeBool()) {
@@ -323,7 +345,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const int world = config.layout.world_size;
   const bool all_ranks = world <= kMaxRanksPlanned;
   const int planned = all_ranks ? world : 1;
-  if (arena_ints(config, planner->page()) * planned > kArenaCapInts) return 0;  // harness cap
+  if (plan_host_ints(config, planner->page()) * planned > kArenaCapInts) return 0;  // harness cap
 
   // Plan the batch on the fuzzed rank, then (small groups) on every rank of the group.
   const bool valid = batch_is_valid(config, batch);
