@@ -155,11 +155,11 @@ def _has_bool(x):
 
 
 def _rows_in_place(a):
-    """Whether a 2-d array's rows can be read in place at their pitch: each row's entries
-    adjacent, rows apart in order without overlapping (a [:B, :W] slice of a wider table)."""
+    """Whether a 2-d (aligned) array's rows can be read in place at their pitch: each row's
+    entries adjacent, rows apart in order without overlapping (a [:B, :W] slice of a wider
+    table)."""
     rows, cols = a.shape
-    return a.flags.aligned and (cols <= 1 or a.strides[1] == a.itemsize) and \
-        (rows <= 1 or cols == 0 or a.strides[0] >= cols * a.itemsize)
+    return (cols <= 1 or a.strides[1] == a.itemsize) and (rows <= 1 or cols == 0 or a.strides[0] >= cols * a.itemsize)
 
 
 def _int_array(field, x, dtype, layout, ndim=1, check_shape=None, kept=0, rows_in_place=False, max_cols=None):

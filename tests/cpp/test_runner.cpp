@@ -196,15 +196,16 @@ TEST(Runner, EntryPointRefusesHostileSizesAndEnumsBeforeAllocating) {
   });
 }
 
-// Each rank's plans are sized by the batch even when no request has a query row: 16 M
-// padding requests with qlens all 0 on 16 ranks hold about 13 GiB of plans (arena and batch
-// copy, 52 bytes a request a rank) beside empty inputs. They were not counted (the audit of
-// the sixtieth session: 22 s and 12.9 GiB, then std::bad_alloc); refused up front now.
+// Each rank's plans are sized by the batch even when no request has a query row: 4 M padding
+// requests with qlens all 0 on 64 ranks hold about 13 GiB of plans (arena and batch copy, 52
+// bytes a request a rank) beside empty inputs. They were not counted (the audit of the
+// sixtieth session: 16 M on 16 ranks ran 22 s to 12.9 GiB, then std::bad_alloc); refused up
+// front now.
 TEST(Runner, PlansCountTowardTheMemoryBound) {
-  const int B = 16 << 20;
+  const int B = 4 << 20;
   AttentionOptions o;
   o.mode = Mode::draft;
-  o.world_size = 16;
+  o.world_size = 64;
   o.block_size = 1;
   o.kv_lora_rank = 1;
   o.qlens.assign(size_t(B), 0);

@@ -102,7 +102,7 @@ def test_run_sizes_its_outputs_only_from_a_q_that_can_fit():
     att = dcpmla.Attention(heads=16, device="cpu", max_batch=4, max_qlen=2, max_local_len=64)
     att.plan([3], [[0]], 1, mode="decode")
     cache = torch.zeros((1, 64, D), dtype=torch.bfloat16)
-    wide = torch.zeros(1).expand(1 << 24, 1)  # one value, described as 2^24 rows
+    wide = torch.zeros(1).expand(1 << 40, 1)  # one value, described as 2^40 rows (out: 2 PiB)
     with pytest.raises(ValueError, match="field 'q"):
         ops.run(att, wide, cache)
     q = torch.zeros((1, 1, 16, D), dtype=torch.bfloat16)
@@ -111,10 +111,11 @@ def test_run_sizes_its_outputs_only_from_a_q_that_can_fit():
 
 
 def test_kv_scale_is_checked_as_the_plain_calls_check_it():
-    # float(kv_scale) took "0.5" and True; the plain calls refuse both.
-    att = dcpmla.Attention(heads=16, device="cpu", max_batch=4, max_qlen=2, max_local_len=64)
+    # float(kv_scale) took "0.5" and True (both valid fp8 scales once converted); the plain
+    # calls refuse both.
+    att = dcpmla.Attention(heads=16, kv_dtype="fp8_e4m3", device="cpu", max_batch=4, max_qlen=2, max_local_len=64)
     att.plan([3], [[0]], 1, mode="decode")
-    cache = torch.zeros((1, 64, D), dtype=torch.bfloat16)
+    cache = torch.zeros((1, 64, D), dtype=torch.uint8)
     q = torch.zeros((1, 1, 16, D), dtype=torch.bfloat16)
     for bad in ("0.5", True):
         with pytest.raises(ValueError, match="field 'kv_scale'"):
