@@ -454,7 +454,8 @@ MergeInputs merge_inputs(const Tensor& out_parts, const Tensor& lse_parts) {
   m.width = int64_t(out_parts.shape(nd - 1));
   if (m.n < 1 || m.n > std::numeric_limits<int>::max())
     fail("out_parts.shape[0]", m.n, "N >= 1 partials that fit int32");
-  if (m.width > std::numeric_limits<int>::max()) fail("out_parts.shape[-1]", m.width, "a width that fits int32");
+  if (m.width < 1 || m.width > std::numeric_limits<int>::max())
+    fail("out_parts.shape[-1]", m.width, "W >= 1 values per row that fits int32");
   check(lse_parts, "lse_parts", kF32, "float32", lse_parts_dims, "[N, ...] (out_parts' shape without W)", m.where, 4);
   return m;
 }

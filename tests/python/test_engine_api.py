@@ -327,6 +327,8 @@ def test_write_kv_and_merge_states_refuse_bad_input():
         dcpmla.merge_states(parts, np.zeros((2, 3), np.float32))
     with error(r"field 'out.dtype' = float64"):
         dcpmla.merge_states(parts, np.zeros((2, 3, 5), np.float32), out=np.zeros((3, 5, R)))
+    with error(r"field 'out_parts.shape\[-1\]' = 0: expected W >= 1"):
+        dcpmla.merge_states(np.zeros((2, 3, 0), np.float32), np.zeros((2, 3), np.float32))
 
 
 def test_merge_states_follows_the_lse_rule():
