@@ -64,6 +64,7 @@ void require_write_disjoint(const KvCache& cache, const bf16* latents, const int
 
 // CPU write path (SPEC §3): latents bf16 [n, D] to cache slots[n], kPadSlot skipped, every
 // slot checked against the cache before anything is written; fp8 stores rne(sat(x / scale)).
+// Two tokens with one slot: the later token's row is kept.
 void write_kv(const KvCache& cache, const bf16* latents, const int64_t* slots, int64_t n, float scale);
 
 // Host storage [num_blocks, block_size, D] in the cache dtype (tests and the conformance path

@@ -94,7 +94,8 @@ AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const
 // written: it is skipped and, where `errors` is given, counted there (a device int, added to
 // atomically), since a device mapping cannot be checked on the host without a sync.
 // fp8: stored = rne(sat(x / scale)), with the scale read on the device when scale.device is set.
-// Alignment: latents 16 bytes (read 16 at a time), slots 8, scale.device 4.
+// Alignment: latents 16 bytes (read 16 at a time), slots 8, scale.device 4. Two tokens with
+// one slot are written in parallel: the slot may keep any mix of their 16-byte groups.
 void write_kv(const KvCache& cache, const bf16* latents, const int64_t* slots, int64_t n, const KvScale& scale,
               cudaStream_t stream, int* errors = nullptr);
 

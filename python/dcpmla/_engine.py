@@ -419,7 +419,8 @@ def write_kv(kv_cache, latent, slot_mapping, kv_dtype="bf16", kv_scale=1.0, stre
         slot_mapping: int64 ``[T]`` rank-local slots (``block * block_size + offset``), -1 where
             the token is not this rank's (PAD, written nowhere); on the cache's device. The CPU
             checks every slot first; on CUDA a slot outside the cache is skipped (checking device
-            memory would need a synchronisation).
+            memory would need a synchronisation). Slots should be distinct: of two tokens with
+            one slot the CPU keeps the later, CUDA any mix of their 16-byte groups.
         kv_dtype: the cache's format; kv_scale: float or one-element float32 tensor (fp8 only).
         stream: as for :meth:`Attention.run`. Allocates nothing, never synchronises.
     """
