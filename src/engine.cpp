@@ -69,17 +69,10 @@ void require_run_disjoint(const PlannerConfig& c, int64_t rows, const void* q, c
 
 namespace {
 
-// Split-K floats the CPU engine takes for its planner's capacities (none when no plan cuts).
-int64_t cpu_workspace_floats(const Planner& p) {
-  if (!p.may_cut()) return 0;
-  const auto& c = p.config();
-  return split_workspace_floats(p.work_capacity(), c.limits.max_qlen, c.heads, c.dims.kv_lora_rank);
-}
-
 // The planner, once its engine's host memory (one plan and the split-K workspace) is known to
 // fit the host budget: refused with its size before either is allocated.
 Planner within_host_budget(Planner planner) {
-  const double bytes = double(planner.plan_host_bytes()) + double(cpu_workspace_floats(planner)) * sizeof(float);
+  const double bytes = double(planner.plan_host_bytes()) + double(split_workspace_floats(planner)) * sizeof(float);
   require(bytes <= double(kMaxHostBytes), "host memory (plan and split-K workspace)",
           fmt::format("{:.3g} GiB", bytes / double(1 << 30)),
           fmt::format("<= {} GiB (lower heads, limits.max_batch, limits.max_qlen or limits.max_local_kv_len, or "
@@ -97,7 +90,7 @@ Attention::Attention(const AttentionConfig& config)
   // The split-K workspace of the capacities, taken here (plan() allocates nothing) unless no
   // plan cuts a request. Not zero-filled: the kernels write every partial before the merge
   // reads it, so the pages are committed only when a step cuts.
-  if (const int64_t floats = cpu_workspace_floats(planner_); floats > 0)
+  if (const int64_t floats = split_workspace_floats(planner_); floats > 0)
     workspace_ = std::make_unique_for_overwrite<float[]>(size_t(floats));
 }
 

@@ -334,10 +334,7 @@ void check_memory(const Inputs& in, const AttentionOptions& o, int ranks_here, b
   const double cells = double(in.rows) * in.heads, R = o.kv_lora_rank;
   double per_rank = (N + 3) * cells * (R * 2 + 4) + cells * R * 4 + (cpu_engines ? 1 : 2) * double(sizing.plan_host_bytes());
   if (cpu_engines)  // the workspace as the CPU engine takes it: none for one_stage
-    per_rank += double(cache_config(in, o).bytes()) +
-                (sizing.may_cut() ? 4.0 * double(split_workspace_floats(sizing.work_capacity(), in.qlen, in.heads,
-                                                                         o.kv_lora_rank))
-                                  : 0.0);
+    per_rank += double(cache_config(in, o).bytes()) + 4.0 * double(split_workspace_floats(sizing));
   const double shared = 2.0 * (double(in.rows) * in.heads * in.dim + double(in.batch) * in.max_len * in.dim +
                                double(in.tokens) * in.dim) +
                         12.0 * double(in.tokens) + 4.0 * double(in.batch) * double(in.width) + 4.0 * double(in.num_blocks);

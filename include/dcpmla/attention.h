@@ -62,6 +62,9 @@ void attention_cpu(const AttentionParams& p);
 // (PlanView::work_capacity, PlanView::max_qlen). Throws dcpmla::Error when an argument is
 // below 1 or the count does not fit int64 (absurd dims once wrapped it to 0 floats).
 int64_t split_workspace_floats(int64_t work_capacity, int max_qlen, int heads, int rank_dim);
+// The same for a planner's plans: 0 when it never cuts (route one_stage). What the engines take
+// and the memory bounds count.
+int64_t split_workspace_floats(const Planner& planner);
 
 // The parameters of a plan's attention (host or device pointers alike), with the split-K
 // workspace (split_workspace_floats floats) laid out as part_o, then part_m, then part_l.

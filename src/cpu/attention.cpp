@@ -117,6 +117,12 @@ void attend_range(const AttentionParams& p, const Dequantizer& deq, int b, int h
 
 }  // namespace
 
+int64_t split_workspace_floats(const Planner& planner) {
+  if (!planner.may_cut()) return 0;
+  const auto& c = planner.config();
+  return split_workspace_floats(planner.work_capacity(), c.limits.max_qlen, c.heads, c.dims.kv_lora_rank);
+}
+
 int64_t split_workspace_floats(int64_t work_capacity, int max_qlen, int heads, int rank_dim) {
   const auto refuse = [&](std::string_view expected) {
     fail("split-K workspace", fmt::format("{} x {} x {} x ({} + 2) floats", work_capacity, max_qlen, heads, rank_dim),

@@ -208,11 +208,7 @@ struct Attention::Impl {
   // no split-K workspace (part_o/m/l then point at the region's end and are never read or
   // written), as on the CPU backend.
   static size_t layout_bytes(const Planner& p) {
-    const auto& c = p.config();
-    if (!p.may_cut()) return plan_region(p);
-    return plan_region(p) +
-           size_t(split_workspace_floats(p.work_capacity(), c.limits.max_qlen, c.heads, c.dims.kv_lora_rank)) *
-               sizeof(float);
+    return plan_region(p) + size_t(split_workspace_floats(p)) * sizeof(float);
   }
 
   int device, sms;

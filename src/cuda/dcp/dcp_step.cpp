@@ -248,11 +248,11 @@ void DcpStep::plan(const BatchDesc& batch) {
     // batch and accepts or refuses it alike (its checks use rank 0's share).
     // The tables' rows only: the gaps of a strided table (another slice's columns) may differ.
     // A malformed shape hashes whole (the planner names it once the ranks agree).
-    uint32_t tables_hash = fnv1a(batch.block_tables);
-    if (batch.tables_fit()) {
-      tables_hash = fnv1a({});
+    uint32_t tables_hash = fnv1a({});
+    if (!batch.tables_fit())
+      tables_hash = fnv1a(batch.block_tables);
+    else
       for (int b = 0; b < B; ++b) tables_hash = fnv1a(batch.table_of(size_t(b)), tables_hash);
-    }
     const int32_t signature[] = {B, batch.qlen, batch.table_width, int32_t(batch.mode), int32_t(fnv1a(batch.seq_lens)),
                                  int32_t(tables_hash)};
     check_ranks_agree(*host_, signature, "batch (B, qlen, table_width, mode, seq_lens hash, block_tables hash)");
