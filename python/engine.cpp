@@ -116,7 +116,8 @@ void check_placement(const T& t, const char* field, Placement where) {
          fmt::format("{} (where this call runs)", placement_name(where)));
 }
 
-// dtype, shape (ndim and extents), C-contiguous strides, device and alignment of one tensor.
+// dtype, shape (ndim and extents), C-contiguous strides, device and alignment of one tensor:
+// `align` bytes on CUDA (the kernels' vector width), whole values on the CPU, which reads no wider.
 template <class T>
 void check(const T& t, const char* field, uint32_t kinds, const char* dtype_text, const Dims& dims,
            const char* dims_text, Placement where, size_t align) {
@@ -140,6 +141,7 @@ void check(const T& t, const char* field, uint32_t kinds, const char* dtype_text
   // float32 copies read such a tensor before the library's own null checks.
   if (t.data() == nullptr && t.size() != 0)
     fail(fmt::format("{}.data_ptr", field), "null", fmt::format("memory holding the tensor's {} elements", t.size()));
+  if (where.backend == Backend::cpu) align = t.itemsize();
   if (reinterpret_cast<uintptr_t>(t.data()) % align != 0)
     fail(fmt::format("{}.data_ptr", field), fmt::format("{}", t.data()), fmt::format("{}-byte aligned memory", align));
 }

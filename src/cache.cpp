@@ -41,8 +41,10 @@ void CacheConfig::validate() const {
 void KvCache::validate() const {
   validate_shape(num_blocks, block_size, dim, dtype);
   if (data == nullptr) fail("kv_cache", "null", "a pointer to the cache's memory");
-  if (reinterpret_cast<uintptr_t>(data) % 16 != 0)
-    fail("kv_cache", fmt::format("address {}", data), "16-byte aligned memory");
+  // Whole values here (the CPU backend reads no wider); the CUDA entries ask 16 bytes of their own.
+  if (reinterpret_cast<uintptr_t>(data) % bytes_per_value(dtype) != 0)
+    fail("kv_cache", fmt::format("address {}", data),
+         fmt::format("{}-byte aligned memory (whole {} values)", bytes_per_value(dtype), to_string(dtype)));
 }
 
 void KvScale::validate(KvDtype dtype) const {
@@ -69,6 +71,8 @@ void write_kv(const KvCache& cache, const bf16* latents, const int64_t* slots, i
   if (n < 0) fail("n", n, ">= 0");
   if (n == 0) return;
   if (latents == nullptr || slots == nullptr) fail("latents/slot_mapping", "null", "host pointers");
+  require_value_aligned(latents, "latents");
+  require_value_aligned(slots, "slot_mapping");
   require_write_disjoint(cache, latents, slots, n);
   const int64_t num_slots = cache.num_slots();
   for (int64_t k = 0; k < n; ++k)

@@ -11,8 +11,10 @@ namespace dcpmla {
 namespace {
 
 // The checks below are plain comparisons, formatted only on failure.
-void require_pointer(const void* p, std::string_view field) {
+template <class T>
+void require_pointer(const T* p, std::string_view field) {
   if (p == nullptr) fail(field, "null", "a host pointer");
+  require_value_aligned(p, field);
 }
 
 // rows >= 0, width >= 1, and `parts` x rows x width elements addressable in int64.

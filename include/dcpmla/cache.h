@@ -40,7 +40,8 @@ struct KvCache {
   int dim = 576;
   KvDtype dtype = KvDtype::bf16;
 
-  // Shape (as CacheConfig::validate), dtype and a non-null, 16-byte aligned data pointer.
+  // Shape (as CacheConfig::validate), dtype and a non-null data pointer aligned to a whole value
+  // (2 bytes for bf16; the CUDA backend asks 16: its kernels read the cache 16 bytes at a time).
   void validate() const;
   int64_t num_slots() const { return num_blocks * block_size; }
   int64_t row_bytes() const { return int64_t(dim) * bytes_per_value(dtype); }
@@ -64,7 +65,7 @@ void require_write_disjoint(const KvCache& cache, const bf16* latents, const int
 
 // CPU write path (SPEC §3): latents bf16 [n, D] to cache slots[n], kPadSlot skipped, every
 // slot checked against the cache before anything is written; fp8 stores rne(sat(x / scale)).
-// Two tokens with one slot: the later token's row is kept.
+// Two tokens with one slot: the later token's row is kept. Pointers aligned to whole values.
 void write_kv(const KvCache& cache, const bf16* latents, const int64_t* slots, int64_t n, float scale);
 
 // Host storage [num_blocks, block_size, D] in the cache dtype (tests and the conformance path

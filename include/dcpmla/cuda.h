@@ -160,7 +160,7 @@ class Attention {
   void plan(const BatchDesc& batch, cudaStream_t stream, bool fit_captured_rows = false);
   // q [B, qlen, H, D] -> out [B, qlen, H, R], lse [B, qlen, H] natural log (device pointers):
   // this rank's partial; rows whose rank-local window is empty give out 0, lse -inf.
-  // q and out 16-byte aligned, lse and scale.device 4-byte aligned; out and lse share no byte
+  // q, out and the cache 16-byte aligned, lse and scale.device 4-byte aligned; out and lse share no byte
   // with q, the cache, scale.device or each other over the plan's rows (dcpmla::Error otherwise).
   // A captured graph replays later plans on these pointers: size them for the rows of every
   // plan replayed (the capture limits), or plan with fit_captured_rows. plan() and run() refuse

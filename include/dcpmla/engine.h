@@ -81,7 +81,8 @@ class Attention {
   // holds no key of the row's window); rows = B x qlen, or sum(qlens), packed by request.
   // The CPU kernels take per-call scratch of their own, but cut requests' partials go to this
   // object's split-K workspace: calls on one Attention must not overlap (one object per
-  // thread, or serialise them).
+  // thread, or serialise them). Host pointers aligned to whole values (2 bytes for q, out and a
+  // bf16 cache, 4 for lse), not to the CUDA backend's 16.
   void run(const bf16* q, const KvCache& cache, const KvScale& scale, bf16* out, float* lse);
 
   // The parameters run() computes with (tests).

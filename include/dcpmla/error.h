@@ -3,6 +3,7 @@
 // always before any memory is touched. Never an assert: asserts vanish in release builds.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
@@ -35,6 +36,23 @@ template <class T>
 template <class T>
 void require(bool ok, std::string_view field, const T& value, std::string_view expected) {
   if (!ok) fail(field, value, expected);
+}
+
+// A pointer read or written `align` bytes at a time (a whole value; on CUDA uint4 / cp.async
+// loads and vector stores): on a device a misaligned one faults and takes the CUDA context
+// down, on the host it is undefined behaviour, so it is refused. Null passes (checked apart).
+// A plain comparison, formatted only on failure: the run entries pass here every layer.
+inline void require_aligned(const void* p, size_t align, std::string_view field, std::string_view expected) {
+  if (reinterpret_cast<uintptr_t>(p) % align != 0) fail(field, fmt::format("address {}", p), expected);
+}
+
+// Host memory of whole T values (the CPU backend reads and writes no wider): a misaligned T*
+// is undefined behaviour.
+template <class T>
+void require_value_aligned(const T* p, std::string_view field) {
+  if (reinterpret_cast<uintptr_t>(p) % alignof(T) != 0)
+    fail(field, fmt::format("address {}", static_cast<const void*>(p)),
+         fmt::format("{}-byte aligned memory (whole values)", alignof(T)));
 }
 
 // The product of sizes, or nullopt when a factor is negative or the product overflows int64:

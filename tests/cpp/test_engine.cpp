@@ -390,8 +390,11 @@ TEST_F(Refusals, BadCacheBeforeAnythingRuns) {
   KvCache kv = cache.view();
   kv.data = nullptr;
   EXPECT_REFUSED(run(att, kv, KvScale{0.05f}), field("kv_cache", "null"));
+  // A bf16 value split across its 2 bytes (fp8 values are bytes: any address holds them).
   kv.data = cache.data() + 1;
-  EXPECT_REFUSED(run(att, kv, KvScale{0.05f}), fmt::format("'kv_cache' = address {}", kv.data));
+  kv.dtype = KvDtype::bf16;
+  EXPECT_REFUSED(run(att, kv, KvScale{0.05f}),
+                 fmt::format("'kv_cache' = address {}: expected 2-byte aligned memory (whole bf16 values)", kv.data));
   kv = cache.view();
   kv.dtype = KvDtype::fp8_e5m2;
   EXPECT_REFUSED(run(att, kv, KvScale{0.05f}), field("kv_cache dtype", "fp8_e5m2"));
@@ -406,6 +409,79 @@ TEST_F(Refusals, BadCacheBeforeAnythingRuns) {
   cache.poison();
   run(att, cache.view(), KvScale{0.05f});  // 8 blocks hold block 7: runs (NaN: nothing written)
   EXPECT_FALSE(untouched());
+}
+
+// `n` values of T from `offset` values past a 16-byte boundary inside `storage` (which holds
+// n + offset + 16 / sizeof(T) values).
+template <class T>
+T* past_16_bytes(std::vector<T>& storage, size_t offset) {
+  const uintptr_t at = (reinterpret_cast<uintptr_t>(storage.data()) + 15) & ~uintptr_t(15);
+  return reinterpret_cast<T*>(at) + offset;
+}
+
+// The CPU backend reads whole values, not the CUDA kernels' 16 bytes: q, out, lse and a bf16
+// cache one value past a 16-byte boundary run and give the bits of aligned buffers. A value
+// split across its own alignment is refused by name before anything is written, at the run,
+// the write and the merge.
+TEST(CpuAlignment, WholeValuesSuffice) {
+  AttentionConfig config;
+  config.heads = 4;
+  config.block_size = 16;
+  config.limits = PlanLimits{2, 2, 48};
+  const std::vector<int32_t> lens{40, 3}, tables{2, 0, 1, 1, 0, 0};
+  const BatchDesc batch{lens, 2, tables, 3, Mode::verify};
+  constexpr size_t kCells = 2 * 2 * 4, kCacheValues = 3 * 16 * size_t(kDim);
+  Attention att(config);
+  att.plan(batch);
+  const auto cache_values = to_bf16(testing::random_normal(kCacheValues, 21));
+  const auto q_values = to_bf16(testing::random_normal(kCells * kDim, 22));
+  std::vector<bf16> cache_mem(kCacheValues + 16), q_mem(kCells * kDim + 16), out_mem(kCells * kRankDim + 16);
+  std::vector<float> lse_mem(kCells + 8);
+  std::vector<float> first_out, first_lse;
+  for (const size_t offset : {0, 1}) {
+    bf16* cache = past_16_bytes(cache_mem, offset);
+    bf16* q = past_16_bytes(q_mem, offset);
+    bf16* out = past_16_bytes(out_mem, offset);
+    float* lse = past_16_bytes(lse_mem, offset);
+    std::copy(cache_values.begin(), cache_values.end(), cache);
+    std::copy(q_values.begin(), q_values.end(), q);
+    std::fill_n(out, kCells * kRankDim, float_to_bf16(std::nanf("")));
+    std::fill_n(lse, kCells, std::nanf(""));
+    att.run(q, KvCache{cache, 3, 16, kDim, KvDtype::bf16}, KvScale{}, out, lse);
+    std::vector<float> got_out = to_float(std::vector<bf16>(out, out + kCells * kRankDim));
+    std::vector<float> got_lse(lse, lse + kCells);
+    ASSERT_TRUE(std::all_of(got_lse.begin(), got_lse.end(), [](float v) { return std::isfinite(v); }));
+    ASSERT_TRUE(std::all_of(got_out.begin(), got_out.end(), [](float v) { return std::isfinite(v); }));
+    if (offset == 0) {
+      first_out = got_out;
+      first_lse = got_lse;
+      continue;
+    }
+    EXPECT_EQ(got_out, first_out) << "out at 2 bytes past 16 differs from the aligned run's";
+    EXPECT_EQ(got_lse, first_lse) << "lse at 4 bytes past 16 differs from the aligned run's";
+  }
+  // One byte past a whole value: refused, nothing written.
+  bf16* q = past_16_bytes(q_mem, 0);
+  bf16* out = past_16_bytes(out_mem, 0);
+  float* lse = past_16_bytes(lse_mem, 0);
+  const KvCache cache{past_16_bytes(cache_mem, 0), 3, 16, kDim, KvDtype::bf16};
+  const auto byte_past = [](auto* p) { return reinterpret_cast<decltype(p)>(reinterpret_cast<char*>(p) + 1); };
+  std::fill_n(out, kCells * kRankDim, float_to_bf16(7.0f));
+  EXPECT_REFUSED(att.run(byte_past(q), cache, KvScale{}, out, lse), "'q' = address");
+  EXPECT_REFUSED(att.run(q, cache, KvScale{}, byte_past(out), lse), "'out' = address");
+  EXPECT_REFUSED(att.run(q, cache, KvScale{}, out, byte_past(lse)), "'lse' = address");
+  EXPECT_REFUSED(att.run(q, KvCache{byte_past(past_16_bytes(cache_mem, 0)), 3, 16, kDim, KvDtype::bf16}, KvScale{}, out,
+                         lse),
+                 "'kv_cache' = address");
+  EXPECT_TRUE(std::all_of(out, out + kCells * kRankDim, [](bf16 v) { return bf16_to_float(v) == 7.0f; }));
+  std::vector<int64_t> slot_mem(4);
+  int64_t* slots = past_16_bytes(slot_mem, 0);
+  slots[0] = 5;
+  EXPECT_REFUSED(write_kv(cache, byte_past(q), slots, 1, 1.0f), "'latents' = address");
+  EXPECT_REFUSED(write_kv(cache, q, reinterpret_cast<int64_t*>(reinterpret_cast<char*>(slots) + 4), 1, 1.0f),
+                 "'slot_mapping' = address");
+  EXPECT_REFUSED(combine_partials(q, lse, 1, byte_past(out), lse + 4, 1, kRankDim), "'o' = address");
+  EXPECT_REFUSED(combine_partials(q, byte_past(lse), 1, out, lse + 4, 1, kRankDim), "'lse_parts' = address");
 }
 
 // An engine kept in a std::vector that grows is moved: the moved-from object kept its

@@ -604,6 +604,12 @@ TEST(DcpStepBadInput, MisalignedPointersRefusedBeforeAnyLaunch) {
                    reinterpret_cast<float*>(reinterpret_cast<char*>(lse.get()) + 2));
         },
         "'lse' = address");
+    // A cache of whole bf16 values 2 bytes past 16 (the CPU backend's need, not the kernels').
+    KvCache shifted = cache.view;
+    shifted.data = static_cast<uint8_t*>(shifted.data) + 2;
+    shifted.num_blocks -= 1;  // inside the allocation
+    expect_refused([&] { step.run(q.get(), lat.get(), shifted, KvScale{}, out.get(), lse.get()); },
+                   "'kv_cache' = address");
     // An output over an input, and new tokens written over their own latents: refused by
     // the step and by its write, before anything is enqueued.
     expect_refused([&] { step.run(q.get(), lat.get(), cache.view, KvScale{}, q.get() + 64, lse.get()); },

@@ -299,7 +299,7 @@ TEST(CudaValidation, AttentionRefusesBadParamsBeforeLaunch) {
   expect_field(bad, "'q' = address");
   bad = p;
   bad.kv = reinterpret_cast<const uint8_t*>(q) + 8;
-  expect_field(bad, "'kv' = address");
+  expect_field(bad, "'kv_cache' = address");
   bad = p;
   bad.out = q + 4;  // 8 bytes: enough for the combine's stores, not for the 16 the API asks
   expect_field(bad, "'out' = address");
@@ -374,7 +374,14 @@ TEST(CudaValidation, AttentionRefusesBadBatchesCachesAndRunWithoutPlan) {
   expect_field([&] { a.run(q.get(), good, KvScale{0.5f}, out.get(), lse.get(), nullptr); }, "kv_scale");
   expect_field([&] { a.run(nullptr, good, KvScale{}, out.get(), lse.get(), nullptr); }, "'q/out/lse' = null");
   expect_field([&] { a.run(q.get(), good, KvScale{}, out.get(), nullptr, nullptr); }, "'q/out/lse' = null");
-  // Misaligned q, out, lse: refused before any launch (a fault would kill the context).
+  // Misaligned q, out, lse and cache (2 bytes past 16: whole bf16 values, which the CPU backend
+  // takes): refused before any launch (a fault would kill the context).
+  {
+    KvCache shifted = good;
+    shifted.data = static_cast<uint8_t*>(good.data) + 2;
+    shifted.num_blocks -= 1;  // inside the allocation
+    expect_field([&] { a.run(q.get(), shifted, KvScale{}, out.get(), lse.get(), nullptr); }, "'kv_cache' = address");
+  }
   expect_field([&] { a.run(q.get() + 1, good, KvScale{}, out.get(), lse.get(), nullptr); }, "'q' = address");
   expect_field([&] { a.run(q.get(), good, KvScale{}, out.get() + 4, lse.get(), nullptr); }, "'out' = address");
   expect_field(
@@ -482,6 +489,9 @@ TEST(CudaValidation, WriteKvRefusesMisalignedPointers) {
   const auto* scale = reinterpret_cast<const float*>(mem + 3072);
   expect_error([&] { cuda::write_kv(bf16_cache, latents + 4, slots, 1, KvScale{}, nullptr); },
                {"'latents' = address", "16-byte aligned"});
+  const KvCache shifted_cache{mem + 2, 3, 1, 576, KvDtype::bf16};  // whole bf16 values, not 16 bytes
+  expect_error([&] { cuda::write_kv(shifted_cache, latents, slots, 1, KvScale{}, nullptr); },
+               {"'kv_cache' = address", "16-byte aligned"});
   expect_error(
       [&] {
         cuda::write_kv(bf16_cache, latents, reinterpret_cast<const int64_t*>(mem + 2052), 1, KvScale{}, nullptr);

@@ -135,6 +135,47 @@ def test_a_slice_of_a_wider_table_is_read_in_place():
     assert att.batch == B
 
 
+def off_16_bytes(a):
+    """A copy of `a` one value past a 16-byte boundary: aligned to its values (numpy's `aligned`
+    flag), not to the CUDA kernels' 16 bytes."""
+    a = np.asarray(a)
+    buf = np.empty(a.nbytes + 32, dtype=np.uint8)
+    start = (-buf.ctypes.data) % 16 + a.itemsize
+    view = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    view[...] = a
+    assert view.flags.aligned and view.ctypes.data % 16 == a.itemsize
+    return view
+
+
+@pytest.mark.parametrize("step", [STEPS[0], STEPS[2], STEPS[5]], ids=Step.id)
+def test_arrays_aligned_to_their_values_run_on_the_cpu(step):
+    """The CPU backend reads whole values, so q, the cache, the latents, the slots, out, lse and
+    the merge's inputs one value past a 16-byte boundary run (CUDA asks 16 bytes: its own test),
+    with the aligned arrays' answer bit for bit; a view one byte past a value is refused."""
+    q, kv, t, num_blocks, ref = make_inputs(step)
+    want = run_step(step, q, kv, t, num_blocks)
+    got = run_step(step, q, kv, t, num_blocks, cache_of=lambda n, s: off_16_bytes(numpy_cache(n, s)),
+                   convert=off_16_bytes)
+    for a, b in zip(want[0] + want[1], got[0] + got[1]):
+        assert np.array_equal(a, b, equal_nan=True)
+    out, lse = dcpmla.merge_states(off_16_bytes(np.stack(got[0])), off_16_bytes(np.stack(got[1])),
+                                   out=off_16_bytes(np.zeros_like(got[0][0])),
+                                   lse=off_16_bytes(np.zeros_like(got[1][0])))
+    assert out.ctypes.data % 16 == 4
+    assert_close(out, lse, *ref, what=step.id() + " off 16 bytes")
+    att, q, cache, _ = planned(step)
+    out = off_16_bytes(np.zeros((len(step.lengths), step.qlen, step.heads, R), dtype=np.float32))
+    lse = off_16_bytes(np.zeros((len(step.lengths), step.qlen, step.heads), dtype=np.float32))
+    got_out, got_lse = att.run(off_16_bytes(q), off_16_bytes(cache), out=out, lse=lse, kv_scale=scale_of(step))
+    assert got_out is out and np.array_equal(out, want[0][0], equal_nan=True)
+    if cache.itemsize > 1:
+        raw = np.empty(cache.nbytes + 32, dtype=np.uint8)
+        start = (-raw.ctypes.data) % 16 + 1
+        odd = raw[start:start + cache.nbytes].view(cache.dtype).reshape(cache.shape)
+        with pytest.raises(ValueError, match=r"'kv_cache.data_ptr' = .*: expected 2-byte aligned memory"):
+            att.run(q, odd, kv_scale=scale_of(step))
+
+
 def planned(step=Step(), **extra):
     q, kv, t, num_blocks, _ = make_inputs(step)
     att = dcpmla.Attention(**attention_kwargs(step, 0, **{**LIMITS, **extra}))

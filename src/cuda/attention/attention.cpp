@@ -12,22 +12,26 @@
 #include "dcpmla/layout.h"
 #include "attention/config.h"
 #include "attention/variants.h"
-#include "common/host_checks.h"
 #include "common/resources.h"
 #include "common/params.h"
 
 namespace dcpmla {
+
+void cuda_detail::require_cache_aligned(const void* kv) {
+  require_aligned(kv, 16, "kv_cache", "16-byte aligned device memory (the kernels read and write the cache 16 bytes at a time)");
+}
 
 namespace {
 
 using namespace cuda_detail;
 
 // What the kernels read and write in vectors (a misaligned address faults and kills the
-// context): q 16 bytes at a time (cp.async), the cache 16 (KvCache::validate checks it on
-// run()), out up to 8 (the combine's stores; 16 required, as the Python layer does), lse and
-// a device kv_scale 4. Plain comparisons: run() passes here every layer.
-void require_io_aligned(const void* q, const void* out, const float* lse, const float* kv_scale_dev) {
+// context): q and the cache 16 bytes at a time (cp.async, TMA), out up to 8 (the combine's
+// stores; 16 required, as the Python layer does), lse and a device kv_scale 4. Plain
+// comparisons: run() passes here every layer.
+void require_io_aligned(const void* q, const void* kv, const void* out, const float* lse, const float* kv_scale_dev) {
   require_aligned(q, 16, "q", "16-byte aligned device memory (the kernels read q 16 bytes at a time)");
+  require_cache_aligned(kv);
   require_aligned(out, 16, "out", "16-byte aligned device memory (the kernels write out in vectors)");
   require_aligned(lse, 4, "lse", "4-byte aligned device memory (float32)");
   require_aligned(kv_scale_dev, 4, "kv_scale", "a 4-byte aligned device float (the device scale)");
@@ -82,12 +86,11 @@ void validate_attention(const AttentionParams& p) {
   require_heads("heads", p.heads, Backend::cuda);
   require(p.dim == kDim, "dim", p.dim, "576 (kv_lora_rank 512 + rope_dim 64) on the CUDA backend");
   require(p.rank_dim == kRank, "rank_dim", p.rank_dim, "512 on the CUDA backend");
-  require_aligned(p.kv, 16, "kv", "16-byte aligned device memory (the cache is read 16 bytes at a time)");
   // The split-K partials: o is stored and read 16 bytes at a time, m and l as floats.
   require_aligned(p.part_o, 16, "part_o", "16-byte aligned device memory (partials move 16 bytes at a time)");
   require_aligned(p.part_m, 4, "part_m", "4-byte aligned device memory (float32)");
   require_aligned(p.part_l, 4, "part_l", "4-byte aligned device memory (float32)");
-  require_io_aligned(p.q, p.out, p.lse, p.kv_scale_dev);
+  require_io_aligned(p.q, p.kv, p.out, p.lse, p.kv_scale_dev);
 }
 
 }  // namespace
@@ -333,7 +336,7 @@ void Attention::run(const bf16* q, const KvCache& cache, const KvScale& scale, b
     return;
   }
   // The rest of the parameters are the configuration's, checked when it was built.
-  require_io_aligned(q, out, lse, scale.device);
+  require_io_aligned(q, cache.data, out, lse, scale.device);
   require_run_disjoint(m.planner.config(), current_plan().header().rows, q, cache, scale, out, lse);
   // Inside a capture, remember the cache and the rows: later plans must fit them (plan()).
   if (capturing) {

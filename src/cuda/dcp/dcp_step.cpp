@@ -15,7 +15,6 @@
 #include "dcpmla/error.h"
 #include "dcpmla/layout.h"
 #include "dcpmla/runner.h"
-#include "common/host_checks.h"
 #include "common/resources.h"
 #include "common/params.h"
 
@@ -316,15 +315,16 @@ void DcpStep::run(const bf16* q_local, const bf16* new_latents, const KvCache& c
           "the verify block's latents (two_stage's stage B reads them)");
   // write_kv reads the latents 16 bytes at a time (checked here too, to name the caller's
   // argument); the step's own kernels read and write the rest element by element.
-  cuda_detail::require_aligned(new_latents, 16, "new_latents",
+  require_aligned(new_latents, 16, "new_latents",
                                "16-byte aligned device memory (the write reads latents 16 bytes at a time)");
-  cuda_detail::require_aligned(q_local, 2, "q_local", "2-byte aligned device memory (bf16)");
-  cuda_detail::require_aligned(out, 2, "out", "2-byte aligned device memory (bf16)");
-  cuda_detail::require_aligned(lse, 4, "lse", "4-byte aligned device memory (float32)");
+  require_aligned(q_local, 2, "q_local", "2-byte aligned device memory (bf16)");
+  require_aligned(out, 2, "out", "2-byte aligned device memory (bf16)");
+  require_aligned(lse, 4, "lse", "4-byte aligned device memory (float32)");
   // Checked here as well as by the write and the attention run: with no new_latents there is no
   // write, and the run comes after the step's first collectives, where a throw leaves the
   // peers waiting in the next one until their timeout.
-  cuda_detail::require_aligned(scale.device, 4, "kv_scale", "a 4-byte aligned device float (the device scale)");
+  require_aligned(scale.device, 4, "kv_scale", "a 4-byte aligned device float (the device scale)");
+  cuda_detail::require_cache_aligned(cache.data);
   validate_run(attention_->planner().config(), attention_->current_plan(), cache, scale);
   const int64_t cells = rows_ * hl_;  // the caller's buffers hold row_capacity() rows
   require_disjoint({{"out", out, cells * kRank * 2}, {"lse", lse, cells * 4}},

@@ -6,7 +6,6 @@
 
 #include "dcpmla/error.h"
 #include "dcpmla/merge.h"
-#include "common/host_checks.h"
 #include "common/params.h"
 
 namespace dcpmla::cuda {
@@ -16,9 +15,9 @@ namespace {
 // the context (equal offsets between the two partials did not catch both misaligned alike).
 void require_elements_aligned(std::initializer_list<std::pair<const char*, const void*>> bf16s,
                               std::initializer_list<std::pair<const char*, const void*>> floats) {
-  for (const auto& [field, at] : bf16s) cuda_detail::require_aligned(at, 2, field, "2-byte aligned device memory (bf16)");
+  for (const auto& [field, at] : bf16s) require_aligned(at, 2, field, "2-byte aligned device memory (bf16)");
   for (const auto& [field, at] : floats)
-    cuda_detail::require_aligned(at, 4, field, "4-byte aligned device memory (float32)");
+    require_aligned(at, 4, field, "4-byte aligned device memory (float32)");
 }
 
 }  // namespace

@@ -1,7 +1,6 @@
 // Host entry points of the device write path (write_kv.cu): validation before any launch.
 #include "dcpmla/cuda.h"
 #include "dcpmla/error.h"
-#include "common/host_checks.h"
 #include "common/params.h"
 
 namespace dcpmla::cuda {
@@ -12,15 +11,16 @@ void write_kv(const KvCache& cache, const bf16* latents, const int64_t* slots, i
   scale.validate(cache.dtype);
   require(n >= 0, "n", n, ">= 0");
   require(cache.dim % 8 == 0, "dim", cache.dim, "a multiple of 8 on the CUDA backend");
+  cuda_detail::require_cache_aligned(cache.data);
   if (n == 0) return;
   require(latents != nullptr && slots != nullptr, "latents/slot_mapping", "null", "device pointers");
   // The kernel reads latents 16 bytes at a time, slots as int64 and a device scale as a float:
   // a misaligned address would fault on the device (plain comparisons: per-layer hot path).
-  cuda_detail::require_aligned(latents, 16, "latents",
+  require_aligned(latents, 16, "latents",
                                "16-byte aligned device memory (the write reads latents 16 bytes at a time)");
-  cuda_detail::require_aligned(slots, 8, "slot_mapping", "8-byte aligned device memory (int64)");
-  cuda_detail::require_aligned(scale.device, 4, "kv_scale", "a 4-byte aligned device float (the device scale)");
-  cuda_detail::require_aligned(errors, 4, "errors", "a 4-byte aligned device int (an atomic count)");
+  require_aligned(slots, 8, "slot_mapping", "8-byte aligned device memory (int64)");
+  require_aligned(scale.device, 4, "kv_scale", "a 4-byte aligned device float (the device scale)");
+  require_aligned(errors, 4, "errors", "a 4-byte aligned device int (an atomic count)");
   require_write_disjoint(cache, latents, slots, n, scale.device, errors);
   cuda_detail::launch_write_kv(cuda_detail::WriteKvParams{latents, slots, n, cache.num_slots(), cache.dim, cache.dtype,
                                                           scale.value, scale.device, errors,
@@ -40,11 +40,11 @@ void slot_mapping(const int64_t* positions, const int32_t* requests, int64_t n, 
   require(positions && requests && slots && (block_tables || batch * int64_t(table_width) == 0),
           "positions/requests/block_tables/slots", "null", "device pointers");
   // Every element is read or written whole: a misaligned one faults and kills the context.
-  cuda_detail::require_aligned(positions, 8, "positions", "8-byte aligned device memory (int64)");
-  cuda_detail::require_aligned(requests, 4, "requests", "4-byte aligned device memory (int32)");
-  cuda_detail::require_aligned(block_tables, 4, "block_tables", "4-byte aligned device memory (int32)");
-  cuda_detail::require_aligned(slots, 8, "slots", "8-byte aligned device memory (int64)");
-  cuda_detail::require_aligned(errors, 4, "errors", "a 4-byte aligned device int (an atomic count)");
+  require_aligned(positions, 8, "positions", "8-byte aligned device memory (int64)");
+  require_aligned(requests, 4, "requests", "4-byte aligned device memory (int32)");
+  require_aligned(block_tables, 4, "block_tables", "4-byte aligned device memory (int32)");
+  require_aligned(slots, 8, "slots", "8-byte aligned device memory (int64)");
+  require_aligned(errors, 4, "errors", "a 4-byte aligned device int (an atomic count)");
   if (!checked_product({n, 8}))
     fail("n", n, "a count of positions whose bytes fit int64");
   require_disjoint({{"slots", slots, n * 8}, {"errors", errors, errors != nullptr ? 4 : 0}},
