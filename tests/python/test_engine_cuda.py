@@ -282,6 +282,24 @@ def test_bad_input_is_refused_before_launch():
         att.run(qd, c, kv_scale=0.5, stream="x")
     with err(r"field 'batch' = 9"):
         att.plan([1] * 9, np.zeros((9, 1), np.int32), 1, mode="decode")
+    # Views a whole value past 16 bytes, which the CPU backend takes: the kernels read 16 bytes at
+    # a time, so q, out, the cache and the latents are refused by name (a fault would end the context).
+    def off16(t, values=1):
+        flat = torch.empty(t.numel() + 64, dtype=t.dtype, device=t.device)
+        v = flat[values:values + t.numel()].view(t.shape)
+        v.copy_(t)
+        assert v.data_ptr() % 16 != 0
+        return v
+    with err(r"field 'q.data_ptr' = .*: expected 16-byte aligned memory"):
+        att.run(off16(qd), c, kv_scale=0.5)
+    with err(r"field 'kv_cache.data_ptr' = .*: expected 16-byte aligned memory"):
+        att.run(qd, off16(c.view(torch.uint8), 2).view(torch.float8_e4m3fn), kv_scale=0.5)
+    out = torch.empty((4, 3, 16, R), dtype=torch.bfloat16, device=DEV)
+    with err(r"field 'out.data_ptr' = .*: expected 16-byte aligned memory"):
+        att.run(qd, c, kv_scale=0.5, out=off16(out))
+    latents, slots = slots_and_latents(step, kv, t, num_blocks, 0)
+    with err(r"field 'latent.data_ptr' = .*: expected 16-byte aligned memory"):
+        dcpmla.write_kv(c, off16(bf16(latents)), torch.from_numpy(slots).to(DEV), kv_dtype=step.dtype, kv_scale=0.5)
     if torch.cuda.device_count() > 1:
         other = torch.device("cuda", (DEV.index + 1) % torch.cuda.device_count())
         with err(rf"field 'q.device' = cuda:{other.index}: expected cuda:{DEV.index}"):
