@@ -361,7 +361,9 @@ class Attention:
             window is empty give out 0, lse -inf. Merge the ranks' with :func:`merge_states`.
 
         out and lse must share no memory with q, kv_cache, kv_scale or each other (refused:
-        the kernels would read what they write). One Attention may be used from several threads:
+        the kernels would read what they write). On CUDA q, out and kv_cache start 16-byte
+        aligned (the kernels' vector width; torch's allocations are); on the CPU any whole-value
+        offset runs. One Attention may be used from several threads:
         a plan() waits for a run() in progress (which releases the GIL while it computes).
         """
         s = _stream(stream, q, self._cuda_index)
