@@ -103,6 +103,7 @@ void encode_latent(const bf16* src, int dim, KvDtype dtype, float scale, uint8_t
   if (dim < 1) fail("dim", dim, ">= 1");
   require_kv_scale(scale, dtype);
   if (src == nullptr || dst == nullptr) fail(src == nullptr ? "src" : "dst", "null", "a host pointer");
+  require_value_aligned(src, "src");
   if (dtype == KvDtype::bf16) {
     std::memcpy(dst, src, size_t(dim) * 2);
     return;
@@ -121,7 +122,9 @@ void PagedCache::write(std::span<const bf16> latents, std::span<const int64_t> s
 void PagedCache::poison() { std::fill(bytes_.begin(), bytes_.end(), uint8_t(0xff)); }
 
 float PagedCache::read(int64_t slot, int j) const {
-  // Per value read (the tests read whole caches): messages formatted only on failure.
+  // Per value read (the tests read whole caches): messages formatted only on failure. A
+  // moved-from cache keeps its config but no bytes (write and view see a null kv_cache).
+  if (bytes_.empty()) fail("kv_cache", "null", "a cache's memory (a moved-from PagedCache holds none)");
   if (slot < 0 || slot >= config_.num_slots()) fail("slot", slot, fmt::format("a slot in [0, {})", config_.num_slots()));
   if (j < 0 || j >= config_.dim) fail("j", j, fmt::format("in [0, {})", config_.dim));
   const int64_t idx = slot * config_.dim + j;

@@ -218,9 +218,13 @@ void require_timeout(std::chrono::milliseconds timeout) {
          fmt::format("in (0, {}] ms (a bound on every wait, at most a year)", kMaxCollectiveTimeout.count()));
 }
 
+void require_in_process_world(int world_size) {
+  if (world_size < 1 || world_size > kMaxInProcessRanks)
+    fail("world_size", world_size, fmt::format("in [1, {}] for in-process ranks (threads)", kMaxInProcessRanks));
+}
+
 InProcessGroup::InProcessGroup(int world_size, std::chrono::milliseconds timeout) {
-  require(world_size >= 1 && world_size <= kMaxInProcessRanks, "world_size", world_size,
-          fmt::format("in [1, {}] for in-process ranks (threads)", kMaxInProcessRanks));
+  require_in_process_world(world_size);
   require_timeout(timeout);
   state_ = std::make_shared<State>(world_size, timeout);
 }

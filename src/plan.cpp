@@ -143,6 +143,7 @@ Plan::Plan(const PlanLimits& limits, int64_t table_capacity, int work_capacity, 
     owned_.assign(arena_.size, 0);
     arena_.base = owned_.data();
   } else {
+    require_value_aligned(storage, "storage");
     arena_.base = storage;
     std::fill(arena_.base, arena_.base + arena_.size, 0);
   }
@@ -156,6 +157,8 @@ size_t Plan::used_ints() const {
 }
 
 PlanView Plan::view_at(const int32_t* base) const {
+  if (base == nullptr) fail("base", "null", "a copy of the plan's arena (used_ints() ints)");
+  require_value_aligned(base, "base");
   return PlanView{reinterpret_cast<const PlanHeader*>(base),
                   base + off_rows_,
                   base + off_q_start_,

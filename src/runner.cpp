@@ -36,6 +36,10 @@ void merge_across_ranks(Communicator& comm, MergeForm form, const bf16* o, const
     fail("heads", heads, fmt::format("a multiple of world_size ({}) for merge = scatter_heads", n));
   if (rows > 0 && (o == nullptr || lse == nullptr || out == nullptr || out_lse == nullptr))
     fail(o == nullptr ? "o" : lse == nullptr ? "lse" : out == nullptr ? "out" : "out_lse", "null", "a host pointer");
+  require_value_aligned(o, "o");
+  require_value_aligned(lse, "lse");
+  require_value_aligned(out, "out");
+  require_value_aligned(out_lse, "out_lse");
   const int64_t cells = rows * heads;  // (row, head) pairs
   const int64_t kept_cells = form == MergeForm::all_heads ? cells : cells / n;  // out's
   require_disjoint({{"out", out, kept_cells * width * 2}, {"out_lse", out_lse, kept_cells * 4}},
@@ -332,7 +336,7 @@ void check_memory(const Inputs& in, const AttentionOptions& o, int ranks_here, b
   const int N = o.world_size;
   const Planner sizing(planner_config(rank_config(in, o, 0), o.backend, kCpuWorkers, kCpuRowsPerUnit));
   const double cells = double(in.rows) * in.heads, R = o.kv_lora_rank;
-  double per_rank = (N + 3) * cells * (R * 2 + 4) + cells * R * 4 + (cpu_engines ? 1 : 2) * double(sizing.plan_host_bytes());
+  double per_rank = (double(N) + 3) * cells * (R * 2 + 4) + cells * R * 4 + (cpu_engines ? 1 : 2) * double(sizing.plan_host_bytes());
   if (cpu_engines)  // the workspace as the CPU engine takes it: none for one_stage
     per_rank += double(cache_config(in, o).bytes()) + 4.0 * double(split_workspace_floats(sizing));
   const double shared = 2.0 * (double(in.rows) * in.heads * in.dim + double(in.batch) * in.max_len * in.dim +
@@ -489,6 +493,7 @@ AttentionResult mla_attention(std::span<const float> q, std::span<const float> k
                               int64_t max_len, int dim, const AttentionOptions& options,
                               const RankEngineFactory& engines) {
   Inputs in = prepare(q, kv, seq_lens, batch, qlen, heads, max_len, dim, options, engines);
+  require_in_process_world(options.world_size);  // before the memory bound, which counts its ranks
   check_memory(in, options, options.world_size, !engines);
   load(in, q, kv, options);
   AttentionResult result;

@@ -90,6 +90,8 @@ inline int disagreeing_rank(const PublishedCall* calls, int world) {
 // cache shard; a DCP group is a handful of ranks, so a larger count is a mistake, refused
 // before any thread starts (world_size = 10**6 must not try to spawn a million threads).
 inline constexpr int kMaxInProcessRanks = 256;
+// world_size in [1, kMaxInProcessRanks] (dcpmla::Error naming world_size otherwise).
+void require_in_process_world(int world_size);
 
 // Longest an in-process collective waits for its peers by default. It bounds a wait on a
 // rank that failed without saying so or never calls the collective; it must exceed the

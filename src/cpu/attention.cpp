@@ -141,9 +141,11 @@ AttentionParams attention_params(const PlannerConfig& c, const bf16* q, const ui
                                  float* lse) {
   const int R = c.dims.kv_lora_rank;
   const int64_t parts = int64_t(plan.work_capacity) * plan.max_qlen * c.heads;
+  // No workspace (a planner that never cuts): no partials, and no offsets from a null pointer.
+  float* part_m = workspace != nullptr ? workspace + parts * R : nullptr;
+  float* part_l = workspace != nullptr ? workspace + parts * (R + 1) : nullptr;
   return AttentionParams{q,   kv,   c.kv_dtype, kv_scale.value, kv_scale.device, softmax_scale, c.heads,
-                         c.dims.dim(), R, plan, out, lse, workspace, workspace + parts * R,
-                         workspace + parts * (R + 1), nullptr};
+                         c.dims.dim(), R, plan, out, lse, workspace, part_m, part_l, nullptr};
 }
 
 void validate_attention_params(const AttentionParams& p) {
@@ -173,6 +175,14 @@ void attention_cpu(const AttentionParams& p) {
     fail(p.q == nullptr ? "q" : p.kv == nullptr ? "kv" : p.out == nullptr ? "out" : "lse", "null", "a host pointer");
   if (h.split_requests > 0 && (p.part_o == nullptr || p.part_m == nullptr || p.part_l == nullptr))
     fail("part_o/part_m/part_l", "null", "a split-K workspace (split_workspace_floats floats): the plan cut a request");
+  // Whole values (the kernels read no wider); an fp8 cache's values are bytes.
+  require_value_aligned(p.q, "q");
+  require_value_aligned(p.out, "out");
+  require_value_aligned(p.lse, "lse");
+  require_value_aligned(p.part_o, "part_o");
+  require_value_aligned(p.part_m, "part_m");
+  require_value_aligned(p.part_l, "part_l");
+  if (p.kv_dtype == KvDtype::bf16) require_value_aligned(reinterpret_cast<const bf16*>(p.kv), "kv");
   const int R = p.rank_dim, H = p.heads;
   const int64_t slot_rows = int64_t(h.qlen) * H;  // rows of one partial slot
   const Dequantizer deq(p.kv_dtype, p.kv_scale);
@@ -242,6 +252,11 @@ void block_attention_cpu(const BlockAttentionParams& p) {
   if (p.batch > 0 &&
       (p.q == nullptr || p.block_kv == nullptr || p.seq_lens == nullptr || p.out == nullptr || p.lse == nullptr))
     fail("q/block_kv/seq_lens/out/lse", "null", "host pointers");
+  require_value_aligned(p.q, "q");
+  require_value_aligned(p.block_kv, "block_kv");
+  require_value_aligned(p.seq_lens, "seq_lens");
+  require_value_aligned(p.out, "out");
+  require_value_aligned(p.lse, "lse");
   for (int b = 0; b < p.batch; ++b)
     if (p.seq_lens[b] != 0 && p.seq_lens[b] < p.qlen)
       fail(fmt::format("seq_lens[{}]", b), p.seq_lens[b], fmt::format("0 (padding) or >= qlen ({})", p.qlen));

@@ -68,6 +68,24 @@ TEST(Cache, RefusesBadInputBeforeWriting) {
   EXPECT_THROW(PagedCache(CacheConfig{1, 4, 2, KvDtype::fp8_e4m3, NAN}), Error);
 }
 
+// A moved-from cache keeps its config but no memory: read() is refused (it read through null
+// or past an empty vector); a latent split across its alignment is refused by encode_latent.
+TEST(Cache, MovedFromReadsAndMisalignedLatentsAreRefused) {
+  for (const KvDtype dtype : {KvDtype::bf16, KvDtype::fp8_e4m3}) {
+    PagedCache a(CacheConfig{2, 4, 8, dtype, 1.0f});
+    a.poison();
+    const PagedCache b(std::move(a));
+    EXPECT_TRUE(std::isnan(b.read(7, 7)));
+    testing::expect_error([&] { (void)a.read(0, 0); }, "'kv_cache' = null");
+  }
+  std::vector<bf16> src(17, float_to_bf16(1.0f));
+  std::vector<uint8_t> dst(16);
+  const auto* odd = reinterpret_cast<const bf16*>(reinterpret_cast<uintptr_t>(src.data()) + 1);
+  testing::expect_error([&] { encode_latent(odd, 8, KvDtype::fp8_e4m3, 1.0f, dst.data()); }, "'src' = address");
+  encode_latent(src.data() + 1, 8, KvDtype::fp8_e4m3, 1.0f, dst.data());  // a whole value past: fine
+  EXPECT_EQ(fp8_to_float(dst[7], KvDtype::fp8_e4m3), 1.0f);
+}
+
 // Refused before any allocation: a byte count that overflows int64, a block beyond the limit.
 TEST(Cache, RefusesAbsurdSizes) {
   try {

@@ -411,6 +411,22 @@ TEST_F(Refusals, BadCacheBeforeAnythingRuns) {
   EXPECT_FALSE(untouched());
 }
 
+// A planner that never cuts takes no workspace: its parameters hold no partials, not offsets
+// from a null pointer (undefined behaviour on every one_stage run, which clang's UBSan reports
+// and GCC's does not: the audit of 2026-12-07).
+TEST_F(Refusals, OneStageParamsHoldNoPartials) {
+  AttentionConfig one = config;
+  one.route = Route::one_stage;
+  Attention att(one);
+  att.plan(batch);
+  const AttentionParams p = att.params(q.data(), cache.view(), KvScale{0.05f}, out.data(), lse.data());
+  EXPECT_EQ(p.part_o, nullptr);
+  EXPECT_EQ(p.part_m, nullptr);
+  EXPECT_EQ(p.part_l, nullptr);
+  EXPECT_NO_THROW(run(att, cache.view(), KvScale{0.05f}));
+  EXPECT_FALSE(untouched());
+}
+
 // `n` values of T from `offset` values past a 16-byte boundary inside `storage` (which holds
 // n + offset + 16 / sizeof(T) values).
 template <class T>
@@ -588,6 +604,19 @@ TEST_F(Refusals, KernelEntriesValidateTheirParameters) {
   expect([](AttentionParams& p) { p.q = nullptr; }, "'q' = null");
   expect([](AttentionParams& p) { p.lse = nullptr; }, "'lse' = null");
   expect([](AttentionParams& p) { p.plan.work = nullptr; }, "'plan' = a view with null buffers");
+  // A value split across its alignment (undefined behaviour to read).
+  const auto byte_past = [](auto* p) { return reinterpret_cast<decltype(p)>(reinterpret_cast<uintptr_t>(p) + 1); };
+  expect([&](AttentionParams& p) { p.q = byte_past(p.q); }, "'q' = address");
+  expect([&](AttentionParams& p) { p.out = byte_past(p.out); }, "'out' = address");
+  expect([&](AttentionParams& p) { p.lse = byte_past(p.lse); }, "'lse' = address");
+  ASSERT_NE(good.part_o, nullptr);
+  expect([&](AttentionParams& p) { p.part_o = byte_past(p.part_o); }, "'part_o' = address");
+  expect([&](AttentionParams& p) { p.part_l = byte_past(p.part_l); }, "'part_l' = address");
+  expect([&](AttentionParams& p) {
+    p.kv_dtype = KvDtype::bf16;
+    p.kv_scale = 1.0f;
+    p.kv = byte_past(p.kv);
+  }, "'kv' = address");
   EXPECT_TRUE(untouched());
 
   // Stage B over heads [head_begin, head_begin + heads) of q.
@@ -607,6 +636,8 @@ TEST_F(Refusals, KernelEntriesValidateTheirParameters) {
   expect_block([](BlockAttentionParams& p) { p.dim = p.rank_dim; }, "'dim' = 512");
   expect_block([](BlockAttentionParams& p) { p.qlen = 4; }, "'seq_lens[1]' = 3");
   expect_block([](BlockAttentionParams& p) { p.out = nullptr; }, "null");
+  expect_block([&](BlockAttentionParams& p) { p.lse = byte_past(p.lse); }, "'lse' = address");
+  expect_block([&](BlockAttentionParams& p) { p.block_kv = byte_past(p.block_kv); }, "'block_kv' = address");
   EXPECT_TRUE(untouched());
   EXPECT_NO_THROW(block_attention_cpu(ok));
 

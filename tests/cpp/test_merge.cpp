@@ -266,6 +266,24 @@ TEST(Merge, MergeAcrossRanksRejectsBadInput) {
   expect_error([&] {
     merge_across_ranks(*comm, MergeForm::all_heads, o.data(), lse.data(), 1, 1, width, out.data(), nullptr);
   }, "'out_lse' = null");
+  // A value split across its alignment, named as the caller passed it and before any
+  // collective, in both forms (all_heads named combine_partials' o after two gathers; scatter_heads
+  // read and wrote it: undefined behaviour, the audit of 2026-12-07).
+  const auto byte_past = [](auto* p) { return reinterpret_cast<decltype(p)>(reinterpret_cast<uintptr_t>(p) + 1); };
+  for (MergeForm form : {MergeForm::all_heads, MergeForm::scatter_heads}) {
+    expect_error([&] {
+      merge_across_ranks(*comm, form, o.data(), lse.data(), 1, 1, width, byte_past(out.data()), out_lse.data());
+    }, "'out' = address");
+    expect_error([&] {
+      merge_across_ranks(*comm, form, o.data(), lse.data(), 1, 1, width, out.data(), byte_past(out_lse.data()));
+    }, "'out_lse' = address");
+    expect_error([&] {
+      merge_across_ranks(*comm, form, byte_past(o.data()), lse.data(), 1, 1, width, out.data(), out_lse.data());
+    }, "'o' = address");
+    expect_error([&] {
+      merge_across_ranks(*comm, form, o.data(), byte_past(lse.data()), 1, 1, width, out.data(), out_lse.data());
+    }, "'lse' = address");
+  }
   // In place (scatter_heads reads lse after it wrote out_lse): refused before any collective.
   expect_error([&] {
     merge_across_ranks(*comm, MergeForm::scatter_heads, o.data(), lse.data(), 1, 1, width, out.data(), lse.data());

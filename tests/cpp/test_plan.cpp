@@ -705,6 +705,14 @@ TEST(Plan, MovedFromPlansAreRefusedAndInspectionIsChecked) {
   expect_error([&] { (void)c.row_local_len(2, 0); }, "'b' = 2: expected a request of the plan, in [0, 2)");
   expect_error([&] { (void)c.row_local_len(1, 2); }, "'t' = 2: expected a query row of request 1, in [0, 2)");
   expect_error([&] { (void)c.qlen_of(-1); }, "'b' = -1");
+  // A view over no copy, or over ints split across their alignment; storage likewise.
+  expect_error([&] { (void)c.view_at(nullptr); }, "'base' = null");
+  std::vector<int32_t> ints(c.used_ints() + 1);
+  const auto* odd = reinterpret_cast<const int32_t*>(reinterpret_cast<uintptr_t>(ints.data()) + 2);
+  expect_error([&] { (void)c.view_at(odd); }, "'base' = address");
+  std::vector<int32_t> storage(planner.plan_ints() + 1);
+  expect_error([&] { (void)planner.make_plan(reinterpret_cast<int32_t*>(reinterpret_cast<uintptr_t>(storage.data()) + 1)); },
+               "'storage' = address");
 }
 
 TEST(Plan, SubpageIdsAtTheInt32Edge) {

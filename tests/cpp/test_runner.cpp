@@ -111,6 +111,10 @@ TEST(Runner, EntryPointRefusesBadInput) {
   o = {};
   o.world_size = 1000000;
   expect_error([&] { call(o); }, "world_size");
+  // Named before the memory bound, whose rank count overflowed int at INT32_MAX (UBSan).
+  o.block_size = 1;
+  o.world_size = INT32_MAX;
+  expect_error([&] { call(o); }, "'world_size' = 2147483647: expected in [1, 256]");
   o = {};
   o.world_size = 64;
   o.block_size = kMaxBlockSize;
