@@ -336,7 +336,8 @@ void check_memory(const Inputs& in, const AttentionOptions& o, int ranks_here, b
   const int N = o.world_size;
   const Planner sizing(planner_config(rank_config(in, o, 0), o.backend, kCpuWorkers, kCpuRowsPerUnit));
   const double cells = double(in.rows) * in.heads, R = o.kv_lora_rank;
-  double per_rank = (double(N) + 3) * cells * (R * 2 + 4) + cells * R * 4 + (cpu_engines ? 1 : 2) * double(sizing.plan_host_bytes());
+  double per_rank = (double(N) + 3) * cells * (R * 2 + 4) + cells * R * 4 +
+                    (cpu_engines ? 1 : 2) * double(sizing.plan_host_bytes());
   if (cpu_engines)  // the workspace as the CPU engine takes it: none for one_stage
     per_rank += double(cache_config(in, o).bytes()) + 4.0 * double(split_workspace_floats(sizing));
   const double shared = 2.0 * (double(in.rows) * in.heads * in.dim + double(in.batch) * in.max_len * in.dim +

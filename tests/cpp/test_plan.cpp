@@ -711,8 +711,8 @@ TEST(Plan, MovedFromPlansAreRefusedAndInspectionIsChecked) {
   const auto* odd = reinterpret_cast<const int32_t*>(reinterpret_cast<uintptr_t>(ints.data()) + 2);
   expect_error([&] { (void)c.view_at(odd); }, "'base' = address");
   std::vector<int32_t> storage(planner.plan_ints() + 1);
-  expect_error([&] { (void)planner.make_plan(reinterpret_cast<int32_t*>(reinterpret_cast<uintptr_t>(storage.data()) + 1)); },
-               "'storage' = address");
+  auto* odd_storage = reinterpret_cast<int32_t*>(reinterpret_cast<uintptr_t>(storage.data()) + 1);
+  expect_error([&] { (void)planner.make_plan(odd_storage); }, "'storage' = address");
 }
 
 TEST(Plan, SubpageIdsAtTheInt32Edge) {

@@ -316,7 +316,7 @@ void DcpStep::run(const bf16* q_local, const bf16* new_latents, const KvCache& c
   // write_kv reads the latents 16 bytes at a time (checked here too, to name the caller's
   // argument); the step's own kernels read and write the rest element by element.
   require_aligned(new_latents, 16, "new_latents",
-                               "16-byte aligned device memory (the write reads latents 16 bytes at a time)");
+                  "16-byte aligned device memory (the write reads latents 16 bytes at a time)");
   require_aligned(q_local, 2, "q_local", "2-byte aligned device memory (bf16)");
   require_aligned(out, 2, "out", "2-byte aligned device memory (bf16)");
   require_aligned(lse, 4, "lse", "4-byte aligned device memory (float32)");

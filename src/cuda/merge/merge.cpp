@@ -16,8 +16,7 @@ namespace {
 void require_elements_aligned(std::initializer_list<std::pair<const char*, const void*>> bf16s,
                               std::initializer_list<std::pair<const char*, const void*>> floats) {
   for (const auto& [field, at] : bf16s) require_aligned(at, 2, field, "2-byte aligned device memory (bf16)");
-  for (const auto& [field, at] : floats)
-    require_aligned(at, 4, field, "4-byte aligned device memory (float32)");
+  for (const auto& [field, at] : floats) require_aligned(at, 4, field, "4-byte aligned device memory (float32)");
 }
 
 }  // namespace

@@ -16,8 +16,7 @@ void write_kv(const KvCache& cache, const bf16* latents, const int64_t* slots, i
   require(latents != nullptr && slots != nullptr, "latents/slot_mapping", "null", "device pointers");
   // The kernel reads latents 16 bytes at a time, slots as int64 and a device scale as a float:
   // a misaligned address would fault on the device (plain comparisons: per-layer hot path).
-  require_aligned(latents, 16, "latents",
-                               "16-byte aligned device memory (the write reads latents 16 bytes at a time)");
+  require_aligned(latents, 16, "latents", "16-byte aligned device memory (the write reads latents 16 bytes at a time)");
   require_aligned(slots, 8, "slot_mapping", "8-byte aligned device memory (int64)");
   require_aligned(scale.device, 4, "kv_scale", "a 4-byte aligned device float (the device scale)");
   require_aligned(errors, 4, "errors", "a 4-byte aligned device int (an atomic count)");
