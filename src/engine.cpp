@@ -56,12 +56,15 @@ void validate_run(const PlannerConfig& c, const Plan& plan, const KvCache& cache
 }
 
 void require_run_disjoint(const PlannerConfig& c, int64_t rows, const void* q, const KvCache& cache,
-                          const KvScale& scale, const void* out, const void* lse) {
+                          const KvScale& scale, const void* out, const void* lse, const void* workspace,
+                          int64_t workspace_bytes) {
   // q's byte count bounds the others' (R < D, and D >= 2).
   const std::optional<int64_t> q_bytes = checked_product({rows, c.heads, c.dims.dim(), 2});
   if (!q_bytes) fail("q", fmt::format("{} rows x {} heads x D {}", rows, c.heads, c.dims.dim()), "bytes that fit int64");
   const int64_t cells = rows * c.heads;
-  require_disjoint({{"out", out, cells * c.dims.kv_lora_rank * 2}, {"lse", lse, cells * 4}},
+  require_disjoint({{"out", out, cells * c.dims.kv_lora_rank * 2},
+                    {"lse", lse, cells * 4},
+                    {"workspace", workspace, workspace_bytes}},
                    {{"q", q, *q_bytes},
                     {"kv_cache", cache.data, cache.num_slots() * cache.row_bytes()},
                     {"kv_scale", scale.device, scale.device != nullptr ? 4 : 0}});

@@ -55,7 +55,9 @@ void validate_attention_params(const AttentionParams& p);
 // Runs the plan's route over the sharded cache: one_stage and two_stage's stage A write
 // (out, lse) directly; split_k writes partials and merges them. Rows with no local key
 // get out = 0, lse = -inf. Validates p first (host pointers: q, kv, out and lse where the plan
-// has rows, the split-K workspace where it cut a request; no device scale).
+// has rows, the split-K workspace where it cut a request; no device scale; whole-value
+// alignment; out and lse apart from q, each other and the workspace; the cache's extent is not
+// in p, so its overlap with them is the engine's check, Attention::run).
 void attention_cpu(const AttentionParams& p);
 
 // Workspace floats split_k partials need for plans of these capacities

@@ -69,11 +69,13 @@ struct AttentionTuning {
 // merge, which exits at once unless the device plan cut a request (merge = false skips it:
 // for a plan that cut none, header().split_requests = 0, as Attention::run does outside a
 // graph capture, or plans that can never cut). D = 576, R = 512, heads 1..4096 (max_heads),
-// any kv dtype. num_sms = 0 asks the device. Alignment (refused otherwise, since a misaligned
+// any kv dtype. num_sms = 0 asks the device (at most 65536). Alignment (refused otherwise, since a misaligned
 // vector access faults and kills the CUDA context): q, kv, out and part_o 16 bytes, lse,
 // kv_scale_dev, part_m and part_l 4. A bf16 cache's rows the plan names must lie below 2^31
 // (the 64-row kernel's TMA coordinates are int32): a planner configured for CUDA and bf16
-// refuses tables past them; this function sees no host plan and cannot check it.
+// refuses tables past them; this function sees no host plan and cannot check it, nor size q,
+// out and lse: keeping out and lse apart from the inputs, each other and the workspace is the
+// caller's part here (cuda::Attention::run checks it). trace, when set, 8 bytes.
 void attention(const AttentionParams& p, cudaStream_t stream, int num_sms = 0, bool merge = true,
                const AttentionTuning& tuning = {});
 

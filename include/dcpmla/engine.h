@@ -59,9 +59,11 @@ void validate_run(const PlannerConfig& config, const Plan& plan, const KvCache& 
 // Refuses a run whose outputs (out, lse) share memory with its inputs (q, the cache, a device
 // kv_scale) or with each other (require_disjoint), over the plan's `rows` query rows. (A graph
 // replays later plans on the captured buffers: the caller sizes them for the rows it replays,
-// which this call cannot see.)
+// which this call cannot see.) [workspace, + workspace_bytes): memory the run writes besides
+// them (the CUDA engine's, which the caller may have passed), kept apart from all of them too.
 void require_run_disjoint(const PlannerConfig& config, int64_t rows, const void* q, const KvCache& cache,
-                          const KvScale& scale, const void* out, const void* lse);
+                          const KvScale& scale, const void* out, const void* lse, const void* workspace = nullptr,
+                          int64_t workspace_bytes = 0);
 
 class Attention {
  public:

@@ -153,6 +153,16 @@ void validate_attention_params(const AttentionParams& p) {
   require(v.header != nullptr && v.row_local_len != nullptr && v.q_start != nullptr && v.subpage_table != nullptr &&
               v.work != nullptr && v.chunk_work != nullptr && v.split_request != nullptr && v.split_slot != nullptr,
           "plan", "a view with null buffers", "a view over a copy of a plan (Plan::view_at)");
+  // Read as whole int32 (the CUDA kernels also by 4-byte cp.async): a view Plan::view_at did not
+  // make may point anywhere.
+  require_value_aligned(v.header, "plan.header");
+  require_value_aligned(v.row_local_len, "plan.row_local_len");
+  require_value_aligned(v.q_start, "plan.q_start");
+  require_value_aligned(v.subpage_table, "plan.subpage_table");
+  require_value_aligned(v.work, "plan.work");
+  require_value_aligned(v.chunk_work, "plan.chunk_work");
+  require_value_aligned(v.split_request, "plan.split_request");
+  require_value_aligned(v.split_slot, "plan.split_slot");
   // Every run passes here: messages are formatted only on failure.
   require_kv_scale(p.kv_scale, p.kv_dtype);  // the dtype too
   if (p.heads < 1) fail("heads", p.heads, ">= 1");
@@ -183,6 +193,15 @@ void attention_cpu(const AttentionParams& p) {
   require_value_aligned(p.part_m, "part_m");
   require_value_aligned(p.part_l, "part_l");
   if (p.kv_dtype == KvDtype::bf16) require_value_aligned(reinterpret_cast<const bf16*>(p.kv), "kv");
+  // The outputs apart from q, each other and the partials (sized by the plan's rows and its
+  // capacities; the cache's extent is not known here: the engine's run checks it).
+  const int64_t cells = int64_t(h.rows) * p.heads;
+  const int64_t parts = int64_t(plan.work_capacity) * plan.max_qlen * p.heads;
+  require_disjoint({{"out", p.out, cells * p.rank_dim * 2}, {"lse", p.lse, cells * 4}},
+                   {{"q", p.q, cells * p.dim * 2},
+                    {"part_o", p.part_o, p.part_o != nullptr ? parts * p.rank_dim * 4 : 0},
+                    {"part_m", p.part_m, p.part_m != nullptr ? parts * 4 : 0},
+                    {"part_l", p.part_l, p.part_l != nullptr ? parts * 4 : 0}});
   const int R = p.rank_dim, H = p.heads;
   const int64_t slot_rows = int64_t(h.qlen) * H;  // rows of one partial slot
   const Dequantizer deq(p.kv_dtype, p.kv_scale);

@@ -617,6 +617,11 @@ TEST_F(Refusals, KernelEntriesValidateTheirParameters) {
     p.kv_scale = 1.0f;
     p.kv = byte_past(p.kv);
   }, "'kv' = address");
+  expect([&](AttentionParams& p) { p.plan.q_start = byte_past(p.plan.q_start); }, "'plan.q_start' = address");
+  // Outputs over q or the partials (sized by the plan's rows and capacities): refused here too,
+  // not only by the engine's run.
+  expect([&](AttentionParams& p) { p.out = const_cast<bf16*>(p.q) + 64; }, "overlapping q");
+  expect([&](AttentionParams& p) { p.lse = p.part_m; }, "overlapping part_m");
   EXPECT_TRUE(untouched());
 
   // Stage B over heads [head_begin, head_begin + heads) of q.

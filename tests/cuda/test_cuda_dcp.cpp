@@ -516,6 +516,18 @@ TEST(DcpStepBadInput, DeviceGroupChecksItsArguments) {
   }
 }
 
+// The device group's reduction sums whole elements on the device: a misaligned buffer is refused
+// by name (the group aborted first), where it would have faulted in the kernel.
+TEST(DcpStepBadInput, DeviceGroupReduceRefusesMisalignedBuffers) {
+  DCPMLA_REQUIRE_GPU();
+  const auto errors = errors_per_rank(1, [](int, DeviceCommunicator& comm) {
+    DeviceBuffer<float> send(8), recv(8);
+    comm.reduce_scatter_sum(reinterpret_cast<const char*>(send.get()) + 2, recv.get(), 2, DataType::f32);
+  });
+  EXPECT_NE(errors[0].find("'send' = address"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("4-byte aligned"), std::string::npos) << errors[0];
+}
+
 // check_agreement decides whether plan() runs an exchange: ranks built with different values
 // would pair different collectives, so it is part of the configuration the ranks agree on.
 TEST(DcpStepBadInput, RanksDisagreeOnCheckAgreement) {

@@ -316,6 +316,24 @@ TEST(CudaValidation, AttentionRefusesBadParamsBeforeLaunch) {
   bad = p;
   bad.part_l = reinterpret_cast<float*>(reinterpret_cast<char*>(f) + 2);
   expect_field(bad, "'part_l' = address");
+  // The diagnostics stamps are uint64 (4-byte aligned was taken), the plan's arrays int32 read
+  // by 4-byte cp.async (an odd view was taken: the tenth audit's second half).
+  bad = p;
+  bad.trace = reinterpret_cast<uint64_t*>(f + 1);
+  expect_field(bad, "'trace' = address");
+  bad = p;
+  bad.plan.row_local_len = reinterpret_cast<const int32_t*>(reinterpret_cast<const char*>(arena) + 2);
+  expect_field(bad, "'plan.row_local_len' = address");
+  bad = p;
+  bad.plan.header = reinterpret_cast<const PlanHeader*>(reinterpret_cast<const char*>(arena) + 1);
+  expect_field(bad, "'plan.header' = address");
+  // An SM count past any GPU made the grids overflow int (a CUDA launch error, not a refusal).
+  try {
+    cuda::attention(p, nullptr, 1 << 20);
+    ADD_FAILURE() << "accepted num_sms 2^20";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'num_sms' = 1048576"), std::string::npos) << e.what();
+  }
   // A negative SM count was taken as 0 ("ask the device").
   try {
     cuda::attention(p, nullptr, -1);
@@ -533,6 +551,10 @@ TEST(CudaValidation, SlotMappingAndMergesRefuseMisalignedOrOverlappingPointers) 
                {"'requests' = address"});
   expect_error([&] { map(positions, requests, tables, reinterpret_cast<int64_t*>(mem + 8)); },
                {"'slots' = 16 bytes at", "overlapping positions"});
+  // batch x table_width x 4 bytes past int64 wrapped negative, and the table's overlap went unseen.
+  expect_error(
+      [&] { cuda::slot_mapping(positions, requests, 2, tables, INT32_MAX, INT32_MAX, 16, 4, layout, slots, nullptr); },
+      {"'table_width' = 2147483647", "fit int64"});
   const auto* o = reinterpret_cast<const bf16*>(mem + 2048);
   const auto* l = reinterpret_cast<const float*>(mem + 3072);
   auto* o_out = reinterpret_cast<bf16*>(mem + 2560);
@@ -586,6 +608,18 @@ TEST(CudaValidation, CallerWorkspaceIsCheckedFirst) {
   cuda::Attention ok(good_config(), ws.get(), need);  // the right size at a 256-byte boundary
   cuda::Attention own(good_config(), nullptr, 0);     // null with 0 bytes: its own workspace
   EXPECT_EQ(ok.num_sms(), own.num_sms());
+  // The run writes the caller's workspace (plan and partials): no buffer of the call may share it.
+  ok.plan(BatchDesc{std::vector<int32_t>{100}, 1, std::vector<int32_t>{0, 1}, 2}, nullptr);
+  DeviceBuffer<uint8_t> bytes(size_t(4) * 64 * 576 * 2);
+  DeviceBuffer<bf16> q(16 * 576), out(16 * 512);
+  DeviceBuffer<float> lse(16);
+  const KvCache cache{bytes.get(), 4, 64, 576, KvDtype::bf16};
+  auto* inside = reinterpret_cast<bf16*>(ws.get() + 256);
+  expect_error([&] { ok.run(q.get(), cache, KvScale{}, inside, lse.get(), nullptr); },
+               {"'out' = ", "overlapping workspace"});
+  expect_error([&] { ok.run(inside, cache, KvScale{}, out.get(), lse.get(), nullptr); },
+               {"'workspace' = ", "overlapping q"});
+  cuda_ok(cudaDeviceSynchronize(), "nothing was launched");
 }
 
 // A planner that never cuts (one_stage) needs no split-K partials, so 4096 heads at max_qlen 64

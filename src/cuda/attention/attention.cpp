@@ -26,6 +26,9 @@ namespace {
 
 using namespace cuda_detail;
 
+// The most SMs attention() takes (far past any GPU): the grids it sizes from them stay in int.
+constexpr int kMaxSms = 1 << 16;
+
 // What the kernels read and write in vectors (a misaligned address faults and kills the
 // context): q and the cache 16 bytes at a time (cp.async, TMA), out up to 8 (the combine's
 // stores; 16 required, as the Python layer does), lse and a device kv_scale 4. Plain
@@ -92,6 +95,7 @@ void validate_attention(const AttentionParams& p) {
   require_aligned(p.part_m, 4, "part_m", "4-byte aligned device memory (float32)");
   require_aligned(p.part_l, 4, "part_l", "4-byte aligned device memory (float32)");
   require_io_aligned(p.q, p.kv, p.out, p.lse, p.kv_scale_dev);
+  require_aligned(p.trace, 8, "trace", "8-byte aligned device memory (uint64 stamps)");
 }
 
 }  // namespace
@@ -140,7 +144,8 @@ AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const
 
 void attention(const AttentionParams& p, cudaStream_t stream, int num_sms, bool merge, const AttentionTuning& tuning) {
   validate_attention(p);
-  require(num_sms >= 0, "num_sms", num_sms, ">= 0 (0 asks the device)");
+  require(num_sms >= 0 && num_sms <= kMaxSms, "num_sms", num_sms,
+          fmt::format("in [0, {}] (0 asks the device)", kMaxSms));
   if (num_sms == 0) num_sms = device_sms(current_device());
   launch(p, stream, num_sms, merge, compiled(attention_variant(p.plan.max_qlen, p.heads, p.kv_dtype, tuning), p.kv_dtype));
 }
@@ -338,7 +343,8 @@ void Attention::run(const bf16* q, const KvCache& cache, const KvScale& scale, b
   }
   // The rest of the parameters are the configuration's, checked when it was built.
   require_io_aligned(q, cache.data, out, lse, scale.device);
-  require_run_disjoint(m.planner.config(), current_plan().header().rows, q, cache, scale, out, lse);
+  require_run_disjoint(m.planner.config(), current_plan().header().rows, q, cache, scale, out, lse, m.plan_dev,
+                       int64_t(m.workspace_need));
   // Inside a capture, remember the cache and the rows: later plans must fit them (plan()).
   if (capturing) {
     m.captured_blocks = std::min(m.captured_blocks, cache.num_blocks);

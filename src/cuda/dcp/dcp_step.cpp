@@ -92,10 +92,16 @@ DcpStep::DcpStep(const DcpConfig& config, DeviceCommunicator& comm)
     build(config);
   } catch (...) {
     refused = std::current_exception();
-    check(cudaSetDevice(comm_.device()), "cudaSetDevice(DcpStep)");
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(DcpStep refusal)");
-    cuda_detail::preload_dcp_kernels();
-    if (!host_) host_ = std::make_unique<HostStagedCommunicator>(comm_, host_scratch_bytes(world_));
+    try {
+      check(cudaSetDevice(comm_.device()), "cudaSetDevice(DcpStep)");
+      check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(DcpStep refusal)");
+      cuda_detail::preload_dcp_kernels();
+      if (!host_) host_ = std::make_unique<HostStagedCommunicator>(comm_, host_scratch_bytes(world_));
+    } catch (...) {
+      // No exchange without a usable device: this rank's own refusal is the error to raise, not
+      // the CUDA error of the exchange's set-up (which hid a bad field on a machine without one).
+      std::rethrow_exception(refused);
+    }
   }
   refuse_together(*host_, refused, "DcpStep configuration");
   agree_on_config();

@@ -46,6 +46,8 @@ void slot_mapping(const int64_t* positions, const int32_t* requests, int64_t n, 
   require_aligned(errors, 4, "errors", "a 4-byte aligned device int (an atomic count)");
   if (!checked_product({n, 8}))
     fail("n", n, "a count of positions whose bytes fit int64");
+  if (!checked_product({batch, table_width, 4}))
+    fail("table_width", table_width, fmt::format("batch ({}) x table_width int32 whose bytes fit int64", batch));
   require_disjoint({{"slots", slots, n * 8}, {"errors", errors, errors != nullptr ? 4 : 0}},
                    {{"positions", positions, n * 8},
                     {"requests", requests, n * 4},
