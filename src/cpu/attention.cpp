@@ -6,6 +6,9 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <string_view>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "dcpmla/error.h"
@@ -153,16 +156,18 @@ void validate_attention_params(const AttentionParams& p) {
   require(v.header != nullptr && v.row_local_len != nullptr && v.q_start != nullptr && v.subpage_table != nullptr &&
               v.work != nullptr && v.chunk_work != nullptr && v.split_request != nullptr && v.split_slot != nullptr,
           "plan", "a view with null buffers", "a view over a copy of a plan (Plan::view_at)");
-  // Read as whole int32 (the CUDA kernels also by 4-byte cp.async): a view Plan::view_at did not
-  // make may point anywhere.
-  require_value_aligned(v.header, "plan.header");
-  require_value_aligned(v.row_local_len, "plan.row_local_len");
-  require_value_aligned(v.q_start, "plan.q_start");
-  require_value_aligned(v.subpage_table, "plan.subpage_table");
-  require_value_aligned(v.work, "plan.work");
-  require_value_aligned(v.chunk_work, "plan.chunk_work");
-  require_value_aligned(v.split_request, "plan.split_request");
-  require_value_aligned(v.split_slot, "plan.split_slot");
+  // Arrays of int32 (the header and work items too), read whole (the CUDA kernels also by 4-byte
+  // cp.async): a view Plan::view_at did not make may point anywhere.
+  static_assert(alignof(PlanHeader) == 4 && alignof(WorkItem) == 4);
+  for (const auto& [field, at] : {std::pair<std::string_view, const void*>{"plan.header", v.header},
+                                  {"plan.row_local_len", v.row_local_len},
+                                  {"plan.q_start", v.q_start},
+                                  {"plan.subpage_table", v.subpage_table},
+                                  {"plan.work", v.work},
+                                  {"plan.chunk_work", v.chunk_work},
+                                  {"plan.split_request", v.split_request},
+                                  {"plan.split_slot", v.split_slot}})
+    require_aligned(at, 4, field, "4-byte aligned memory (the plan's int32 arrays)");
   // Every run passes here: messages are formatted only on failure.
   require_kv_scale(p.kv_scale, p.kv_dtype);  // the dtype too
   if (p.heads < 1) fail("heads", p.heads, ">= 1");
@@ -186,13 +191,14 @@ void attention_cpu(const AttentionParams& p) {
   if (h.split_requests > 0 && (p.part_o == nullptr || p.part_m == nullptr || p.part_l == nullptr))
     fail("part_o/part_m/part_l", "null", "a split-K workspace (split_workspace_floats floats): the plan cut a request");
   // Whole values (the kernels read no wider); an fp8 cache's values are bytes.
-  require_value_aligned(p.q, "q");
-  require_value_aligned(p.out, "out");
-  require_value_aligned(p.lse, "lse");
-  require_value_aligned(p.part_o, "part_o");
-  require_value_aligned(p.part_m, "part_m");
-  require_value_aligned(p.part_l, "part_l");
-  if (p.kv_dtype == KvDtype::bf16) require_value_aligned(reinterpret_cast<const bf16*>(p.kv), "kv");
+  for (const auto& [field, at, align] : {std::tuple<std::string_view, const void*, size_t>{"q", p.q, 2},
+                                         {"kv", p.kv, size_t(bytes_per_value(p.kv_dtype))},
+                                         {"out", p.out, 2},
+                                         {"lse", p.lse, 4},
+                                         {"part_o", p.part_o, 4},
+                                         {"part_m", p.part_m, 4},
+                                         {"part_l", p.part_l, 4}})
+    require_aligned(at, align, field, "memory aligned to whole values (2 bytes a bf16, 4 a float32)");
   // The outputs apart from q, each other and the partials (sized by the plan's rows and its
   // capacities; the cache's extent is not known here: the engine's run checks it).
   const int64_t cells = int64_t(h.rows) * p.heads;
