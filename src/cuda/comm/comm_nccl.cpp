@@ -250,8 +250,10 @@ std::unique_ptr<NcclCommunicator> make_nccl_communicator(const NcclId& id, int w
     impl->owned_stream = cuda_detail::Stream("cudaStreamCreate(NCCL rank)");
     impl->stream = impl->owned_stream.get();
   }
-  impl->scratch = cuda_detail::DeviceBuffer(sizeof(int32_t) * size_t(world_size + 1), "cudaMalloc(NCCL barrier)");
-  check(cudaMemset(impl->scratch.get(), 0, sizeof(int32_t) * size_t(world_size + 1)), "cudaMemset(NCCL barrier)");
+  // A count a rank and one more (in size_t: world_size + 1 overflowed int at INT_MAX).
+  const size_t scratch_bytes = sizeof(int32_t) * (size_t(world_size) + 1);
+  impl->scratch = cuda_detail::DeviceBuffer(scratch_bytes, "cudaMalloc(NCCL barrier)");
+  check(cudaMemset(impl->scratch.get(), 0, scratch_bytes), "cudaMemset(NCCL barrier)");
   ncclUniqueId nid;
   std::memcpy(&nid, id.data(), sizeof(nid));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;

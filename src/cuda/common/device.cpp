@@ -75,7 +75,9 @@ void require_not_capturing(cudaStream_t stream) {
 
 namespace cuda {
 
-DeviceScope::DeviceScope(int device) : previous_(cuda_detail::current_device()), device_(device) {
+// The ordinal first: a bad one is an input error naming `device`, not CUDA's "invalid device ordinal".
+DeviceScope::DeviceScope(int device)
+    : previous_((cuda_detail::require_device(device), cuda_detail::current_device())), device_(device) {
   if (previous_ != device_) cuda_detail::check(cudaSetDevice(device_), "cudaSetDevice");
 }
 DeviceScope::~DeviceScope() {

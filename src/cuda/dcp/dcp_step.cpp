@@ -38,7 +38,7 @@ uint32_t fnv1a(std::span<const int32_t> values, uint32_t h = 2166136261u) {
 }
 
 // The staged communicator's scratch: the agreement exchanges gather at most 64 int32 per rank.
-size_t host_scratch_bytes(int world) { return size_t(64) * 4 * size_t(world + 1); }
+size_t host_scratch_bytes(int world) { return size_t(64) * 4 * (size_t(world) + 1); }  // world + 1 overflowed at INT_MAX
 
 }  // namespace
 
