@@ -5,6 +5,7 @@
 #include <cstring>
 #include <exception>
 #include <omp.h>
+#include <utility>
 #include <vector>
 
 #include "dcpmla/error.h"
@@ -35,6 +36,9 @@ void fail_collective_args(const char* op, const void* send, const void* recv, si
     fail("send", "null", fmt::format("a buffer (in {}, count = {})", op, count));
   if (count > 0 && recv == nullptr)
     fail("recv", "null", fmt::format("a buffer (in {}, count = {})", op, count));
+  for (const auto& [field, at] : {std::pair<const char*, const void*>{"send", send}, {"recv", recv}})
+    require_aligned(at, size_of(t), field,
+                    fmt::format("{}-byte aligned memory (whole elements, in {})", size_of(t), op));
   fail("count", count,
        fmt::format("at most {} (in {}: count x element bytes x world_size ({}) must fit size_t)",
                    max_collective_count(world_size), op, world_size));

@@ -39,10 +39,14 @@ class Communicator {
 inline size_t max_collective_count(int world_size) { return (SIZE_MAX / 4) / size_t(world_size > 0 ? world_size : 1); }
 // The checks every communicator makes at the entry of each collective, before it touches a
 // buffer or waits for a peer: `t` is a known DataType, `send` and `recv` are not null when
-// count > 0, and count <= max_collective_count. Plain comparisons: the message (field,
-// value, expectation and the collective's name) is built only on failure.
+// count > 0 and aligned to whole elements (the reductions read and write them as elements, on
+// the host and on the device, where a misaligned one faults), and count <= max_collective_count.
+// Plain comparisons: the message (field, value, expectation and the collective's name) is built
+// only on failure.
 inline bool collective_args_ok(const void* send, const void* recv, size_t count, DataType t, int world_size) {
-  return is_known(t) && (count == 0 || (send != nullptr && recv != nullptr)) && count <= max_collective_count(world_size);
+  return is_known(t) && (count == 0 || (send != nullptr && recv != nullptr)) &&
+         (reinterpret_cast<uintptr_t>(send) | reinterpret_cast<uintptr_t>(recv)) % size_of(t) == 0 &&
+         count <= max_collective_count(world_size);
 }
 // Raises dcpmla::Error for the first check that fails (op: the collective's name).
 [[noreturn]] void fail_collective_args(const char* op, const void* send, const void* recv, size_t count, DataType t,

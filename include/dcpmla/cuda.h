@@ -33,9 +33,10 @@ int cuda_device_count();
 
 namespace cuda {
 
-// Makes `device` current for a scope and gives the caller's back at its end (a failed switch
-// throws CudaError). Attention, DcpStep and the free functions run on the current device and
-// refuse another where they own device state; engines whose threads switch devices wrap calls in it.
+// Makes `device` current for a scope and gives the caller's back at its end (an ordinal outside
+// the machine's GPUs is refused naming `device`; a failed switch throws CudaError). Attention,
+// DcpStep and the free functions run on the current device and refuse another where they own
+// device state; engines whose threads switch devices wrap calls in it.
 class DeviceScope {
  public:
   explicit DeviceScope(int device);

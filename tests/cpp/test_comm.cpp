@@ -297,6 +297,7 @@ TEST(Comm, RefusesAnUnknownDataType) {
 TEST(Comm, RefusesNullBuffersAndCountsThatOverflow) {
   std::vector<float> buf(8, 1.0f);
   float* none = nullptr;
+  const auto odd_bytes = [](float* p, int bytes) { return static_cast<void*>(reinterpret_cast<char*>(p) + bytes); };
   using Call = std::function<void(Communicator&)>;
   const std::vector<std::pair<std::string, Call>> calls{
       {"'send' = null", [&](Communicator& c) { c.all_gather(none, buf.data(), 1, DataType::f32); }},
@@ -309,7 +310,12 @@ TEST(Comm, RefusesNullBuffersAndCountsThatOverflow) {
       {"'count' = 9223372036854775807",
        [&](Communicator& c) { c.all_gather(buf.data(), buf.data() + 4, size_t(INT64_MAX), DataType::f32); }},
       {"'count' = 4611686018427387904",
-       [&](Communicator& c) { c.all_to_all(buf.data(), buf.data() + 4, size_t(1) << 62, DataType::bf16); }}};
+       [&](Communicator& c) { c.all_to_all(buf.data(), buf.data() + 4, size_t(1) << 62, DataType::bf16); }},
+      // Elements split across their alignment: the reductions read and write them whole.
+      {"'send' = address",
+       [&](Communicator& c) { c.reduce_scatter_sum(odd_bytes(buf.data(), 2), buf.data() + 4, 1, DataType::f32); }},
+      {"'recv' = address",
+       [&](Communicator& c) { c.all_gather(buf.data(), odd_bytes(buf.data() + 4, 1), 1, DataType::bf16); }}};
   for (const auto& [needle, call] : calls) {
     const std::string e = error_of([&] { run_ranks(2, [&](int, Communicator& comm) { call(comm); }); });
     EXPECT_TRUE(has(e, needle)) << needle << " vs " << e;

@@ -460,6 +460,9 @@ TEST(CpuAlignment, WholeValuesSuffice) {
     bf16* out = past_16_bytes(out_mem, offset);
     float* lse = past_16_bytes(lse_mem, offset);
     std::copy(cache_values.begin(), cache_values.end(), cache);
+    // Past the lengths, NaN: block 1's tokens 8.. (request 0's last 8 tokens and request 1's 3
+    // are its first); finite outputs below show that no run reads them.
+    std::fill(cache + (16 + 8) * size_t(kDim), cache + 32 * size_t(kDim), float_to_bf16(std::nanf("")));
     std::copy(q_values.begin(), q_values.end(), q);
     std::fill_n(out, kCells * kRankDim, float_to_bf16(std::nanf("")));
     std::fill_n(lse, kCells, std::nanf(""));

@@ -582,10 +582,10 @@ TEST(CudaValidation, BadDeviceOrdinalIsRefused) {
   const CacheConfig cache{8, 64, 576, KvDtype::bf16, 1.0f};
   expect_error([&] { (void)cuda::rank_engine_factory(n)(good_config(), cache); }, {field});
   expect_error([&] { (void)cuda::rank_engine_factory(-1)(good_config(), cache); }, {"'device' = -1"});
-  // DeviceScope too (it reached cudaSetDevice, or on a machine without a GPU failed on the
-  // current device first: the tenth audit).
-  expect_error([&] { cuda::DeviceScope scope(n); }, {field, "a CUDA device in [0, "});
-  expect_error([&] { cuda::DeviceScope scope(-3); }, {"'device' = -3"});
+  // DeviceScope too, where it switches (it reached cudaSetDevice: CUDA's "invalid device ordinal");
+  // without a GPU the current device it would switch from is refused first, also naming `device`.
+  expect_error([&] { cuda::DeviceScope scope(n); }, {n > 0 ? field : "'device' = the current device"});
+  expect_error([&] { cuda::DeviceScope scope(-3); }, {n > 0 ? "'device' = -3" : "'device' = the current device"});
 }
 
 // The current device (no ordinal) without a usable GPU is named alike, not reported as a

@@ -17,11 +17,6 @@
 
 namespace dcpmla {
 
-void cuda_detail::require_cache_aligned(const void* kv) {
-  require_aligned(kv, 16, "kv_cache",
-                  "16-byte aligned device memory (the kernels read and write the cache 16 bytes at a time)");
-}
-
 namespace {
 
 using namespace cuda_detail;

@@ -126,15 +126,6 @@ class DeviceGroupComm final : public DeviceCommunicator {
 
   void reduce_scatter_sum(const void* send, void* recv, size_t count, DataType t) override {
     check_collective_args_or_abort(*this, "reduce_scatter_sum", send, recv, count, t);
-    // The reduction kernel reads and writes whole elements (the gathers copy bytes): a misaligned
-    // buffer would fault, so it is refused, the group aborted first as for the checks above.
-    const size_t align = size_of(t);
-    if (reinterpret_cast<uintptr_t>(send) % align != 0 || reinterpret_cast<uintptr_t>(recv) % align != 0) {
-      abort();
-      const bool bad_send = reinterpret_cast<uintptr_t>(send) % align != 0;
-      require_aligned(bad_send ? send : recv, align, bad_send ? "send" : "recv",
-                      fmt::format("{}-byte aligned device memory (reduce_scatter_sum sums whole elements)", align));
-    }
     const auto peers = publish(Collective::reduce_scatter_sum, send, count, t);
     cuda_detail::ReduceParams p{};
     for (int k = 0; k < s_->world; ++k) p.src[k] = peers[size_t(k)].send;

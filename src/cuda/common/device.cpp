@@ -71,14 +71,21 @@ void require_not_capturing(cudaStream_t stream) {
          "plan() outside the capture: a replay computes the batch of the last plan()");
 }
 
+void require_cache_aligned(const void* kv) {
+  require_aligned(kv, 16, "kv_cache",
+                  "16-byte aligned device memory (the kernels read and write the cache 16 bytes at a time)");
+}
+
 }  // namespace cuda_detail
 
 namespace cuda {
 
-// The ordinal first: a bad one is an input error naming `device`, not CUDA's "invalid device ordinal".
-DeviceScope::DeviceScope(int device)
-    : previous_((cuda_detail::require_device(device), cuda_detail::current_device())), device_(device) {
-  if (previous_ != device_) cuda_detail::check(cudaSetDevice(device_), "cudaSetDevice");
+// Only a switch checks the ordinal (a bad one is an input error naming `device`, not CUDA's
+// "invalid device ordinal"): staying on the current device costs nothing per call.
+DeviceScope::DeviceScope(int device) : previous_(cuda_detail::current_device()), device_(device) {
+  if (previous_ == device_) return;
+  cuda_detail::require_device(device_);
+  cuda_detail::check(cudaSetDevice(device_), "cudaSetDevice");
 }
 DeviceScope::~DeviceScope() {
   if (previous_ != device_) (void)cudaSetDevice(previous_);

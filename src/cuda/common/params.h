@@ -15,9 +15,6 @@ namespace dcpmla::cuda_detail {
 
 // Throws dcpmla::CudaError("<what>: <cuda error string>") unless e == cudaSuccess.
 void check(cudaError_t e, const char* what);
-// The cache's base, 16-byte aligned: the kernels read and write it 16 bytes at a time (a
-// misaligned access faults); KvCache::validate asks only whole values (attention.cpp).
-void require_cache_aligned(const void* kv);
 
 struct WriteKvParams {
   const bf16* latents;  // [n, dim]

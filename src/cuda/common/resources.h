@@ -108,5 +108,8 @@ void require_current_device(int device, const char* owner);
 // Refuses plan() while `stream` captures a CUDA graph: the graph would record the upload of
 // that plan's staging copy, and a replay would compute it instead of the latest plan.
 void require_not_capturing(cudaStream_t stream);
+// Refuses a cache whose base is not 16-byte aligned: the kernels read and write it 16 bytes at a
+// time (a misaligned access faults), while KvCache::validate asks only whole values (the CPU's).
+void require_cache_aligned(const void* kv);
 
 }  // namespace dcpmla::cuda_detail

@@ -2,6 +2,7 @@
 #include "dcpmla/cuda.h"
 #include "dcpmla/error.h"
 #include "common/params.h"
+#include "common/resources.h"
 
 namespace dcpmla::cuda {
 
