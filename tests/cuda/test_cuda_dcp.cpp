@@ -396,6 +396,42 @@ TEST(DcpStepBadInput, OneRankRefusingMakesEveryRankRefuse) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
 }
 
+// A communicator over a device no machine has: every CUDA call for it fails, and no
+// collective may run.
+class UnusableDeviceComm final : public DeviceCommunicator {
+ public:
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  void all_gather(const void*, void*, size_t, DataType) override { fail_collective(); }
+  void reduce_scatter_sum(const void*, void*, size_t, DataType) override { fail_collective(); }
+  void all_to_all(const void*, void*, size_t, DataType) override { fail_collective(); }
+  void barrier() override { fail_collective(); }
+  cudaStream_t stream() const override { return nullptr; }
+  int device() const override { return 1 << 20; }
+  void synchronize() override {}
+  void abort() override {}
+
+ private:
+  [[noreturn]] static void fail_collective() { throw std::logic_error("a collective over an unusable device"); }
+};
+
+// A rank that refuses its configuration still joins one status exchange, which needs its
+// device; where that device cannot be used, the refusal itself is raised, naming the field,
+// not the CUDA error of the exchange's set-up. Needs no GPU: the device is unusable anywhere.
+TEST(DcpStepBadInput, RefusalOverAnUnusableDeviceNamesTheField) {
+  UnusableDeviceComm comm;
+  DcpConfig cfg = small_config(1);
+  cfg.heads_local = 0;
+  try {
+    DcpStep step(cfg, comm);
+    ADD_FAILURE() << "accepted heads_local = 0";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'heads_local' = 0"), std::string::npos) << e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "raised something other than the refusal: " << e.what();
+  }
+}
+
 TEST(DcpStepBadInput, RanksDisagreeOnTheConfiguration) {
   DCPMLA_REQUIRE_GPU();
   const auto errors = errors_per_rank(4, [](int rank, DeviceCommunicator& comm) {
