@@ -97,6 +97,13 @@ def _stream(stream, x, cuda_index):
         return None
     if stream is None:
         torch = _torch()
+        if torch is not None and type(x) is torch.Tensor:
+            # A CUDA tensor's call (run, write_kv, merge_states: every layer): torch's raw current
+            # stream, the handle torch.cuda.current_stream() wraps, without building its Stream
+            # object (3.6 against 0.3 us a call, bench/python_overhead.py).
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            if raw is not None:
+                return raw(cuda_index)
         if torch is not None and (x is None or isinstance(x, torch.Tensor)):
             return torch.cuda.current_stream(cuda_index).cuda_stream
         cupy = sys.modules.get("cupy")
@@ -154,9 +161,29 @@ def _tensor(field, x, stream, expected, *, kv_dtype=None, raw=True, writable=Fal
     checks nanobind would fail with a TypeError that names no argument: a numpy dtype it cannot
     import (object, structured, big-endian, an ml_dtypes format the library does not read) and a
     read-only array the call writes into."""
+    torch = _torch()
+    if torch is not None and type(x) is torch.Tensor and not (x.dtype.is_floating_point and x.dtype.itemsize == 1):
+        return x  # what the path below returns for a torch tensor that is not fp8, in a fraction of its time
     if raw:
         x = _raw(field, x, kv_dtype)
     return _dlpack(field, _native_array(field, x, expected, writable), stream)
+
+
+def _once(x):
+    """`x` for a native call that imports it once: a torch tensor as torch's own DLPack export (a
+    capsule). The native import of the tensor object takes about 2.7 us (it asks the object to
+    export itself, through Python), the export and the capsule's import about 0.7 (H100 host,
+    bench/python_overhead.py); either takes a tensor that requires grad. A tensor the export
+    refuses (a sparse layout) is passed as it is, and the native import names it (_call)."""
+    torch = _torch()
+    if torch is not None and type(x) is torch.Tensor:
+        export = getattr(torch._C, "_to_dlpack", None)
+        if export is not None:
+            try:
+                return export(x)
+            except Exception:  # noqa: BLE001 (refused by name as above)
+                pass
+    return x
 
 
 def _empty_like(field, like, shape_of, dtype_of_like):
@@ -379,6 +406,7 @@ class Attention:
                 lse = _empty_like("lse", q, lambda _: (*lead, self.heads), False)
         out_in = _tensor("out", out, s, _VALUES, writable=True)
         lse_out = _tensor("lse", lse, s, "float32", raw=False, writable=True)
+        q_in, cache_in, tensor, out_in, lse_out = map(_once, (q_in, cache_in, tensor, out_in, lse_out))
         _call(self._native.run, q_in, cache_in, value, tensor, out_in, lse_out, s or 0,
               tensors=[("q", q_in, False), ("kv_cache", cache_in, False), ("kv_scale", tensor, False),
                        ("out", out_in, True), ("lse", lse_out, True)])
@@ -439,6 +467,7 @@ def write_kv(kv_cache, latent, slot_mapping, kv_dtype="bf16", kv_scale=1.0, stre
     cache_in = _tensor("kv_cache", kv_cache, s, cache_text, kv_dtype=kv_dtype, writable=True)
     latent_in = _tensor("latent", latent, s, _VALUES)
     slots_in = _tensor("slot_mapping", slot_mapping, s, "int64 [T] (rank-local slots, -1 = PAD)", raw=False)
+    cache_in, latent_in, slots_in, tensor = map(_once, (cache_in, latent_in, slots_in, tensor))
     _call(_dcpmla._write_kv, cache_in, latent_in, slots_in, kv_dtype, value, tensor, s or 0,
           tensors=[("kv_cache", cache_in, True), ("latent", latent_in, False), ("slot_mapping", slots_in, False),
                    ("kv_scale", tensor, False)])
@@ -477,6 +506,7 @@ def merge_states(out_parts, lse_parts, out=None, lse=None, stream=None):
         lse = _empty_like("lse", out_parts, lambda a: tuple(a.shape[1:-1]), False)
     out_in = _tensor("out", out, s, _VALUES, writable=True)
     lse_out = _tensor("lse", lse, s, "float32", raw=False, writable=True)
+    parts, lse_in, out_in, lse_out = map(_once, (parts, lse_in, out_in, lse_out))
     _call(_dcpmla._merge_states, parts, lse_in, out_in, lse_out, s or 0,
           tensors=[("out_parts", parts, False), ("lse_parts", lse_in, False), ("out", out_in, True),
                    ("lse", lse_out, True)])

@@ -280,6 +280,13 @@ def test_bad_input_is_refused_before_launch():
         att.run(qd, c, kv_scale=0.5, out=torch.empty((4, 3, 16, 576), dtype=torch.bfloat16, device=DEV))
     with err(r"field 'stream' = 'x'"):
         att.run(qd, c, kv_scale=0.5, stream="x")
+    # run() passes torch tensors as torch's own export (dcpmla._engine._once); one the export
+    # refuses (a sparse layout) goes to the native import as it is, which names it.
+    with err(r"field 'q'"):
+        att.run(qd.to_sparse(), c, kv_scale=0.5)
+    with err(r"field 'latent'"):
+        dcpmla.write_kv(c, qd[0, 0].to_sparse(), torch.zeros(16, dtype=torch.int64, device=DEV),
+                        kv_dtype=step.dtype, kv_scale=0.5)
     with err(r"field 'batch' = 9"):
         att.plan([1] * 9, np.zeros((9, 1), np.int32), 1, mode="decode")
     # Views a whole value past 16 bytes, which the CPU backend takes: the kernels read 16 bytes at
@@ -300,6 +307,11 @@ def test_bad_input_is_refused_before_launch():
     latents, slots = slots_and_latents(step, kv, t, num_blocks, 0)
     with err(r"field 'latent.data_ptr' = .*: expected 16-byte aligned memory"):
         dcpmla.write_kv(c, off16(bf16(latents)), torch.from_numpy(slots).to(DEV), kv_dtype=step.dtype, kv_scale=0.5)
+    # A tensor that requires grad is read as it is (inference: nothing is recorded for autograd).
+    dcpmla.write_kv(c, bf16(latents), torch.from_numpy(slots).to(DEV), kv_dtype=step.dtype, kv_scale=0.5)
+    out, lse = att.run(qd, c, kv_scale=0.5)
+    out_g, lse_g = att.run(qd.clone().requires_grad_(), c, kv_scale=0.5)
+    assert torch.isfinite(out).all() and torch.equal(out, out_g) and torch.equal(lse, lse_g)
     if torch.cuda.device_count() > 1:
         other = torch.device("cuda", (DEV.index + 1) % torch.cuda.device_count())
         with err(rf"field 'q.device' = cuda:{other.index}: expected cuda:{DEV.index}"):
