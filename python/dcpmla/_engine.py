@@ -97,10 +97,10 @@ def _stream(stream, x, cuda_index):
         return None
     if stream is None:
         torch = _torch()
-        if torch is not None and type(x) is torch.Tensor:
-            # A CUDA tensor's call (run, write_kv, merge_states: every layer): torch's raw current
-            # stream, the handle torch.cuda.current_stream() wraps, without building its Stream
-            # object (3.6 against 0.3 us a call, bench/python_overhead.py).
+        if torch is not None and (type(x) is torch.Tensor or (x is None and torch.cuda.is_initialized())):
+            # torch's raw current stream, the handle torch.cuda.current_stream() wraps, without
+            # building its Stream object (0.3 against 3.6 us a call, bench/python_overhead.py).
+            # For plan() (no tensor) only once torch has set CUDA up, which current_stream() does.
             raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
             if raw is not None:
                 return raw(cuda_index)
@@ -495,9 +495,10 @@ def merge_states(out_parts, lse_parts, out=None, lse=None, stream=None):
     if (out is None or lse is None) and (isinstance(out_parts, np.ndarray) or _is_torch(out_parts)):
         # The partials are checked before the outputs are allocated from their shapes: a
         # broadcast view would otherwise ask for petabytes before its strides are refused.
-        # (numpy and torch are passed as they are, so they can be imported twice.)
-        _call(_dcpmla._check_merge_inputs, parts, lse_in,
-              tensors=[("out_parts", parts, False), ("lse_parts", lse_in, False)])
+        # (They are imported twice: torch's are exported once for each call, _once.)
+        check_parts, check_lse = _once(parts), _once(lse_in)
+        _call(_dcpmla._check_merge_inputs, check_parts, check_lse,
+              tensors=[("out_parts", check_parts, False), ("lse_parts", check_lse, False)])
     # From out_parts alone (lse's shape is out_parts' without N and W, checked above), and only
     # for producers that have shapes: any other is told to pass the buffers.
     if out is None:
