@@ -16,7 +16,10 @@ work on host arrays, once per step), then call the compiled model:
     att.plan(seq_lens, block_tables, qlen)     # every step, outside the compiled code
     out, lse = step(q, cache, latent, slots)
 
-Each op runs on torch's current stream, as the plain calls do.
+Each op runs on torch's current stream, as the plain calls do. Outside a compiled region, call
+the plain methods: torch's dispatch of a Python custom op adds host time to every call (an H100
+machine's host: ``Attention.run`` about 10 us, ``torch.ops.dcpmla.run`` about 29;
+bench/python_overhead.py, docs/perf.md).
 """
 
 from __future__ import annotations
