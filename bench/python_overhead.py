@@ -3,9 +3,10 @@ plan() (once a step) and each run() / write_kv() (once a layer), beside the GPU'
 
 Each call is timed alone on the host (time.perf_counter around it). On CUDA the calls go in
 batches of 100 behind a spin kernel longer than the batch (nothing waits for the GPU or for a
-full launch queue), so the figures are the Python layer, the native checks and the launches. For comparison: the native call alone with
-the same prepared arguments (what the Python layer adds is the difference), the pieces the
-Python layer runs per call, the torch custom op (``dcpmla.torch_ops``) and a CUDA graph's replay.
+full launch queue), so the figures are the Python layer, the native checks and the launches.
+For comparison: the native call alone with the same prepared arguments (what the Python layer
+adds is the difference), the pieces the Python layer runs per call, the torch custom op
+(``dcpmla.torch_ops``) and a CUDA graph's replay.
 
     PYTHONPATH=python python3 bench/python_overhead.py [--device cuda|cpu] [--calls N] [--json F]
 
@@ -177,7 +178,7 @@ def main():
                 att.run(q, cache, out=out, lse=lse)
         torch.cuda.current_stream().wait_stream(s)
         row("graph_replay", g.replay, "CUDAGraph.replay of one captured run")
-        # The GPU's own time per run, for comparison (the host figures above are per call).
+        # Back to back: the wall time per run, the larger of its host time and its GPU time.
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         sync()
         start.record()
