@@ -120,10 +120,11 @@ def _stream(stream, x, cuda_index):
 
 
 def _dlpack(field, x, stream):
-    """What the native call imports: torch and numpy as they are (torch's ``__dlpack__()`` without a
-    stream does not synchronise, and the call runs on torch's stream); other CUDA producers are
-    asked for a capsule on the call's stream (DLPack: 1 = the legacy default stream), so that they
-    order their pending work before it. `stream` is None on the CPU."""
+    """What the native call imports: torch and numpy as they are (a call that imports a torch tensor
+    once passes torch's own export of it, _once: no stream, no synchronisation, and the call runs
+    on torch's stream); other CUDA producers are asked for a capsule on the call's stream (DLPack:
+    1 = the legacy default stream), so that they order their pending work before it. `stream` is
+    None on the CPU."""
     if not hasattr(x, "__dlpack__"):
         raise _error(field, type(x).__name__, "an array or tensor (numpy, torch, or another DLPack producer)")
     if stream is None or isinstance(x, np.ndarray) or _is_torch(x):
