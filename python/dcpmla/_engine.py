@@ -69,6 +69,12 @@ def _cuda_index(field, x):
     """The CUDA ordinal of a DLPack producer's memory, or None for host memory (or a list). CUDA
     memory with no usable GPU (a driver older than the library's runtime) is refused here, as
     device="cuda" is, before the CUDA runtime answers with an error that names no argument."""
+    torch = _torch()
+    if torch is not None and type(x) is torch.Tensor and x.is_cuda:
+        # What __dlpack_device__() answers for it, without that Python method (torch/_tensor.py).
+        index = x.get_device()
+        _require_usable_cuda(f"{field}.device", f"cuda:{index}", "host memory")
+        return index
     device = getattr(x, "__dlpack_device__", None)
     if device is None:
         return None
