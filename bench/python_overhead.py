@@ -157,6 +157,12 @@ def main():
         from dcpmla import torch_ops
         row("torch_op_run", lambda: torch_ops.run(att, q, cache, out=out, lse=lse),
             "torch.ops.dcpmla.run (custom op), out and lse given")
+        row("torch_op_write_kv", lambda: torch_ops.write_kv(cache, latent, slots),
+            f"torch.ops.dcpmla.write_kv (custom op) of {B} tokens")
+        row("torch_op_merge_states", lambda: torch_ops.merge_states(parts, lse_parts),
+            "torch.ops.dcpmla.merge_states (custom op) of 2 partials")
+        row("piece_cuda_index", lambda: _engine._cuda_index("kv_cache", cache),
+            "the device of a torch tensor argument (write_kv, merge_states)")
         row("torch_dlpack_q", lambda: q.__dlpack__(), "a torch tensor's __dlpack__() alone")
         row("piece_import_q", lambda: dcpmla._dcpmla._imports(q), "the native import of one torch tensor (q)")
         to_dlpack = getattr(torch._C, "_to_dlpack", None)

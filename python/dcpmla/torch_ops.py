@@ -1,7 +1,7 @@
 """The engine API as torch.library custom ops (``torch.ops.dcpmla.*``), with fake (meta)
 implementations, so that torch.compile traces a model that calls them without a graph break
 (``fullgraph=True`` works). Importing this module registers them; ``import dcpmla`` alone never
-imports torch. Needs torch >= 2.4 (torch.library.custom_op).
+imports torch. Needs torch >= 2.4 (torch.library.register_fake).
 
 An :class:`dcpmla.Attention` is not a tensor: the ops take its :attr:`~dcpmla.Attention.handle`
 (a plain int, a constant of the traced graph). Plan outside the compiled region (plan() is host
@@ -33,38 +33,50 @@ from . import _checks, _engine
 Tensor = torch.Tensor
 
 
-@torch.library.custom_op("dcpmla::run", mutates_args=("out", "lse"))
+# Registered with torch.library.Library rather than torch.library.custom_op: custom_op's Python
+# autograd and in-place wrappers run on every call (about 19 us of an H100 host's time over the
+# plain run(), docs/perf.md), and these ops need neither (no gradients; the schemas' (a!)
+# annotations are what torch.compile's functionalisation reads). One kernel for CPU and CUDA
+# tensors alike (CompositeExplicitAutograd: every backend), and a fake kernel for tracing.
+_LIB = torch.library.Library("dcpmla", "DEF")
+
+
+def _define(schema, kernel, fake):
+    name = schema[:schema.index("(")]
+    _LIB.define(schema)
+    _LIB.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"dcpmla::{name}", fake, lib=_LIB)
+
+
 def _run(handle: int, q: Tensor, kv_cache: Tensor, kv_scale: float, kv_scale_tensor: Optional[Tensor], out: Tensor,
          lse: Tensor) -> None:
     _engine.attention_of(handle).run(q, kv_cache, kv_scale=kv_scale if kv_scale_tensor is None else kv_scale_tensor,
                                      out=out, lse=lse)
 
 
-@_run.register_fake
-def _run_fake(handle, q, kv_cache, kv_scale, kv_scale_tensor, out, lse):
-    return None
-
-
-@torch.library.custom_op("dcpmla::write_kv", mutates_args=("kv_cache",))
 def _write_kv(kv_cache: Tensor, latent: Tensor, slot_mapping: Tensor, kv_dtype: str, kv_scale: float,
               kv_scale_tensor: Optional[Tensor]) -> None:
     _engine.write_kv(kv_cache, latent, slot_mapping, kv_dtype=kv_dtype,
                      kv_scale=kv_scale if kv_scale_tensor is None else kv_scale_tensor)
 
 
-@_write_kv.register_fake
-def _write_kv_fake(kv_cache, latent, slot_mapping, kv_dtype, kv_scale, kv_scale_tensor):
-    return None
-
-
-@torch.library.custom_op("dcpmla::merge_states", mutates_args=())
 def _merge_states(out_parts: Tensor, lse_parts: Tensor) -> Tuple[Tensor, Tensor]:
     return _engine.merge_states(out_parts, lse_parts)
 
 
-@_merge_states.register_fake
+def _nothing(*_):
+    return None
+
+
 def _merge_states_fake(out_parts, lse_parts):
     return out_parts.new_empty(out_parts.shape[1:]), lse_parts.new_empty(lse_parts.shape[1:])
+
+
+_define("run(int handle, Tensor q, Tensor kv_cache, float kv_scale, Tensor? kv_scale_tensor, Tensor(a!) out, "
+        "Tensor(b!) lse) -> ()", _run, _nothing)
+_define("write_kv(Tensor(a!) kv_cache, Tensor latent, Tensor slot_mapping, str kv_dtype, float kv_scale, "
+        "Tensor? kv_scale_tensor) -> ()", _write_kv, _nothing)
+_define("merge_states(Tensor out_parts, Tensor lse_parts) -> (Tensor, Tensor)", _merge_states, _merge_states_fake)
 
 
 def _scale_args(kv_scale):

@@ -86,6 +86,21 @@ def test_opcheck_merge_states():
     torch.library.opcheck(torch.ops.dcpmla.merge_states.default, (parts, lse))
 
 
+def test_opcheck_run_and_write_kv():
+    # The mutating ops' schemas (registered by hand, not inferred: torch_ops._define) must name
+    # exactly what each op writes; opcheck runs them eagerly, on fake tensors and through
+    # AOTAutograd, and fails on a mutation the schema does not declare.
+    att = dcpmla.Attention(heads=16, device="cpu", max_batch=4, max_qlen=2, max_local_len=64)
+    att.plan([3], [[0]], 1, mode="decode")
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn((1, 64, D), generator=g).to(torch.bfloat16)
+    q = torch.randn((1, 1, 16, D), generator=g).to(torch.bfloat16)
+    out, lse = torch.empty((1, 1, 16, D - 64), dtype=torch.bfloat16), torch.empty((1, 1, 16))
+    torch.library.opcheck(torch.ops.dcpmla.run.default, (att.handle, q, cache, 1.0, None, out, lse))
+    latent = torch.randn((2, D), generator=g).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.dcpmla.write_kv.default, (cache, latent, torch.tensor([5, 9]), "bf16", 1.0, None))
+
+
 def test_a_dead_attention_handle_is_refused():
     att = dcpmla.Attention(heads=16, device="cpu")
     handle = att.handle
