@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 
 import numpy as np
 
@@ -69,6 +70,20 @@ def _refuse_masked(field, x):
                      "(pass x.filled(value) or x.data)")
 
 
+def _refuse_lazy_torch(field, x):
+    """Refuses the torch tensors (`x` is one) whose memory does not hold their values: a nested
+    tensor (no single shape), and a negative view (x.is_neg(): torch's lazy negation, e.g. the
+    imaginary part of a conjugated complex view, is a flag on the tensor; DLPack carries no such
+    flag and torch's own export passes the memory as it is, so the call would read, or write, the
+    values negated)."""
+    if x.is_nested:
+        raise _error(field, "a nested torch tensor", "a strided tensor (one shape, C-contiguous)")
+    if x.is_neg():
+        raise _error(field, "a torch tensor with its negative bit set (x.is_neg(): a lazy negation, whose "
+                     "memory holds the values un-negated)", "a tensor whose memory holds its values "
+                     "(pass x.resolve_neg())")
+
+
 def _host_array(field, x):
     """numpy view of `x`: a numpy array, any object with __dlpack__ on the host, or an array-like."""
     _refuse_masked(field, x)
@@ -77,6 +92,9 @@ def _host_array(field, x):
     if x is None:
         raise _error(field, "None", "an array")
     if hasattr(x, "__dlpack__"):
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(x, torch.Tensor):
+            _refuse_lazy_torch(field, x)
         try:
             return np.from_dlpack(x)
         except Exception as e:  # a producer's own failure too (its __dlpack__ may raise anything)

@@ -19,7 +19,8 @@ import weakref
 import numpy as np
 
 from . import _dcpmla
-from ._checks import _error, _int, _int_array, _native_array, _require_usable_cuda, _scale, _str
+from ._checks import (_error, _int, _int_array, _native_array, _refuse_lazy_torch, _require_usable_cuda, _scale,
+                      _str)
 
 _DL_CUDA = 2  # DLPack's device type of CUDA memory
 
@@ -169,8 +170,10 @@ def _tensor(field, x, stream, expected, *, kv_dtype=None, raw=True, writable=Fal
     import (object, structured, big-endian, an ml_dtypes format the library does not read) and a
     read-only array the call writes into."""
     torch = _torch()
-    if torch is not None and type(x) is torch.Tensor and not (x.dtype.is_floating_point and x.dtype.itemsize == 1):
-        return x  # what the path below returns for a torch tensor that is not fp8, in a fraction of its time
+    if torch is not None and isinstance(x, torch.Tensor):
+        _refuse_lazy_torch(field, x)
+        if type(x) is torch.Tensor and not (x.dtype.is_floating_point and x.dtype.itemsize == 1):
+            return x  # what the path below returns for a torch tensor that is not fp8, in a fraction of its time
     if raw:
         x = _raw(field, x, kv_dtype)
     return _dlpack(field, _native_array(field, x, expected, writable), stream)

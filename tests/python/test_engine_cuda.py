@@ -287,6 +287,14 @@ def test_bad_input_is_refused_before_launch():
     with err(r"field 'latent'"):
         dcpmla.write_kv(c, qd[0, 0].to_sparse(), torch.zeros(16, dtype=torch.int64, device=DEV),
                         kv_dtype=step.dtype, kv_scale=0.5)
+    # torch's lazy negation is a flag DLPack does not carry: the call would read q, or write out,
+    # un-negated (test_torch_tensors.py covers every argument on the CPU).
+    with err(r"field 'q' = a torch tensor with its negative bit set"):
+        att.run(torch._neg_view(qd), c, kv_scale=0.5)
+    with err(r"field 'out' = a torch tensor with its negative bit set"):
+        att.run(qd, c, kv_scale=0.5, out=torch._neg_view(torch.empty((4, 3, 16, R), dtype=torch.bfloat16, device=DEV)))
+    with err(r"field 'q' = a nested torch tensor"):
+        att.run(torch.nested.nested_tensor([qd[0], qd[1]]), c, kv_scale=0.5)
     with err(r"field 'batch' = 9"):
         att.plan([1] * 9, np.zeros((9, 1), np.int32), 1, mode="decode")
     # Views a whole value past 16 bytes, which the CPU backend takes: the kernels read 16 bytes at
