@@ -57,9 +57,9 @@ def test_negative_views_are_refused_at_every_argument(step):
     with err("kv_cache"):
         att.run(q, neg(cache))
     with err("out"):
-        att.run(q, cache, out=neg(torch.empty_like(out)), lse=torch.empty_like(lse))
+        att.run(q, cache, out=neg(torch.zeros_like(out)), lse=torch.empty_like(lse))
     with err("lse"):
-        att.run(q, cache, out=torch.empty_like(out), lse=neg(torch.empty_like(lse)))
+        att.run(q, cache, out=torch.empty_like(out), lse=neg(torch.zeros_like(lse)))
     with err("seq_lens"):
         att.plan(neg(torch.tensor([5, 3], dtype=torch.int32)), [[0], [1]], 1, mode="decode")
     with err("block_tables"):
@@ -83,7 +83,7 @@ def test_negative_views_are_refused_at_every_argument(step):
     with err("lse_parts"):
         dcpmla.merge_states(parts, neg(lse_parts))
     with err("out"):
-        dcpmla.merge_states(parts, lse_parts, out=neg(torch.empty_like(out)), lse=torch.empty_like(lse))
+        dcpmla.merge_states(parts, lse_parts, out=neg(torch.zeros_like(out)), lse=torch.empty_like(lse))
     # Through the torch op, torch's dispatcher resolves a negative input before the call.
     assert torch.equal(ops.run(att, neg(q), cache)[0], out)
     qf, kv = torch.randn((1, 2, H, D)), torch.randn((1, 40, D))
