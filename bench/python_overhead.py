@@ -80,12 +80,15 @@ def main():
     if args.calls < 10:
         ap.error("--calls must be at least 10")
     cuda = args.device == "cuda"
-    torch = None
-    if cuda:
-        import torch  # noqa: F811 (the CUDA rows take torch tensors, as engines pass them)
-        if not torch.cuda.is_available():
-            print("no CUDA device: nothing to time (use --device cpu)")
-            return 77
+    try:
+        import torch  # the CUDA rows take torch tensors, as engines pass them; on the CPU, the torch rows
+    except ImportError:
+        if cuda:
+            raise
+        torch = None  # the CPU rows alone
+    if cuda and not torch.cuda.is_available():
+        print("no CUDA device: nothing to time (use --device cpu)")
+        return 77
 
     H, D, R, bs = args.heads, 576, 512, 64
     rng = np.random.default_rng(20261207)
@@ -153,14 +156,24 @@ def main():
     row("piece_stream", lambda: _engine._stream(None, q, att._cuda_index), "the stream a call runs on")
     row("piece_tensor_q", lambda: _engine._tensor("q", q, stream if cuda else None, _engine._VALUES),
         "one tensor argument's checks (q)")
-    if cuda:
+    if torch is not None:
+        # The torch ops (dcpmla.torch_ops) beside the plain calls on the same torch tensors (on
+        # the CPU: views of the numpy arrays above): the difference is torch's dispatch.
         from dcpmla import torch_ops
+        as_torch = (lambda a: a) if cuda else torch.from_numpy
+        t_cache, t_latent, t_slots, t_parts, t_lse_parts = map(as_torch, (cache, latent, slots, parts, lse_parts))
+        if not cuda:  # on CUDA the write_kv and merge_states rows above take torch tensors already
+            row("torch_write_kv", lambda: dcpmla.write_kv(t_cache, t_latent, t_slots),
+                f"write_kv of {B} tokens, torch tensors")
+            row("torch_merge_states", lambda: dcpmla.merge_states(t_parts, t_lse_parts),
+                "merge_states of 2 partials, torch tensors")
+        row("torch_op_write_kv", lambda: torch_ops.write_kv(t_cache, t_latent, t_slots),
+            f"torch.ops.dcpmla.write_kv (custom op) of {B} tokens")
+        row("torch_op_merge_states", lambda: torch_ops.merge_states(t_parts, t_lse_parts),
+            "torch.ops.dcpmla.merge_states (custom op) of 2 partials")
+    if cuda:
         row("torch_op_run", lambda: torch_ops.run(att, q, cache, out=out, lse=lse),
             "torch.ops.dcpmla.run (custom op), out and lse given")
-        row("torch_op_write_kv", lambda: torch_ops.write_kv(cache, latent, slots),
-            f"torch.ops.dcpmla.write_kv (custom op) of {B} tokens")
-        row("torch_op_merge_states", lambda: torch_ops.merge_states(parts, lse_parts),
-            "torch.ops.dcpmla.merge_states (custom op) of 2 partials")
         row("piece_cuda_index", lambda: _engine._cuda_index("kv_cache", cache),
             "the device of a torch tensor argument (write_kv, merge_states)")
         row("torch_dlpack_q", lambda: q.__dlpack__(), "a torch tensor's __dlpack__() alone")
@@ -209,8 +222,8 @@ def main():
             "cpu": cpu_model(),
             "python": platform.python_version(),
             "numpy": np.__version__,
-            "torch": torch.__version__ if cuda else None,
-            "torch_dlpack_exchange_api": hasattr(torch.Tensor, "__dlpack_c_exchange_api__") if cuda else None,
+            "torch": torch.__version__ if torch is not None else None,
+            "torch_dlpack_exchange_api": hasattr(torch.Tensor, "__dlpack_c_exchange_api__") if torch is not None else None,
             "dcpmla_package": os.path.dirname(dcpmla.__file__),
             "shape": {"heads": H, "run_batch": B, "run_context": ctx, "block_size": bs},
         }

@@ -71,11 +71,14 @@ def _cuda_index(field, x):
     memory with no usable GPU (a driver older than the library's runtime) is refused here, as
     device="cuda" is, before the CUDA runtime answers with an error that names no argument."""
     torch = _torch()
-    if torch is not None and type(x) is torch.Tensor and x.is_cuda:
+    if torch is not None and type(x) is torch.Tensor:
         # What __dlpack_device__() answers for it, without that Python method (torch/_tensor.py).
-        index = x.get_device()
-        _require_usable_cuda(f"{field}.device", f"cuda:{index}", "host memory")
-        return index
+        if x.is_cuda:
+            index = x.get_device()
+            _require_usable_cuda(f"{field}.device", f"cuda:{index}", "host memory")
+            return index
+        if x.is_cpu:
+            return None
     device = getattr(x, "__dlpack_device__", None)
     if device is None:
         return None
@@ -171,12 +174,26 @@ def _tensor(field, x, stream, expected, *, kv_dtype=None, raw=True, writable=Fal
     read-only array the call writes into."""
     torch = _torch()
     if torch is not None and isinstance(x, torch.Tensor):
-        _refuse_lazy_torch(field, x)
-        if type(x) is torch.Tensor and not (x.dtype.is_floating_point and x.dtype.itemsize == 1):
+        if x.is_neg() or x.is_nested:
+            _refuse_lazy_torch(field, x)
+        if type(x) is torch.Tensor and x.dtype not in _torch_byte_floats(torch):
             return x  # what the path below returns for a torch tensor that is not fp8, in a fraction of its time
     if raw:
         x = _raw(field, x, kv_dtype)
     return _dlpack(field, _native_array(field, x, expected, writable), stream)
+
+
+_BYTE_FLOATS = None
+
+
+def _torch_byte_floats(torch):
+    """torch's one-byte float dtypes (fp8 and packed fp4), which _raw views as bytes: a set
+    lookup costs a third of asking the dtype each call."""
+    global _BYTE_FLOATS
+    if _BYTE_FLOATS is None:
+        _BYTE_FLOATS = frozenset(d for d in vars(torch).values()
+                                 if isinstance(d, torch.dtype) and d.is_floating_point and d.itemsize == 1)
+    return _BYTE_FLOATS
 
 
 def _once(x):
