@@ -62,6 +62,14 @@ def cpu_model():
     return platform.machine()
 
 
+def package_where():
+    """Which dcpmla layer ran (the A/B runs put another tree's on PYTHONPATH): its folder relative
+    to this checkout, or "installed" outside it, so that a record names no path of the machine."""
+    package = os.path.dirname(os.path.abspath(dcpmla.__file__))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.relpath(package, root) if os.path.commonpath([package, root]) == root else "installed"
+
+
 def commit():
     try:
         return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
@@ -224,7 +232,7 @@ def main():
             "numpy": np.__version__,
             "torch": torch.__version__ if torch is not None else None,
             "torch_dlpack_exchange_api": hasattr(torch.Tensor, "__dlpack_c_exchange_api__") if torch is not None else None,
-            "dcpmla_package": os.path.dirname(dcpmla.__file__),
+            "dcpmla_package": package_where(),
             "shape": {"heads": H, "run_batch": B, "run_context": ctx, "block_size": bs},
         }
         for r in rows:  # strict JSON: no inf or nan
