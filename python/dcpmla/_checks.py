@@ -70,6 +70,11 @@ def _refuse_masked(field, x):
                      "(pass x.filled(value) or x.data)")
 
 
+def _torch():
+    """torch when the caller has imported it (dcpmla never imports it itself), else None."""
+    return sys.modules.get("torch")
+
+
 def _refuse_lazy_torch(field, x):
     """Refuses the torch tensors (`x` is one) whose memory does not hold their values: a nested
     tensor (no single shape), and a negative view (x.is_neg(): torch's lazy negation, e.g. the
@@ -92,7 +97,7 @@ def _host_array(field, x):
     if x is None:
         raise _error(field, "None", "an array")
     if hasattr(x, "__dlpack__"):
-        torch = sys.modules.get("torch")
+        torch = _torch()
         if torch is not None and isinstance(x, torch.Tensor):
             _refuse_lazy_torch(field, x)
         try:

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _dcpmla
 from ._checks import (_error, _int, _int_array, _native_array, _refuse_lazy_torch, _require_usable_cuda, _scale,
-                      _str)
+                      _str, _torch)
 
 _DL_CUDA = 2  # DLPack's device type of CUDA memory
 
@@ -35,11 +35,6 @@ _VALUES = "float32 or bfloat16 (ml_dtypes.bfloat16, or uint16 / int16 holding bf
 _CACHE = {"bf16": "bfloat16 (ml_dtypes.bfloat16, or uint16 / int16 holding bf16 bits) for kv_dtype bf16",
           "fp8_e4m3": "uint8 / int8 or ml_dtypes.float8_e4m3fn for kv_dtype fp8_e4m3",
           "fp8_e5m2": "uint8 / int8 or ml_dtypes.float8_e5m2 for kv_dtype fp8_e5m2"}
-
-
-def _torch():
-    """torch when the caller has imported it (dcpmla never imports it itself), else None."""
-    return sys.modules.get("torch")
 
 
 def _is_torch(x):
@@ -174,26 +169,13 @@ def _tensor(field, x, stream, expected, *, kv_dtype=None, raw=True, writable=Fal
     read-only array the call writes into."""
     torch = _torch()
     if torch is not None and isinstance(x, torch.Tensor):
-        if x.is_neg() or x.is_nested:
-            _refuse_lazy_torch(field, x)
-        if type(x) is torch.Tensor and x.dtype not in _torch_byte_floats(torch):
+        _refuse_lazy_torch(field, x)
+        dtype = x.dtype
+        if type(x) is torch.Tensor and (dtype.itemsize != 1 or not dtype.is_floating_point):
             return x  # what the path below returns for a torch tensor that is not fp8, in a fraction of its time
     if raw:
         x = _raw(field, x, kv_dtype)
     return _dlpack(field, _native_array(field, x, expected, writable), stream)
-
-
-_BYTE_FLOATS = None
-
-
-def _torch_byte_floats(torch):
-    """torch's one-byte float dtypes (fp8 and packed fp4), which _raw views as bytes: a set
-    lookup costs a third of asking the dtype each call."""
-    global _BYTE_FLOATS
-    if _BYTE_FLOATS is None:
-        _BYTE_FLOATS = frozenset(d for d in vars(torch).values()
-                                 if isinstance(d, torch.dtype) and d.is_floating_point and d.itemsize == 1)
-    return _BYTE_FLOATS
 
 
 def _once(x):
