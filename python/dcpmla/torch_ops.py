@@ -17,8 +17,9 @@ work on host arrays, once per step), then call the compiled model:
     out, lse = step(q, cache, latent, slots)
 
 Each op runs on torch's current stream, as the plain calls do. Outside a compiled region, call
-the plain methods: torch's dispatch adds host time to every call (about 4 us on the CPU machine,
-where torch.library.custom_op's wrappers had added 11-12; bench/python_overhead.py, docs/perf.md).
+the plain methods: torch's dispatch adds host time to every call (about 4 us, on an H100 host and
+on the CPU machine alike, where torch.library.custom_op's wrappers had added 11-20;
+bench/python_overhead.py, docs/perf.md).
 The ops take no part in autograd (inference only, as the plain calls).
 """
 
