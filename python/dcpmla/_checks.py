@@ -75,6 +75,12 @@ def _torch():
     return sys.modules.get("torch")
 
 
+def _is_torch(x):
+    """Whether `x` is a torch tensor (of any subclass), without importing torch."""
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
 def _refuse_lazy_torch(field, x):
     """Refuses the torch tensors (`x` is one) whose memory does not hold their values: a nested
     tensor (no single shape), and a negative view (x.is_neg(): torch's lazy negation, e.g. the
@@ -97,8 +103,7 @@ def _host_array(field, x):
     if x is None:
         raise _error(field, "None", "an array")
     if hasattr(x, "__dlpack__"):
-        torch = _torch()
-        if torch is not None and isinstance(x, torch.Tensor):
+        if _is_torch(x):
             _refuse_lazy_torch(field, x)
         try:
             return np.from_dlpack(x)

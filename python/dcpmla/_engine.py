@@ -19,8 +19,8 @@ import weakref
 import numpy as np
 
 from . import _dcpmla
-from ._checks import (_error, _int, _int_array, _native_array, _refuse_lazy_torch, _require_usable_cuda, _scale,
-                      _str, _torch)
+from ._checks import (_error, _int, _int_array, _is_torch, _native_array, _refuse_lazy_torch, _require_usable_cuda,
+                      _scale, _str, _torch)
 
 _DL_CUDA = 2  # DLPack's device type of CUDA memory
 
@@ -35,11 +35,6 @@ _VALUES = "float32 or bfloat16 (ml_dtypes.bfloat16, or uint16 / int16 holding bf
 _CACHE = {"bf16": "bfloat16 (ml_dtypes.bfloat16, or uint16 / int16 holding bf16 bits) for kv_dtype bf16",
           "fp8_e4m3": "uint8 / int8 or ml_dtypes.float8_e4m3fn for kv_dtype fp8_e4m3",
           "fp8_e5m2": "uint8 / int8 or ml_dtypes.float8_e5m2 for kv_dtype fp8_e5m2"}
-
-
-def _is_torch(x):
-    torch = _torch()
-    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def _raw(field, x, kv_dtype=None):
