@@ -344,8 +344,8 @@ int run_cli(int argc, char** argv) {
       "For each world size N: one rank's attention over its 1/N share of every request with all\n"
       "N x heads-local heads (after the head all-gather), the merge kernels of both forms with their\n"
       "bandwidth, and the bytes each rank sends per step. Default: batch 8 x 131072, heads-local 16\n"
-      "and 64, qlen 1 and 4, N = 1, 2, 4, 8, a bf16 cache. One process and one GPU; the whole step\n"
-      "across GPUs (NCCL, threads or mpirun) is measured with the NCCL communicator (README).");
+      "and 64, qlen 1 and 4, N = 1, 2, 4, 8, a bf16 cache. One process and one GPU: each rank's share\n"
+      "is timed here; the whole step across GPUs (NCCL, threads or mpirun) is tested, not timed.");
   bench->add_option("--ranks", bopt.ranks, "World sizes N to measure")->check(integer_in(1, 64))->delimiter(',');
   bench->add_option("--heads-local", bopt.heads_local, "Query heads per rank")
       ->check(integer_in(1, dcpmla::max_heads(dcpmla::Backend::cuda)))

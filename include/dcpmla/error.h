@@ -20,7 +20,7 @@ class Error : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
-// "field 'seq_lens[2]' = -3: expected >= 0"
+// "field 'seq_lens[2]' = -3: expected >= 0 (0 marks a padding request)"
 template <class T>
 Error make_error(std::string_view field, const T& value, std::string_view expected) {
   return Error(fmt::format("dcpmla: field '{}' = {}: expected {}", field, value, expected));

@@ -13,7 +13,8 @@ reference. :func:`local_length`, :func:`row_local_lengths` and :func:`slot_mappi
 the DCP layout rules. ``python -m dcpmla`` prints the build.
 
 Every input error raises ``ValueError`` whose message names the field, the value and
-what was expected: ``dcpmla: field 'seq_lens[2]' = -3: expected >= 0``.
+what was expected:
+``dcpmla: field 'seq_lens[2]' = -3: expected >= 0 (0 marks a padding request)``.
 """
 
 from __future__ import annotations
