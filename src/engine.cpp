@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "dcpmla/error.h"
+#include "cpu/parallel.h"
 
 namespace dcpmla {
 
@@ -72,14 +73,17 @@ void require_run_disjoint(const PlannerConfig& c, int64_t rows, const void* q, c
 
 namespace {
 
-// The planner, once its engine's host memory (one plan and the split-K workspace) is known to
-// fit the host budget: refused with its size before either is allocated.
+// The planner, once its engine's host memory (one plan, the split-K workspace and the kernel's
+// scratch on every thread) is known to fit the host budget: refused with its size before any
+// of it is allocated.
 Planner within_host_budget(Planner planner) {
-  const double bytes = double(planner.plan_host_bytes()) + double(split_workspace_floats(planner)) * sizeof(float);
-  require(bytes <= double(kMaxHostBytes), "host memory (plan and split-K workspace)",
-          fmt::format("{:.3g} GiB", bytes / double(1 << 30)),
-          fmt::format("<= {} GiB (lower heads, limits.max_batch, limits.max_qlen or limits.max_local_kv_len, or "
-                      "route one_stage)",
+  const int threads = detail::parallel_threads();
+  const double bytes = double(planner.plan_host_bytes()) + double(split_workspace_floats(planner)) * sizeof(float) +
+                       double(cpu_attention_scratch_bytes(planner.config().dims)) * threads;
+  require(bytes <= double(kMaxHostBytes), "host memory (plan, split-K workspace and the threads' scratch)",
+          fmt::format("{:.3g} GiB ({} threads)", bytes / double(1 << 30), threads),
+          fmt::format("<= {} GiB (lower heads, kv_lora_rank, rope_dim, limits.max_batch, limits.max_qlen or "
+                      "limits.max_local_kv_len, or route one_stage)",
                       kMaxHostBytes >> 30));
   return planner;
 }

@@ -69,12 +69,11 @@ ReferenceResult reference_attention(std::span<const float> q, std::span<const fl
   ReferenceResult r;
   r.out.assign(rows.size() * heads * rank_dim, 0.0);
   r.lse.assign(rows.size() * heads, -std::numeric_limits<double>::infinity());
-#pragma omp parallel for schedule(dynamic) if (detail::omp_parallel_allowed())
-  for (int64_t bt = 0; bt < int64_t(rows.size()); ++bt) {
+  detail::parallel_for(int64_t(rows.size()), detail::Schedule::dynamic, [&](int64_t bt) {
     const auto [b, t] = rows[size_t(bt)];
     const int qb = qlens.empty() ? qlen : qlens[size_t(b)];
     const int64_t w = detail::row_window_unchecked(mode, seq_lens[size_t(b)], qb, t);
-    if (w <= 0) continue;
+    if (w <= 0) return;
     std::vector<double> k(size_t(w) * dim);
     for (int64_t j = 0; j < w; ++j)
       for (int d = 0; d < dim; ++d)
@@ -99,7 +98,7 @@ ReferenceResult reference_attention(std::span<const float> q, std::span<const fl
       }
       r.lse[size_t(row)] = m + std::log(sum);
     }
-  }
+  });
   return r;
 }
 

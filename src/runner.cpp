@@ -10,8 +10,10 @@
 
 #include <fmt/ranges.h>
 
+#include "dcpmla/attention.h"
 #include "dcpmla/error.h"
 #include "dcpmla/merge.h"
+#include "cpu/parallel.h"
 
 namespace dcpmla {
 namespace {
@@ -343,7 +345,12 @@ void check_memory(const Inputs& in, const AttentionOptions& o, int ranks_here, b
   const double shared = 2.0 * (double(in.rows) * in.heads * in.dim + double(in.batch) * in.max_len * in.dim +
                                double(in.tokens) * in.dim) +
                         12.0 * double(in.tokens) + 4.0 * double(in.batch) * double(in.width) + 4.0 * double(in.num_blocks);
-  const double total = shared + per_rank * ranks_here;
+  // The CPU kernels' scratch on every thread: the ranks here share the cores (run_ranks).
+  const double scratch =
+      cpu_engines ? double(cpu_attention_scratch_bytes(sizing.config().dims)) *
+                        std::max(detail::parallel_threads(), ranks_here)
+                  : 0.0;
+  const double total = shared + per_rank * ranks_here + scratch;
   require(total <= double(kMaxInProcessBytes), "host memory (input copies; per rank: plans, cache, workspace, merge buffers)",
           fmt::format("{:.3g} GiB for {} rank(s) here", total / double(1 << 30), ranks_here),
           fmt::format("<= {} GiB in one process (lower world_size, block_size, heads or the batch)",

@@ -60,6 +60,12 @@ void validate_attention_params(const AttentionParams& p);
 // in p, so its overlap with them is the engine's check, Attention::run).
 void attention_cpu(const AttentionParams& p);
 
+// Host bytes attention_cpu allocates on each thread it runs on, whatever the batch (a task's
+// scratch is bounded in heads and query positions). The CPU engine counts it for every OpenMP
+// thread in its host budget, so a latent width too wide for the host is refused when the
+// engine is built.
+int64_t cpu_attention_scratch_bytes(const LatentDims& dims);
+
 // Workspace floats split_k partials need for plans of these capacities
 // (PlanView::work_capacity, PlanView::max_qlen). Throws dcpmla::Error when an argument is
 // below 1 or the count does not fit int64 (absurd dims once wrapped it to 0 floats).

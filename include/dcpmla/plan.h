@@ -4,9 +4,11 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -211,7 +213,15 @@ class Plan {
   // assigned to or destroyed: a planner refuses it, and its accessors (header, view, and what
   // reads them) throw dcpmla::Error, as does run() on an engine Attention moved from.
   Plan(Plan&&) = default;
-  Plan& operator=(Plan&&) = default;
+  // Not defaulted: a defaulted one moved onto itself would free the arena and keep pointing at
+  // it (a vector moved onto itself empties). A self-move leaves the plan as it was.
+  Plan& operator=(Plan&& o) noexcept {
+    if (this != &o) {
+      std::destroy_at(this);
+      std::construct_at(this, std::move(o));
+    }
+    return *this;
+  }
 
   const PlanHeader& header() const { return *reinterpret_cast<const PlanHeader*>(held_arena()); }
   Route route() const { return Route(header().route); }
@@ -280,6 +290,7 @@ class Plan {
   ArenaRef arena_;
   PlanStats stats_;
 };
+static_assert(std::is_nothrow_move_constructible_v<Plan>, "Plan's move assignment rebuilds in place");
 
 // Which route serves which mode, dtype and head count on which backend.
 struct Capability {

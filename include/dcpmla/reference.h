@@ -21,6 +21,8 @@ struct ReferenceResult {
 // seq_lens[b] outside [0, max_len] or below its qlen in decode/verify (0 = padding), qlen != 1
 // in decode, rank_dim outside [1, D], an unknown mode or dtype, a bad kv_scale, or a
 // softmax_scale not finite and > 0. batch = 0 is an empty call. Checks never change the numbers.
+// Each thread holds one row's window in float64 (window x D doubles); an allocation that fails
+// there is rethrown to the caller (std::bad_alloc), never left to end the process.
 ReferenceResult reference_attention(std::span<const float> q, std::span<const float> kv,
                                     std::span<const int32_t> seq_lens, int batch, int qlen,
                                     int heads, int64_t max_len, int dim, Mode mode,

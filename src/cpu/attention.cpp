@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <optional>
 #include <string_view>
 #include <tuple>
 #include <utility>
@@ -19,7 +20,10 @@ namespace dcpmla {
 namespace {
 
 constexpr int kTokensPerChunk = 64;
+// A task is one work item's heads [h0, h0 + kHeadsPerTask) at query positions
+// [t0, t0 + kPositionsPerTask): its scratch is bounded whatever the qlen.
 constexpr int kHeadsPerTask = 16;
+constexpr int kPositionsPerTask = 16;
 
 // Eight independent sums so the compiler vectorises without reassociating.
 float dot(const float* a, const float* b, int n) {
@@ -56,13 +60,13 @@ struct RowState {
   float l = 0.0f;
 };
 
-// Attention of heads [h0, h1) of request b's query rows over local tokens [tok_begin, tok_end)
-// of the sharded cache, each row masked at its own local length. Leaves (acc, state) per (t, h).
-void attend_range(const AttentionParams& p, const Dequantizer& deq, int b, int h0, int h1,
-                  int64_t tok_begin, int64_t tok_end, std::vector<float>& acc,
-                  std::vector<RowState>& state) {
+// Attention of heads [h0, h1) at query positions [t0, t1) of request b over local tokens
+// [tok_begin, tok_end) of the sharded cache, each row masked at its own local length. Leaves
+// (acc, state) per (t - t0, h).
+void attend_range(const AttentionParams& p, const Dequantizer& deq, int b, int h0, int h1, int t0, int t1,
+                  int64_t tok_begin, int64_t tok_end, std::vector<float>& acc, std::vector<RowState>& state) {
   const PlanView& plan = p.plan;
-  const int q0 = plan.q_start[b], qlen = plan.q_start[b + 1] - q0, page = plan.header->page;
+  const int q0 = plan.q_start[b] + t0, qlen = t1 - t0, page = plan.header->page;
   const int D = p.dim, R = p.rank_dim, nh = h1 - h0;
   const int64_t row_bytes = int64_t(D) * bytes_per_value(p.kv_dtype);
   const int32_t* lens = plan.row_local_len + q0;
@@ -119,6 +123,12 @@ void attend_range(const AttentionParams& p, const Dequantizer& deq, int b, int h
 }
 
 }  // namespace
+
+int64_t cpu_attention_scratch_bytes(const LatentDims& dims) {
+  const int64_t D = dims.dim(), rows = int64_t(kHeadsPerTask) * kPositionsPerTask;
+  // attend_range's keys, q rows, accumulators and row states; the merge's one row.
+  return 4 * (kTokensPerChunk * D + rows * D + rows * dims.kv_lora_rank + 2 * rows + dims.kv_lora_rank);
+}
 
 int64_t split_workspace_floats(const Planner& planner) {
   if (!planner.may_cut()) return 0;
@@ -212,23 +222,27 @@ void attention_cpu(const AttentionParams& p) {
   const int64_t slot_rows = int64_t(h.qlen) * H;  // rows of one partial slot
   const Dequantizer deq(p.kv_dtype, p.kv_scale);
   const int head_blocks = (H + kHeadsPerTask - 1) / kHeadsPerTask;
-  const int64_t tasks = int64_t(h.work_count) * head_blocks;
+
+  const int position_blocks = (h.qlen + kPositionsPerTask - 1) / kPositionsPerTask;
+  const int64_t tasks = int64_t(h.work_count) * position_blocks * head_blocks;
 
   // The pieces in any order (the chunks exist for the GPU's CTAs): a whole request writes
   // out and lse, a piece of a cut request its partial slot.
-#pragma omp parallel for schedule(dynamic) if (detail::omp_parallel_allowed())
-  for (int64_t task = 0; task < tasks; ++task) {
-    const WorkItem item = plan.work[task / head_blocks];
+  detail::parallel_for(tasks, detail::Schedule::dynamic, [&](int64_t task) {
+    const WorkItem item = plan.work[task / (int64_t(position_blocks) * head_blocks)];
     const int b = item.request, q0 = plan.q_start[b], qlen = plan.q_start[b + 1] - q0;
+    const int t0 = int(task / head_blocks % position_blocks) * kPositionsPerTask;
+    if (t0 >= qlen) return;  // a request with fewer rows than the plan's qlen
+    const int t1 = std::min(qlen, t0 + kPositionsPerTask);
     const int h0 = int(task % head_blocks) * kHeadsPerTask, h1 = std::min(H, h0 + kHeadsPerTask);
     std::vector<float> acc;
     std::vector<RowState> state;
-    attend_range(p, deq, b, h0, h1, item.tok_begin, item.tok_end, acc, state);
+    attend_range(p, deq, b, h0, h1, t0, t1, item.tok_begin, item.tok_end, acc, state);
     const int nh = h1 - h0;
-    for (int t = 0; t < qlen; ++t)
+    for (int t = t0; t < t1; ++t)
       for (int hh = 0; hh < nh; ++hh) {
-        const RowState& st = state[size_t(t) * nh + size_t(hh)];
-        const float* a = acc.data() + (size_t(t) * nh + size_t(hh)) * R;
+        const RowState& st = state[size_t(t - t0) * nh + size_t(hh)];
+        const float* a = acc.data() + (size_t(t - t0) * nh + size_t(hh)) * R;
         // l = 0 only when the row read no key. A NaN l (a NaN or inf in q or kv) stays NaN in
         // out and lse: an lse of -inf would read as an empty row that the merges drop.
         const float inv = st.l == 0.0f ? 0.0f : 1.0f / st.l;
@@ -245,21 +259,20 @@ void attention_cpu(const AttentionParams& p) {
           p.lse[row] = st.l == 0.0f ? kNegInf : (st.m + std::log2(st.l)) * kLn2;
         }
       }
-  }
+  });
 
   // Combine the pieces of each cut request.
   const int64_t rows = int64_t(h.split_requests) * slot_rows;
-#pragma omp parallel for schedule(static) if (detail::omp_parallel_allowed())
-  for (int64_t x = 0; x < rows; ++x) {
+  detail::parallel_for(rows, detail::Schedule::even, [&](int64_t x) {
     const int i = int(x / slot_rows);
     const int64_t in_slot = x % slot_rows;
     const int b = plan.split_request[i];
-    if (in_slot >= int64_t(plan.q_start[b + 1] - plan.q_start[b]) * H) continue;
+    if (in_slot >= int64_t(plan.q_start[b + 1] - plan.q_start[b]) * H) return;
     const int first = plan.split_slot[i], pieces = plan.split_slot[i + 1] - first;
     const int64_t base = first * slot_rows + in_slot, row = int64_t(plan.q_start[b]) * H + in_slot;
     detail::merge_split_k_unchecked(p.part_o + base * R, p.part_m + base, p.part_l + base, pieces, slot_rows * R,
                                     slot_rows, R, p.out + row * R, p.lse + row);
-  }
+  });
 }
 
 void block_attention_cpu(const BlockAttentionParams& p) {
@@ -282,13 +295,26 @@ void block_attention_cpu(const BlockAttentionParams& p) {
   require_value_aligned(p.seq_lens, "seq_lens");
   require_value_aligned(p.out, "out");
   require_value_aligned(p.lse, "lse");
+  const int D = p.dim, R = p.rank_dim;
   for (int b = 0; b < p.batch; ++b)
     if (p.seq_lens[b] != 0 && p.seq_lens[b] < p.qlen)
       fail(fmt::format("seq_lens[{}]", b), p.seq_lens[b], fmt::format("0 (padding) or >= qlen ({})", p.qlen));
-  const int D = p.dim, R = p.rank_dim;
+  // The outputs apart from the inputs (an out over q rewrote rows not yet read; an lse over
+  // seq_lens rewrote the lengths). Sizes in int64: each factor is an int.
+  const std::optional<int64_t> q_values = checked_product({p.batch, p.qlen, p.q_heads, D});
+  if (!q_values) fail("q", fmt::format("{} x {} x {} x {} values", p.batch, p.qlen, p.q_heads, D), "a count that fits int64");
   const int64_t rows = int64_t(p.batch) * p.qlen * p.heads;
-#pragma omp parallel for schedule(static) if (detail::omp_parallel_allowed())
-  for (int64_t row = 0; row < rows; ++row) {
+  require_disjoint({{"out", p.out, rows * R * 2}, {"lse", p.lse, rows * 4}},
+                   {{"q", p.q, *q_values * 2},
+                    {"block_kv", p.block_kv, int64_t(p.batch) * p.qlen * D * 2},
+                    {"seq_lens", p.seq_lens, int64_t(p.batch) * 4}});
+  // Key i of request b as the cache would hold it, into k (D floats): each key is dequantised
+  // where it is used, twice, so a row's scratch stays 2 D + qlen + R floats.
+  const auto load_key = [&](int b, int i, std::vector<float>& k) {
+    const bf16* ks = p.block_kv + (int64_t(b) * p.qlen + i) * D;
+    for (int j = 0; j < D; ++j) k[size_t(j)] = quantize_roundtrip(bf16_to_float(ks[j]), p.kv_dtype, p.kv_scale);
+  };
+  detail::parallel_for(rows, detail::Schedule::even, [&](int64_t row) {
     const int b = int(row / (int64_t(p.qlen) * p.heads));
     const int t = int(row / p.heads % p.qlen);
     const int h = p.head_begin + int(row % p.heads);
@@ -297,29 +323,28 @@ void block_attention_cpu(const BlockAttentionParams& p) {
     if (keys == 0) {
       std::fill(out, out + R, bf16{});
       p.lse[row] = kNegInf;
-      continue;
+      return;
     }
-    std::vector<float> q(static_cast<size_t>(D)), k(static_cast<size_t>(keys) * D), s(static_cast<size_t>(keys));
+    std::vector<float> q(static_cast<size_t>(D)), k(static_cast<size_t>(D)), s(static_cast<size_t>(keys)),
+        acc(static_cast<size_t>(R), 0.0f);
     const bf16* qs = p.q + ((int64_t(b) * p.qlen + t) * p.q_heads + h) * D;
     for (int j = 0; j < D; ++j) q[size_t(j)] = bf16_to_float(qs[j]);
     float m = kNegInf;
     for (int i = 0; i < keys; ++i) {
-      const bf16* ks = p.block_kv + (int64_t(b) * p.qlen + i) * D;
-      for (int j = 0; j < D; ++j)
-        k[size_t(i) * D + j] = quantize_roundtrip(bf16_to_float(ks[j]), p.kv_dtype, p.kv_scale);
-      s[size_t(i)] = dot(q.data(), k.data() + size_t(i) * D, D) * p.softmax_scale * kLog2e;
+      load_key(b, i, k);
+      s[size_t(i)] = dot(q.data(), k.data(), D) * p.softmax_scale * kLog2e;
       m = std::max(m, s[size_t(i)]);
     }
-    std::vector<float> acc(static_cast<size_t>(R), 0.0f);
     float l = 0.0f;
     for (int i = 0; i < keys; ++i) {
       const float w = std::exp2(s[size_t(i)] - m);
       l += w;
-      for (int r = 0; r < R; ++r) acc[size_t(r)] += w * k[size_t(i) * D + r];
+      load_key(b, i, k);
+      for (int r = 0; r < R; ++r) acc[size_t(r)] += w * k[size_t(r)];
     }
     for (int r = 0; r < R; ++r) out[r] = float_to_bf16(acc[size_t(r)] / l);
     p.lse[row] = (m + std::log2(l)) * kLn2;
-  }
+  });
 }
 
 }  // namespace dcpmla

@@ -1,5 +1,6 @@
 #include "parallel.h"
 
+#include <omp.h>
 #include <pthread.h>
 
 #include <atomic>
@@ -15,5 +16,7 @@ std::atomic<bool> g_forked_child{false};
 }  // namespace
 
 bool omp_parallel_allowed() { return !g_forked_child.load(std::memory_order_relaxed); }
+
+int parallel_threads() { return omp_parallel_allowed() ? omp_get_max_threads() : 1; }
 
 }  // namespace dcpmla::detail

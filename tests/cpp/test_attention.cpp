@@ -46,6 +46,35 @@ TEST(Attention, RoutesAgreeWithReferenceAcrossTileBoundaries) {
   }
 }
 
+// A task of the CPU kernel covers 16 heads at 16 query positions: long query blocks and more
+// heads than one task holds are split across tasks, whole requests and cut pieces alike, with
+// per-request qlens that end inside a task's positions (and a request of no rows), on 2 ranks.
+TEST(Attention, TasksSplitLongQueryBlocksAndManyHeads) {
+  const int qlen = 37, heads = 20;
+  const std::vector<int32_t> lens{300, 0, 95, 41, 137}, qlens{37, 0, 16, 0, 17};
+  const int64_t max_len = 300;
+  const int B = int(lens.size()), rows = 37 + 16 + 17;
+  const auto q = testing::random_normal(size_t(rows) * heads * 576, 31);
+  const auto kv = testing::random_normal(size_t(B) * max_len * 576, 32);
+  const auto ref = reference_attention(q, kv, lens, B, qlen, heads, max_len, 576, Mode::verify, KvDtype::bf16, 1.0f,
+                                       1.0 / std::sqrt(576.0), 512, qlens);
+  for (Route route : {Route::one_stage, Route::split_k}) {
+    AttentionOptions o;
+    o.mode = Mode::verify;
+    o.world_size = 2;
+    o.interleave = 2;
+    o.route = route;
+    o.block_size = 16;
+    o.seed = 12;
+    o.min_segment_tokens = 32;
+    o.qlens = qlens;
+    const auto got = mla_attention(q, kv, lens, B, qlen, heads, max_len, 576, o);
+    const auto err = compare(got.out, got.lse, ref.out, ref.lse, rows, 1, heads, 512);
+    EXPECT_TRUE(err.within(1e-2)) << to_string(route) << ": rel " << err.max_rel_l2 << " lse " << err.max_lse_err
+                                  << " nan " << err.nan_count;
+  }
+}
+
 TEST(Attention, EmptyRowsGiveZeroAndMinusInf) {
   // Rank 3 of 4 holds nothing of a request of length 2.
   AttentionConfig c;

@@ -517,6 +517,24 @@ TEST_F(Refusals, MovedFromAttentionRefusesToRun) {
   EXPECT_FALSE(untouched());
 }
 
+// A defaulted move assignment, moved onto itself, freed the plan's arena and kept pointing at
+// it (a use after free on the next run: the twelfth audit). A self-move now leaves it as it was.
+TEST_F(Refusals, SelfMovedAttentionStillRuns) {
+  Attention a(config);
+  a.plan(batch);
+  run(a, cache.view(), KvScale{0.05f});
+  const std::vector<bf16> first = out;
+  std::fill(out.begin(), out.end(), float_to_bf16(7.0f));
+  Attention& same = a;
+  a = std::move(same);
+  EXPECT_EQ(a.current_plan().header().batch, 2);
+  run(a, cache.view(), KvScale{0.05f});
+  EXPECT_TRUE(std::equal(out.begin(), out.end(), first.begin(), [](bf16 x, bf16 y) { return x.bits == y.bits; }));
+  a.plan(batch);  // plan() writes into the same arena
+  run(a, cache.view(), KvScale{0.05f});
+  EXPECT_TRUE(std::equal(out.begin(), out.end(), first.begin(), [](bf16 x, bf16 y) { return x.bits == y.bits; }));
+}
+
 TEST_F(Refusals, BadScales) {
   Attention att(config);
   att.plan(batch);
@@ -547,9 +565,17 @@ TEST_F(Refusals, WorkspaceBeyondTheHostCapIsRefusedAtConstruction) {
           c.route = r;
           Attention{c};
         }(),
-        "'host memory (plan and split-K workspace)' = ");
+        "'host memory (plan, split-K workspace and the threads' scratch)' = ");
   c.route = Route::one_stage;
   EXPECT_NO_THROW(Attention{c});
+  // The kernel's scratch on each thread grows with the latent width: a width the host cannot
+  // hold was accepted, and the first run's allocation failed inside an OpenMP loop, which ends
+  // the process (std::terminate; the twelfth audit). One thread's scratch alone is past the cap here.
+  c = config;
+  c.route = Route::one_stage;
+  c.dims = LatentDims{1 << 22, 64};
+  EXPECT_REFUSED(Attention{c}, "'host memory (plan, split-K workspace and the threads' scratch)' = ");
+  EXPECT_GT(cpu_attention_scratch_bytes(c.dims), kMaxHostBytes);
   c = config;
   c.num_workers = -5;  // was silently the backend's 132
   EXPECT_REFUSED(Attention{c}, field("num_workers", "-5"));
@@ -646,6 +672,12 @@ TEST_F(Refusals, KernelEntriesValidateTheirParameters) {
   expect_block([](BlockAttentionParams& p) { p.out = nullptr; }, "null");
   expect_block([&](BlockAttentionParams& p) { p.lse = byte_past(p.lse); }, "'lse' = address");
   expect_block([&](BlockAttentionParams& p) { p.block_kv = byte_past(p.block_kv); }, "'block_kv' = address");
+  // Outputs over its inputs (out over q rewrote rows not yet read, lse over seq_lens the
+  // lengths: the twelfth audit).
+  expect_block([&](BlockAttentionParams& p) { p.out = const_cast<bf16*>(p.q) + kDim; }, "overlapping q");
+  expect_block([&](BlockAttentionParams& p) { p.out = const_cast<bf16*>(p.block_kv); }, "overlapping block_kv");
+  expect_block([&](BlockAttentionParams& p) { p.lse = reinterpret_cast<float*>(const_cast<int32_t*>(p.seq_lens)); },
+               "overlapping seq_lens");
   EXPECT_TRUE(untouched());
   EXPECT_NO_THROW(block_attention_cpu(ok));
 

@@ -443,6 +443,18 @@ def test_messages_name_the_argument_at_fault():
     assert att.batch == 2  # the last good plan stands
 
 
+def test_a_latent_width_past_the_cpu_scratch_is_refused_not_aborted():
+    """The CPU kernel's scratch grows with D; a width the host cannot hold was accepted and the
+    first run's allocation failed inside an OpenMP loop, which aborted the interpreter (the
+    twelfth audit). Refused by name now, by the engine and by the conformance entry point."""
+    wide = 2**22
+    with error(r"field 'host memory \(plan, split-K workspace and the threads' scratch\)' = "):
+        dcpmla.Attention(heads=1, device="cpu", kv_lora_rank=wide, route="one_stage")
+    q, kv = np.ones((1, 1, 1, wide + 64), np.float32), np.ones((1, 1, wide + 64), np.float32)
+    with error(r"field 'host memory \(input copies; per rank: plans, cache, workspace, merge buffers\)' = "):
+        dcpmla.mla_attention(q, kv, [1], kv_lora_rank=wide, route="one_stage", block_size=1)
+
+
 # ---- 7. an empty step ---------------------------------------------------------------------------
 
 def test_empty_step_returns_empty_outputs():
