@@ -222,7 +222,6 @@ void attention_cpu(const AttentionParams& p) {
   const int64_t slot_rows = int64_t(h.qlen) * H;  // rows of one partial slot
   const Dequantizer deq(p.kv_dtype, p.kv_scale);
   const int head_blocks = (H + kHeadsPerTask - 1) / kHeadsPerTask;
-
   const int position_blocks = (h.qlen + kPositionsPerTask - 1) / kPositionsPerTask;
   const int64_t tasks = int64_t(h.work_count) * position_blocks * head_blocks;
 
@@ -300,12 +299,12 @@ void block_attention_cpu(const BlockAttentionParams& p) {
     if (p.seq_lens[b] != 0 && p.seq_lens[b] < p.qlen)
       fail(fmt::format("seq_lens[{}]", b), p.seq_lens[b], fmt::format("0 (padding) or >= qlen ({})", p.qlen));
   // The outputs apart from the inputs (an out over q rewrote rows not yet read; an lse over
-  // seq_lens rewrote the lengths). Sizes in int64: each factor is an int.
-  const std::optional<int64_t> q_values = checked_product({p.batch, p.qlen, p.q_heads, D});
-  if (!q_values) fail("q", fmt::format("{} x {} x {} x {} values", p.batch, p.qlen, p.q_heads, D), "a count that fits int64");
+  // seq_lens rewrote the lengths). q's bytes bound every other extent (heads <= q_heads, R < D).
+  const std::optional<int64_t> q_bytes = checked_product({p.batch, p.qlen, p.q_heads, D, 2});
+  if (!q_bytes) fail("q", fmt::format("{} x {} x {} x {} values", p.batch, p.qlen, p.q_heads, D), "bytes that fit int64");
   const int64_t rows = int64_t(p.batch) * p.qlen * p.heads;
   require_disjoint({{"out", p.out, rows * R * 2}, {"lse", p.lse, rows * 4}},
-                   {{"q", p.q, *q_values * 2},
+                   {{"q", p.q, *q_bytes},
                     {"block_kv", p.block_kv, int64_t(p.batch) * p.qlen * D * 2},
                     {"seq_lens", p.seq_lens, int64_t(p.batch) * 4}});
   // Key i of request b as the cache would hold it, into k (D floats): each key is dequantised
