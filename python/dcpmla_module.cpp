@@ -62,13 +62,13 @@ dcpmla::Backend backend_of(const std::string& device) {
 }
 
 // q [B, qlen, H, D], kv [B, Lmax, D], seq_lens [B] -> (out [B, qlen, H, R], lse [B, qlen, H],
-// the route each rank's planner took).
-std::tuple<NumpyArray<float>, NumpyArray<float>, std::vector<std::string>> mla_attention(
+// the route each rank's planner took, the most pieces each rank's plan cut one request into).
+std::tuple<NumpyArray<float>, NumpyArray<float>, std::vector<std::string>, std::vector<int>> mla_attention(
     HostArray<float, 4> q, HostArray<float, 3> kv, HostArray<int32_t, 1> seq_lens,
     const std::string& mode, int world_size, int interleave, int block_size,
     const std::string& kv_dtype, double kv_scale, double softmax_scale, int kv_lora_rank,
     const std::string& route, const std::string& merge, const std::string& device,
-    uint64_t seed, std::optional<HostArray<int32_t, 1>> qlens) {
+    uint64_t seed, std::optional<HostArray<int32_t, 1>> qlens, int min_segment_tokens) {
   dcpmla::AttentionOptions options;
   options.mode = dcpmla::parse_mode(mode);
   options.world_size = world_size;
@@ -83,6 +83,7 @@ std::tuple<NumpyArray<float>, NumpyArray<float>, std::vector<std::string>> mla_a
   options.merge = dcpmla::parse_merge_form(merge);
   options.backend = backend_of(device);
   options.seed = seed;
+  options.min_segment_tokens = min_segment_tokens;
 
   // With qlens, q is [sum(qlens), 1, H, D] (the packed rows) and B is seq_lens'.
   // Extents narrowed to int only once they fit: q [1, 1, 2^31 + 4, 2] was refused as heads =
@@ -124,10 +125,11 @@ std::tuple<NumpyArray<float>, NumpyArray<float>, std::vector<std::string>> mla_a
   for (dcpmla::Route r : result.routes) routes.emplace_back(dcpmla::to_string(r));
   if (qlens)
     return {to_numpy(std::move(result.out), {rows, size_t(heads), rank_dim}),
-            to_numpy(std::move(result.lse), {rows, size_t(heads)}), std::move(routes)};
+            to_numpy(std::move(result.lse), {rows, size_t(heads)}), std::move(routes),
+            std::move(result.max_segments)};
   return {to_numpy(std::move(result.out), {size_t(batch), size_t(qlen), size_t(heads), rank_dim}),
           to_numpy(std::move(result.lse), {size_t(batch), size_t(qlen), size_t(heads)}),
-          std::move(routes)};
+          std::move(routes), std::move(result.max_segments)};
 }
 
 int64_t local_length(int64_t w, int world_size, int rank, int interleave) {
@@ -176,9 +178,11 @@ NB_MODULE(_dcpmla, m) {
   m.def("_mla_attention", &mla_attention, "q"_a, "kv"_a, "seq_lens"_a, "mode"_a, "world_size"_a,
         "interleave"_a, "block_size"_a, "kv_dtype"_a, "kv_scale"_a, "softmax_scale"_a,
         "kv_lora_rank"_a, "route"_a, "merge"_a, "device"_a, "seed"_a, "qlens"_a = nb::none(),
+        "min_segment_tokens"_a = 256,
         "The whole DCP path (SPEC §5). Returns (out [B,qlen,H,R] float32, lse [B,qlen,H] float32 "
-        "natural log, routes taken per rank); with qlens, q is [sum(qlens), 1, H, D] and the results "
-        "[sum(qlens), H, R] and [sum(qlens), H].");
+        "natural log, routes taken per rank, the most pieces each rank's plan cut one request into); "
+        "with qlens, q is [sum(qlens), 1, H, D] and the results [sum(qlens), H, R] and [sum(qlens), H]. "
+        "min_segment_tokens: the planner's floor of a cut request's pieces (tests lower it).");
   m.def("local_length", &local_length, "w"_a, "world_size"_a, "rank"_a, "interleave"_a,
         "n_r(w): positions of the global window [0, w) held by `rank`.");
   m.def("row_local_lengths", &row_local_lengths, "mode"_a, "seq_len"_a, "qlen"_a, "world_size"_a,

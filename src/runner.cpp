@@ -459,10 +459,15 @@ AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, RankEngine
   result.out.resize(all_o.size());
   std::transform(all_o.begin(), all_o.end(), result.out.begin(), bf16_to_float);
   result.lse = std::move(all_lse);
-  std::vector<int32_t> routes(static_cast<size_t>(N));
-  const int32_t mine = int32_t(route);
-  comm.all_gather(&mine, routes.data(), 1, DataType::i32);
-  for (int32_t r : routes) result.routes.push_back(Route(r));
+  // Each rank's route and the most pieces its plan cut one request into (tests check that a
+  // forced split_k did cut).
+  std::vector<int32_t> plans(size_t(2 * N));
+  const std::array<int32_t, 2> mine{int32_t(route), engine.current_plan().stats().max_segments};
+  comm.all_gather(mine.data(), plans.data(), 2, DataType::i32);
+  for (int k = 0; k < N; ++k) {
+    result.routes.push_back(Route(plans[size_t(2 * k)]));
+    result.max_segments.push_back(plans[size_t(2 * k + 1)]);
+  }
   return result;
 }
 

@@ -95,6 +95,7 @@ struct AttentionResult {
   std::vector<float> out;  // [rows, H, R] as the bf16 output holds it (rows: B x qlen or sum(qlens))
   std::vector<float> lse;  // [rows, H] natural log
   std::vector<Route> routes;  // the route each rank's planner took (the schedule is each rank's own)
+  std::vector<int> max_segments;  // per rank, the most pieces its plan cut one request into (1: none cut, 0: no rows)
 };
 
 // One rank's part of the conformance path, with whatever communicator links the ranks

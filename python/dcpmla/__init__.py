@@ -61,7 +61,7 @@ def _one_value(x):
 
 
 def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_dtype, kv_scale,
-               softmax_scale, kv_lora_rank, route, device, merge, seed, qlens=None):
+               softmax_scale, kv_lora_rank, route, device, merge, seed, qlens=None, min_segment_tokens=256):
     # The shapes first, the values after: seq_lens and qlens are checked against the batch from
     # their shapes before they are copied or read (a broadcast view can describe 2**40 entries).
     # Each copy is checked beside what the other array will hold, before either is made.
@@ -117,7 +117,7 @@ def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_
         softmax_scale = D ** -0.5 if D > 0 else 1.0  # D = 0 is refused below, naming kv_lora_rank
     softmax_scale = _scale("softmax_scale", softmax_scale, ", or None for D ** -0.5")
 
-    out, lse, routes = _dcpmla._mla_attention(
+    out, lse, routes, max_segments = _dcpmla._mla_attention(
         q, kv, seq_lens,
         mode=_str("mode", mode),
         world_size=_int("world_size", world_size),
@@ -132,8 +132,9 @@ def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_
         device=_device(device),
         seed=_int("seed", seed, 0, 2**64 - 1),
         qlens=qlens,
+        min_segment_tokens=_int("min_segment_tokens", min_segment_tokens),
     )
-    return out, lse, list(routes)
+    return out, lse, list(routes), list(max_segments)
 
 
 def mla_attention(q, kv, seq_lens, *, mode="verify", world_size=1, interleave=1, block_size=64,
@@ -189,7 +190,7 @@ def mla_attention(q, kv, seq_lens, *, mode="verify", world_size=1, interleave=1,
     Raises:
         ValueError: on any bad input, naming the field, its value and what was expected.
     """
-    out, lse, _ = _attention(q, kv, seq_lens, mode=mode, world_size=world_size,
+    out, lse, _, _ = _attention(q, kv, seq_lens, mode=mode, world_size=world_size,
                              interleave=interleave, block_size=block_size, kv_dtype=kv_dtype,
                              kv_scale=kv_scale, softmax_scale=softmax_scale,
                              kv_lora_rank=kv_lora_rank, route=route, device=device, merge=merge,
@@ -197,11 +198,13 @@ def mla_attention(q, kv, seq_lens, *, mode="verify", world_size=1, interleave=1,
     return out, lse
 
 
-def _mla_attention_with_routes(q, kv, seq_lens, **options):
-    """:func:`mla_attention` that also returns the route each rank's planner took (tests)."""
+def _mla_attention_with_plans(q, kv, seq_lens, **options):
+    """:func:`mla_attention` that also returns, per rank, the route its planner took and the most
+    pieces its plan cut one request into (tests: a forced split_k must cut), and takes the
+    planner's ``min_segment_tokens`` (256; tests lower it to cut short rows)."""
     full = dict(mode="verify", world_size=1, interleave=1, block_size=64, kv_dtype="bf16",
                 kv_scale=1.0, softmax_scale=None, kv_lora_rank=512, route="auto", device="cpu",
-                merge="all_heads", seed=0, qlens=None)
+                merge="all_heads", seed=0, qlens=None, min_segment_tokens=256)
     unknown = set(options) - set(full)
     if unknown:
         raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")

@@ -16,7 +16,7 @@ import pytest
 
 import dcpmla
 from engine_case import DLPackOnly
-from reference import assert_close, reference_attention, round_bf16
+from reference import SPLIT_MIN_SEGMENT, assert_close, cuttable, rank0_tokens, reference_attention, round_bf16
 
 D, R = 576, 512
 
@@ -105,6 +105,15 @@ CASES = covering_cases()
 DEVICES = ["cpu"] + (["cuda"] if dcpmla.cuda_device_available() else [])
 
 
+def test_grid_split_k_cases_can_cut():
+    """Every forced split_k case of the grid holds a request the plan can cut (check() then
+    asserts that it did): before, 48 of 52 ran as one piece a request, the one_stage path."""
+    for case in CASES:
+        if case.route == "split_k":
+            lens = draw_lengths(case, np.random.default_rng(case.seed))
+            assert cuttable(lens, np.full(len(lens), case.qlen), case.world, case.interleave), case.id()
+
+
 def test_grid_covers_every_value_with_every_mode():
     for mode in ("decode", "verify", "draft"):
         mine = [c for c in CASES if c.mode == mode]
@@ -119,7 +128,8 @@ def test_grid_covers_every_value_with_every_mode():
 
 def draw_lengths(case, rng):
     """Per request: one exactly qlen, one short (L < N*I: some ranks hold nothing of a row),
-    one whose size follows case.lengths, and possibly a padding request (L = 0)."""
+    one whose size follows case.lengths, for a forced split_k one that rank 0 holds three
+    tiles of (so that the plan cuts it), and possibly a padding request (L = 0)."""
     q, span = case.qlen, case.world * case.interleave
     short = int(rng.integers(q, span)) if span > q else q
     if case.lengths == "short":
@@ -130,6 +140,8 @@ def draw_lengths(case, rng):
         cap = {1: 3000, 16: 1200}.get(case.heads, 300 if case.heads >= 64 else 1200)
         main = int(rng.integers(cap // 2, cap))
     lens = [q, short, main]
+    if case.route == "split_k":
+        lens.append(next(L for L in range(q, 10**6) if rank0_tokens(L, case.world, case.interleave) > 128))
     if case.padding:
         lens.insert(case.seed % 4, 0)
     return np.array(lens, dtype=np.int32)
@@ -167,9 +179,13 @@ def packed_reference(q, kv, lens, rows, **opts):
 def check(q, kv, lens, what, **opts):
     """mla_attention against the float64 reference, with the contract's bound, bf16 outputs,
     padding requests' zeros and -inf, finite lse elsewhere, and the route a forced route asks
-    for. With opts["qlens"], q and the results are packed ([sum(qlens), H, ...])."""
+    for. With opts["qlens"], q and the results are packed ([sum(qlens), H, ...]). A forced
+    split_k (pieces of SPLIT_MIN_SEGMENT tokens unless opts say otherwise) must cut a request
+    wherever the lengths allow one, and cannot cut elsewhere."""
     route, qlens = opts.get("route", "auto"), opts.get("qlens")
-    out, lse, routes = dcpmla._mla_attention_with_routes(q, kv, lens, **opts)
+    if route == "split_k":
+        opts = {"min_segment_tokens": SPLIT_MIN_SEGMENT, **opts}
+    out, lse, routes, pieces = dcpmla._mla_attention_with_plans(q, kv, lens, **opts)
     ref_opts = {k: opts[k] for k in ("mode", "kv_dtype", "kv_scale", "softmax_scale",
                                      "kv_lora_rank") if k in opts}
     assert out.dtype == np.float32 and lse.dtype == np.float32
@@ -195,6 +211,11 @@ def check(q, kv, lens, what, **opts):
         assert set(routes) == {route}, f"{what}: forced {route}, planners took {routes}"
     else:
         assert set(routes) <= {"one_stage", "two_stage", "split_k"}, routes
+    if route == "split_k":
+        rows = qlens if qlens is not None else np.full(len(lens), q.shape[1])
+        can_cut = cuttable(lens, rows, opts.get("world_size", 1), opts.get("interleave", 1),
+                           opts["min_segment_tokens"])
+        assert (max(pieces) > 1) == can_cut, f"{what}: pieces per rank {pieces}, expected a cut: {can_cut}"
     return out, lse, routes
 
 
@@ -216,12 +237,13 @@ def test_conformance(case, device):
 @pytest.mark.parametrize("world,route", [(1, "split_k"), (2, "split_k"), (1, "auto"),
                                          (3, "two_stage"), (8, "split_k")])
 def test_long_windows(world, route, device):
-    """Local lengths of several split-K segments (beyond the default min_segment_tokens = 256 per rank)."""
+    """Local lengths of several split-K segments at the library's default min_segment_tokens
+    (256): rank 0 holds 576 tokens of the longest request at N = 8, two pieces' worth."""
     rng = np.random.default_rng(world * 7)
-    lens = np.array([2500, 1100, 0, 4], dtype=np.int32)
+    lens = np.array([4600, 1100, 0, 4], dtype=np.int32)
     q, kv = make_inputs(rng, lens, 4, 8)
     check(q, kv, lens, f"long N={world} {route} {device}", mode="verify", world_size=world,
-          interleave=2, block_size=64, route=route, seed=world, device=device)
+          interleave=2, block_size=64, route=route, seed=world, device=device, min_segment_tokens=256)
 
 
 @pytest.mark.parametrize("device", DEVICES)

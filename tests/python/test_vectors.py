@@ -11,7 +11,7 @@ import pytest
 
 import dcpmla
 from conftest import vectors_dir
-from reference import assert_close, reference_attention
+from reference import SPLIT_MIN_SEGMENT, assert_close, cuttable, reference_attention
 
 _DIR = vectors_dir()
 CASES = [c["name"] for c in json.loads((_DIR / "index.json").read_text())] if _DIR else []
@@ -20,6 +20,7 @@ CASES = [c["name"] for c in json.loads((_DIR / "index.json").read_text())] if _D
 # outside verify, scatter_heads to all_heads where H % world_size != 0.
 CONFIGS = [
     (1, 1, 64, "auto", "all_heads"),
+    (1, 1, 16, "split_k", "all_heads"),
     (2, 1, 16, "one_stage", "all_heads"),
     (2, 1, 64, "auto", "scatter_heads"),
     (2, 1, 1, "two_stage", "all_heads"),
@@ -67,14 +68,19 @@ def test_vector(name, config):
         route = "one_stage"
     if merge == "scatter_heads" and heads % world:
         merge = "all_heads"
-    out, lse, routes = dcpmla._mla_attention_with_routes(
+    out, lse, routes, pieces = dcpmla._mla_attention_with_plans(
         z["q"], z["kv"], z["seq_lens"], world_size=world, interleave=interleave,
-        block_size=block_size, route=route, merge=merge, seed=world * 131 + block_size, **params)
+        block_size=block_size, route=route, merge=merge, seed=world * 131 + block_size,
+        min_segment_tokens=SPLIT_MIN_SEGMENT, **params)
     assert out.dtype == np.float32 and lse.dtype == np.float32
     assert_close(out, lse, z["out"].astype(np.float64), z["lse"].astype(np.float64),
                  what=f"{name} N={world} I={interleave} bs={block_size} {route} {merge}")
     if route != "auto":
         assert set(routes) == {route}, f"forced {route}, planners took {routes}"
+    if route == "split_k":  # the vectors are short: only N = 1 holds rows long enough to cut
+        rows = np.full(len(z["seq_lens"]), z["q"].shape[1])
+        can_cut = cuttable(z["seq_lens"], rows, world, interleave)
+        assert (max(pieces) > 1) == can_cut, f"pieces per rank {pieces}, expected a cut: {can_cut}"
     # Padding requests: out exactly 0, lse exactly -inf.
     pad = z["seq_lens"] == 0
     assert np.all(out[pad] == 0) and np.all(np.isneginf(lse[pad]))
