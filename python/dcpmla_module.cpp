@@ -207,6 +207,9 @@ NB_MODULE(_dcpmla, m) {
       .def_prop_ro("batch", &Engine::batch, "B of the current plan (0 before the first plan).")
       .def_prop_ro("qlen", &Engine::qlen, "qlen of the current plan (0 before the first plan).")
       .def_prop_ro("route", &Engine::route, "The route of the current plan ('none' before the first plan).")
+      .def_prop_ro("max_segments", &Engine::max_segments,
+                   "The most pieces the current plan cut one request into (1: none cut; 0 before the first "
+                   "plan or with no rows). Tests check that a forced split_k cut.")
       .def_prop_ro("device_index", [](const Engine& e) { return e.placement().device; },
                    "The CUDA device ordinal (0 on the CPU).");
   m.def("_write_kv", &dcpmla::python::write_kv, "kv_cache"_a, "latent"_a, "slot_mapping"_a, "kv_dtype"_a,

@@ -301,6 +301,10 @@ std::string Engine::route() const {
   const auto held = lock();
   return planned_ ? std::string(to_string(current_plan().route())) : "none";
 }
+int Engine::max_segments() const {
+  const auto held = lock();
+  return planned_ ? current_plan().stats().max_segments : 0;
+}
 
 void Engine::plan(HostInts1 seq_lens, HostInts2 block_tables, int qlen, const std::string& mode,
                   std::optional<HostInts1> qlens, uintptr_t stream) {

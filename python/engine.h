@@ -71,6 +71,7 @@ class Engine {
   int batch() const;  // of the current plan
   int qlen() const;
   std::string route() const;  // the current plan's route
+  int max_segments() const;   // the most pieces the current plan cut one request into (tests)
 
  private:
   // Takes the mutex; called with the GIL held, it releases the GIL while it waits (see above).

@@ -2,6 +2,7 @@
 // float64 reference over global windows, on a covering grid of the contract's axes.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -67,10 +68,14 @@ TEST_P(Conformance, MatchesFloat64Reference) {
   const int span = c.world * c.interleave;
   const int longest = c.heads == 128 ? 120 : 300;
   // A padding request, one shorter than the world's span (ranks holding nothing), one of
-  // exactly qlen and a long one.
+  // exactly qlen and a long one; for a forced split_k the long one gives rank 0 three tiles
+  // (positions go to the ranks in runs of I, rank 0 first), so that the plan must cut it.
   std::vector<int32_t> lens{0, std::max(qlen, int(rng() % std::max(span, 2))), qlen,
                             int(qlen + rng() % longest)};
   if (lens[1] == 0) lens[1] = qlen;
+  const auto rank0_tokens = [&](int L) { return L / span * c.interleave + std::min(L % span, c.interleave); };
+  if (c.route == Route::split_k)
+    while (rank0_tokens(lens[3]) <= 128) ++lens[3];
   const int B = int(lens.size());
   const int64_t max_len = *std::max_element(lens.begin(), lens.end());
   const auto q = testing::random_normal(size_t(B) * qlen * c.heads * 576, rng());
@@ -89,6 +94,8 @@ TEST_P(Conformance, MatchesFloat64Reference) {
     for (int h = 0; h < c.heads; ++h) ASSERT_EQ(got.lse[size_t(t * c.heads + h)], -INFINITY) << "padding row";
   if (c.route != Route::automatic)
     for (Route r : got.routes) EXPECT_EQ(r, c.route);
+  if (c.route == Route::split_k)  // a cut, not one piece a request under the split_k label
+    EXPECT_GT(*std::max_element(got.max_segments.begin(), got.max_segments.end()), 1) << "split_k cut nothing";
 }
 
 INSTANTIATE_TEST_SUITE_P(Grid, Conformance, ::testing::ValuesIn(covering_cases()),

@@ -23,10 +23,12 @@ STEPS = [
          lengths=(1, 0, 3, 200), seed=1),
     Step(mode="verify", qlen=4, world=2, block=1, dtype="fp8_e5m2", kv_scale=2.5, lengths=(4, 0, 9, 70), seed=2),
     Step(mode="verify", qlen=3, world=3, interleave=2, block=16, dtype="bf16", route="one_stage", seed=3),
+    # The split_k steps' longest requests give rank 0 eight tiles (500 tokens): the planner cuts
+    # them at its default min_segment_tokens (256), and run_step checks that it did.
     Step(mode="verify", qlen=2, world=4, block=64, dtype="fp8_e4m3", kv_scale=0.5, route="split_k",
-         lengths=(700, 2, 0, 1500), seed=4),
+         lengths=(700, 2, 0, 2000), seed=4),
     Step(mode="draft", qlen=3, world=2, interleave=2, block=256, dtype="bf16", route="split_k",
-         lengths=(3, 600, 0, 1), seed=5),
+         lengths=(3, 1000, 0, 1), seed=5),
     Step(mode="draft", qlen=2, world=3, block=16, dtype="fp8_e5m2", kv_scale=0.37, heads=5, seed=6),
 ]
 
@@ -39,17 +41,19 @@ def numpy_cache(num_blocks, step):
 
 def run_step(step, q, kv, t, num_blocks, *, cache_of=numpy_cache, convert=lambda x: x, qlens=None):
     """One step on every rank: write the history, plan (with per-request qlens when given), run;
-    returns the ranks' partials."""
-    outs, lses = [], []
+    returns the ranks' partials. A forced split_k must have cut a request on some rank."""
+    outs, lses, pieces = [], [], []
     for rank in range(step.world):
         cache = cache_of(num_blocks, step)
         latents, slots = slots_and_latents(step, kv, t, num_blocks, rank)
         dcpmla.write_kv(cache, convert(latents), convert(slots), kv_dtype=step.dtype, kv_scale=scale_of(step))
         att = dcpmla.Attention(**attention_kwargs(step, rank, **LIMITS))
         att.plan(np.array(step.lengths, dtype=np.int32), t, step.qlen, mode=step.mode, qlens=qlens)
+        pieces.append(att._native.max_segments)
         out, lse = att.run(convert(q), cache, kv_scale=scale_of(step))
         outs.append(out)
         lses.append(lse)
+    assert step.route != "split_k" or max(pieces) > 1, f"{step.id()}: split_k cut nothing ({pieces})"
     return outs, lses
 
 

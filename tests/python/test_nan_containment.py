@@ -9,13 +9,18 @@ import numpy as np
 import pytest
 
 import dcpmla
+from reference import SPLIT_MIN_SEGMENT
 
-LENS = np.array([200, 3, 0, 41], dtype=np.int32)  # long, exactly qlen, padding, medium
+LENS = np.array([300, 3, 0, 41], dtype=np.int32)  # long, exactly qlen, padding, medium
 B, QLEN, H, D = len(LENS), 3, 4, 576
 
 
 def run(q, kv, **kw):
-    return dcpmla.mla_attention(q, kv, LENS, mode="verify", block_size=16, seed=5, **kw)
+    """The split_k runs cut the long request (rank 0 holds 76-300 of its tokens: two tiles or more)."""
+    out, lse, _, pieces = dcpmla._mla_attention_with_plans(q, kv, LENS, mode="verify", block_size=16, seed=5,
+                                                           min_segment_tokens=SPLIT_MIN_SEGMENT, **kw)
+    assert kw["route"] != "split_k" or max(pieces) > 1, f"split_k cut nothing: {pieces}"
+    return out, lse
 
 
 def sees(b, t, p):

@@ -15,6 +15,9 @@ from reference import SPLIT_MIN_SEGMENT, assert_close, cuttable, reference_atten
 
 _DIR = vectors_dir()
 CASES = [c["name"] for c in json.loads((_DIR / "index.json").read_text())] if _DIR else []
+# The CUDA backend runs the vectors too where it is built and a GPU is present (ctest pytest_cuda
+# selects these cases with -k cuda).
+DEVICES = ["cpu"] + (["cuda"] if dcpmla.cuda_device_available() else [])
 
 # (world_size, interleave, block_size, route, merge); two_stage falls back to one_stage
 # outside verify, scatter_heads to all_heads where H % world_size != 0.
@@ -58,9 +61,10 @@ def test_reference_reproduces_vector(name):
 
 
 @pytest.mark.skipif(not CASES, reason="conformance vectors not found")
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "N{}-I{}-bs{}-{}-{}".format(*c))
 @pytest.mark.parametrize("name", CASES)
-def test_vector(name, config):
+def test_vector(name, config, device):
     world, interleave, block_size, route, merge = config
     z, params = load(name)
     heads = z["q"].shape[2]
@@ -71,10 +75,10 @@ def test_vector(name, config):
     out, lse, routes, pieces = dcpmla._mla_attention_with_plans(
         z["q"], z["kv"], z["seq_lens"], world_size=world, interleave=interleave,
         block_size=block_size, route=route, merge=merge, seed=world * 131 + block_size,
-        min_segment_tokens=SPLIT_MIN_SEGMENT, **params)
+        min_segment_tokens=SPLIT_MIN_SEGMENT, device=device, **params)
     assert out.dtype == np.float32 and lse.dtype == np.float32
     assert_close(out, lse, z["out"].astype(np.float64), z["lse"].astype(np.float64),
-                 what=f"{name} N={world} I={interleave} bs={block_size} {route} {merge}")
+                 what=f"{name} N={world} I={interleave} bs={block_size} {route} {merge} {device}")
     if route != "auto":
         assert set(routes) == {route}, f"forced {route}, planners took {routes}"
     if route == "split_k":  # the vectors are short: only N = 1 holds rows long enough to cut
