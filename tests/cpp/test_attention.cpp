@@ -117,6 +117,14 @@ TEST(Attention, BlockAttentionIsCausalInsideTheBlock) {
     EXPECT_NEAR(lse[size_t(h)], 0.04 * s, 1e-3);
     for (int r = 0; r < R; ++r) EXPECT_EQ(bf16_to_float(out[size_t(h) * R + r]), round_to_bf16(kf[size_t(r)]));
   }
+  // Every row against the float64 reference: a verify request of exactly qlen tokens has the
+  // block's causal windows (row t sees keys 0..t).
+  const auto ref = reference_attention(qf, kf, lens, 1, qlen, heads, qlen, D, Mode::verify, KvDtype::bf16, 1.0f,
+                                       0.04, R);
+  std::vector<float> got(out.size());
+  for (size_t i = 0; i < out.size(); ++i) got[i] = bf16_to_float(out[i]);
+  const auto err = compare(got, lse, ref.out, ref.lse, 1, qlen, heads, R);
+  EXPECT_TRUE(err.within(1e-2)) << "rel " << err.max_rel_l2 << " lse " << err.max_lse_err;
 }
 
 // The split-K workspace size: a negative rank_dim gave a wrong count (-2: 0 floats, -1: 80 for

@@ -550,16 +550,17 @@ TEST(Plan, RefusesBadConfigurations) {
   expect_error([&] { Planner p(c); }, "'interleave' = 3");
   c = config();
   c.heads = 0;
-  expect_error([&] { Planner p(c); }, "heads");
+  expect_error([&] { Planner p(c); }, "'heads' = 0: expected in [1, 4096]");
   c = config();
   c.limits.max_qlen = 0;
-  expect_error([&] { Planner p(c); }, "max_qlen");
+  expect_error([&] { Planner p(c); }, "'limits.max_qlen' = 0");
   c.limits.max_qlen = kMaxQlen + 1;
   expect_error([&] { Planner p(c); }, "'limits.max_qlen' = 4097");
+  // A plan arena past its bound (each limit within its own): 2^20 requests of 2^30 tokens.
   c = config();
   c.limits.max_batch = 1 << 20;
-  c.limits.max_local_kv_len = int64_t(1) << 40;
-  expect_error([&] { Planner p(c); }, "limits");
+  c.limits.max_local_kv_len = kMaxLocalKvLen;
+  expect_error([&] { Planner p(c); }, "'limits' = 35184386769571 plan ints (arena and batch copy): expected < 1073741824");
 }
 
 // Each of these overflowed int arithmetic in the planner before it was refused: the first
@@ -751,7 +752,7 @@ TEST(Plan, RefusesBadBatches) {
   expect_error([&] { planner.plan(b.desc(), plan); }, "block_tables");
   Planner other([] { auto c = config(); c.limits.max_batch = 3; return c; }());
   Plan foreign = other.make_plan();
-  expect_error([&] { planner.plan(batch_of({5}, 1).desc(), foreign); }, "plan");
+  expect_error([&] { planner.plan(batch_of({5}, 1).desc(), foreign); }, "'plan' = a plan of other capacities");
 }
 
 }  // namespace dcpmla

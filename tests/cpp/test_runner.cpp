@@ -85,7 +85,7 @@ TEST(Runner, EntryPointRefusesBadInput) {
   expect_error([&] { call(o); }, "'heads' = 2");
   o = {};
   o.backend = Backend::cuda;
-  expect_error([&] { call(o); }, "device");
+  expect_error([&] { call(o); }, "'device' = cuda: expected cpu");
   o = {};
   o.kv_dtype = KvDtype::fp8_e4m3;
   o.kv_scale = -1.0f;
@@ -106,7 +106,7 @@ TEST(Runner, EntryPointRefusesBadInput) {
   o = {};
   o.mode = Mode::draft;
   o.route = Route::two_stage;
-  expect_error([&] { call(o); }, "route");
+  expect_error([&] { call(o); }, "'route' = two_stage: expected a route that serves mode draft");
   // Refused before allocating: a million threads; 14 GB of blocks for 11 tokens.
   o = {};
   o.world_size = 1000000;
