@@ -65,9 +65,11 @@ def test_degenerate_shapes_match_reference(p):
     # by 150x random runs: draft R = 1 N = 3, rel 0.015, abs 9e-4; verify two_stage R = 1
     # N = 1, rel 0.33 of a result of 7e-4, abs 2e-4). Such rows may be off by twice that
     # rounding of the largest value, absolutely (a wrong window or token usually moves a row
-    # by far more; the conformance tests at R = 512 keep the plain relative bound).
+    # by far more). At R = 512 a row does not cancel so, and the slack would pass a few per
+    # cent of error (the test audit): there the plain relative bound holds, as in the
+    # conformance tests.
     values = kv[..., :p["R"]].astype(np.float64)
-    slack = 2.0 ** -8 * np.sqrt(p["heads"] * p["R"]) * np.abs(values).max(initial=0.0)
+    slack = 2.0 ** -8 * np.sqrt(p["heads"] * p["R"]) * np.abs(values).max(initial=0.0) if p["R"] < 512 else 0.0
     assert_close(out, lse, ref_out, ref_lse, what=str(p), slack=slack)
     pad = lens == 0
     assert np.all(out[pad] == 0) and np.all(np.isneginf(lse[pad])), "padding gives 0 and -inf"
