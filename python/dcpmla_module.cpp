@@ -68,7 +68,7 @@ std::tuple<NumpyArray<float>, NumpyArray<float>, std::vector<std::string>, std::
     const std::string& mode, int world_size, int interleave, int block_size,
     const std::string& kv_dtype, double kv_scale, double softmax_scale, int kv_lora_rank,
     const std::string& route, const std::string& merge, const std::string& device,
-    uint64_t seed, std::optional<HostArray<int32_t, 1>> qlens, int min_segment_tokens) {
+    uint64_t seed, std::optional<HostArray<int32_t, 1>> qlens, std::optional<int> min_segment_tokens) {
   dcpmla::AttentionOptions options;
   options.mode = dcpmla::parse_mode(mode);
   options.world_size = world_size;
@@ -83,7 +83,7 @@ std::tuple<NumpyArray<float>, NumpyArray<float>, std::vector<std::string>, std::
   options.merge = dcpmla::parse_merge_form(merge);
   options.backend = backend_of(device);
   options.seed = seed;
-  options.min_segment_tokens = min_segment_tokens;
+  if (min_segment_tokens) options.min_segment_tokens = *min_segment_tokens;
 
   // With qlens, q is [sum(qlens), 1, H, D] (the packed rows) and B is seq_lens'.
   // Extents narrowed to int only once they fit: q [1, 1, 2^31 + 4, 2] was refused as heads =
@@ -178,11 +178,12 @@ NB_MODULE(_dcpmla, m) {
   m.def("_mla_attention", &mla_attention, "q"_a, "kv"_a, "seq_lens"_a, "mode"_a, "world_size"_a,
         "interleave"_a, "block_size"_a, "kv_dtype"_a, "kv_scale"_a, "softmax_scale"_a,
         "kv_lora_rank"_a, "route"_a, "merge"_a, "device"_a, "seed"_a, "qlens"_a = nb::none(),
-        "min_segment_tokens"_a = 256,
+        "min_segment_tokens"_a = nb::none(),
         "The whole DCP path (SPEC §5). Returns (out [B,qlen,H,R] float32, lse [B,qlen,H] float32 "
         "natural log, routes taken per rank, the most pieces each rank's plan cut one request into); "
         "with qlens, q is [sum(qlens), 1, H, D] and the results [sum(qlens), H, R] and [sum(qlens), H]. "
-        "min_segment_tokens: the planner's floor of a cut request's pieces (tests lower it).");
+        "min_segment_tokens: the planner's floor of a cut request's pieces (None: the library's default; "
+        "tests lower it).");
   m.def("local_length", &local_length, "w"_a, "world_size"_a, "rank"_a, "interleave"_a,
         "n_r(w): positions of the global window [0, w) held by `rank`.");
   m.def("row_local_lengths", &row_local_lengths, "mode"_a, "seq_len"_a, "qlen"_a, "world_size"_a,

@@ -351,9 +351,10 @@ void check_memory(const Inputs& in, const AttentionOptions& o, int ranks_here, b
                         std::max(detail::parallel_threads(), ranks_here)
                   : 0.0;
   const double total = shared + per_rank * ranks_here + scratch;
-  require(total <= double(kMaxInProcessBytes), "host memory (input copies; per rank: plans, cache, workspace, merge buffers)",
+  require(total <= double(kMaxInProcessBytes),
+          "host memory (input copies; per rank: plans, cache, workspace, merge buffers; the CPU kernels' scratch)",
           fmt::format("{:.3g} GiB for {} rank(s) here", total / double(1 << 30), ranks_here),
-          fmt::format("<= {} GiB in one process (lower world_size, block_size, heads or the batch)",
+          fmt::format("<= {} GiB in one process (lower world_size, block_size, heads, kv_lora_rank or the batch)",
                       kMaxInProcessBytes >> 30));
 }
 

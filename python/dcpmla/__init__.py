@@ -61,7 +61,7 @@ def _one_value(x):
 
 
 def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_dtype, kv_scale,
-               softmax_scale, kv_lora_rank, route, device, merge, seed, qlens=None, min_segment_tokens=256):
+               softmax_scale, kv_lora_rank, route, device, merge, seed, qlens=None, min_segment_tokens=None):
     # The shapes first, the values after: seq_lens and qlens are checked against the batch from
     # their shapes before they are copied or read (a broadcast view can describe 2**40 entries).
     # Each copy is checked beside what the other array will hold, before either is made.
@@ -132,7 +132,7 @@ def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_
         device=_device(device),
         seed=_int("seed", seed, 0, 2**64 - 1),
         qlens=qlens,
-        min_segment_tokens=_int("min_segment_tokens", min_segment_tokens),
+        min_segment_tokens=None if min_segment_tokens is None else _int("min_segment_tokens", min_segment_tokens),
     )
     return out, lse, list(routes), list(max_segments)
 
@@ -201,10 +201,11 @@ def mla_attention(q, kv, seq_lens, *, mode="verify", world_size=1, interleave=1,
 def _mla_attention_with_plans(q, kv, seq_lens, **options):
     """:func:`mla_attention` that also returns, per rank, the route its planner took and the most
     pieces its plan cut one request into (tests: a forced split_k must cut), and takes the
-    planner's ``min_segment_tokens`` (256; tests lower it to cut short rows)."""
+    planner's ``min_segment_tokens`` (None: the library's default; tests lower it to cut short
+    rows)."""
     full = dict(mode="verify", world_size=1, interleave=1, block_size=64, kv_dtype="bf16",
                 kv_scale=1.0, softmax_scale=None, kv_lora_rank=512, route="auto", device="cpu",
-                merge="all_heads", seed=0, qlens=None, min_segment_tokens=256)
+                merge="all_heads", seed=0, qlens=None, min_segment_tokens=None)
     unknown = set(options) - set(full)
     if unknown:
         raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")

@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include "dcpmla/layout.h"
 #include "dcpmla/reference.h"
 #include "dcpmla/runner.h"
 #include "../common/case_options.h"
@@ -65,17 +66,14 @@ TEST_P(Conformance, MatchesFloat64Reference) {
   const Case c = GetParam();
   std::mt19937_64 rng(1000 + uint64_t(c.index));
   const int qlen = c.mode == Mode::decode ? 1 : 1 + int(rng() % 4);
-  const int span = c.world * c.interleave;
   const int longest = c.heads == 128 ? 120 : 300;
-  // A padding request, one shorter than the world's span (ranks holding nothing), one of
-  // exactly qlen and a long one; for a forced split_k the long one gives rank 0 three tiles
-  // (positions go to the ranks in runs of I, rank 0 first), so that the plan must cut it.
-  std::vector<int32_t> lens{0, std::max(qlen, int(rng() % std::max(span, 2))), qlen,
-                            int(qlen + rng() % longest)};
-  if (lens[1] == 0) lens[1] = qlen;
-  const auto rank0_tokens = [&](int L) { return L / span * c.interleave + std::min(L % span, c.interleave); };
+  // A padding request, a short one (the last rank holds none of it where the mode allows), one
+  // of exactly qlen and a long one; for a forced split_k the long one gives rank 0 three tiles,
+  // so that the plan must cut it.
+  std::vector<int32_t> lens{0, testing::short_length(c, qlen, rng), qlen, int(qlen + rng() % longest)};
+  const Layout rank0{c.world, 0, c.interleave};
   if (c.route == Route::split_k)
-    while (rank0_tokens(lens[3]) <= 128) ++lens[3];
+    while (rank0.local_length(lens[3]) <= 128) ++lens[3];
   const int B = int(lens.size());
   const int64_t max_len = *std::max_element(lens.begin(), lens.end());
   const auto q = testing::random_normal(size_t(B) * qlen * c.heads * 576, rng());

@@ -93,7 +93,7 @@ Sequence make_sequence(const Case& c, std::mt19937_64& rng) {
   s.qlen[0] = c.mode == Mode::decode ? 1 : 1 + int(rng() % 4);
   s.qlen[1] = c.mode == Mode::decode ? 1 : s.qlen[0] % 4 + 1;
   const int q0 = s.qlen[0], q1 = s.qlen[1];
-  const int shorter = std::max(c.mode == Mode::draft ? 1 : q0, int(rng() % ((c.world - 1) * c.interleave + 1)));
+  const int shorter = testing::short_length(c, q0, rng);
   // A forced split needs a row of several 64-token tiles on some rank to cut.
   const int longer = q0 + 24 * c.world + int(rng() % 64) + (c.route == Route::split_k ? 150 * c.world : 0);
   s.lens[0] = {0, shorter, q0, longer};
@@ -384,8 +384,9 @@ struct Refusals : ::testing::Test {
   std::vector<float> lse = std::vector<float>(2 * 2 * 4, 7.0f);
 
   // The batch's history in the cache (random latents: a zero cache made every out 0 whatever
-  // the plan, so a test comparing outputs could not see a wrong one).
+  // the plan, so a test comparing outputs could not see a wrong one), NaN everywhere else.
   Refusals() {
+    cache.poison();
     std::vector<int64_t> positions;
     std::vector<int32_t> requests;
     for (int b = 0; b < 2; ++b)
@@ -394,15 +395,18 @@ struct Refusals : ::testing::Test {
         requests.push_back(b);
       }
     const auto latents = to_bf16(testing::random_normal(positions.size() * kDim, 6));
-    const auto slots = slots_of(positions, requests, batch, 16, 8, config.layout);
+    const auto slots =
+        slots_of(positions, requests, batch, cache.config().block_size, cache.config().num_blocks, config.layout);
     write_kv(cache.view(), latents.data(), slots.data(), int64_t(positions.size()), 0.05f);
   }
 
   void run(Attention& att, const KvCache& kv, const KvScale& scale) {
     att.run(q.data(), kv, scale, out.data(), lse.data());
   }
-  // What a fresh engine planned with `batch` writes: the answer a kept or restored plan must give.
+  // What a fresh engine planned with `batch` writes: the answer a kept or restored plan must give,
+  // and no NaN (no read past a length).
   bool matches_a_fresh_plan() {
+    if (std::any_of(lse.begin(), lse.end(), [](float v) { return std::isnan(v); })) return false;
     const std::vector<bf16> got_out = out;
     const std::vector<float> got_lse = lse;
     Attention fresh(config);

@@ -185,7 +185,7 @@ TEST(Runner, EntryPointRefusesHostileSizesAndEnumsBeforeAllocating) {
   const int64_t max_len = int64_t(8) << 20;
   const std::span<const float> huge(tiny.data(), size_t(max_len) * 576);
   expect_error([&] { mla_attention(q, huge, one, 1, 1, 1, max_len, 576, AttentionOptions{}); },
-               "'host memory (input copies; per rank: plans, cache, workspace, merge buffers)' = ");
+               "'host memory (input copies; per rank: plans, cache, workspace, merge buffers; the CPU kernels' scratch)' = ");
   // One rank of many in this process has the same bound (it had none: 36 GiB of blocks were
   // left to the allocator; PagedCache's own cap would refuse later, naming num_blocks).
   AttentionOptions big;
@@ -196,7 +196,7 @@ TEST(Runner, EntryPointRefusesHostileSizesAndEnumsBeforeAllocating) {
   const std::vector<float> kv512(size_t(512) * 576);
   run_ranks(1, [&](int, Communicator& comm) {
     expect_error([&] { mla_attention_on_rank(q512, kv512, lens, 512, 1, 1, 1, 576, big, comm); },
-                 "'host memory (input copies; per rank: plans, cache, workspace, merge buffers)' = ");
+                 "'host memory (input copies; per rank: plans, cache, workspace, merge buffers; the CPU kernels' scratch)' = ");
   });
 }
 
@@ -215,7 +215,7 @@ TEST(Runner, PlansCountTowardTheMemoryBound) {
   o.qlens.assign(size_t(B), 0);
   const std::vector<int32_t> lens(size_t(B), 0);
   testing::expect_error([&] { mla_attention({}, {}, lens, B, 1, 1, 0, 2, o); },
-                        "'host memory (input copies; per rank: plans, cache, workspace, merge buffers)' = ");
+                        "'host memory (input copies; per rank: plans, cache, workspace, merge buffers; the CPU kernels' scratch)' = ");
 }
 
 // Each rank gathers every rank's partial to merge, so the merge buffers grow as N^2: 128

@@ -451,7 +451,8 @@ def test_a_latent_width_past_the_cpu_scratch_is_refused_not_aborted():
     with error(r"field 'host memory \(plan, split-K workspace and the threads' scratch\)' = "):
         dcpmla.Attention(heads=1, device="cpu", kv_lora_rank=wide, route="one_stage")
     q, kv = np.ones((1, 1, 1, wide + 64), np.float32), np.ones((1, 1, wide + 64), np.float32)
-    with error(r"field 'host memory \(input copies; per rank: plans, cache, workspace, merge buffers\)' = "):
+    with error(r"field 'host memory \(input copies; per rank: plans, cache, workspace, merge buffers; "
+               r"the CPU kernels' scratch\)' = "):
         dcpmla.mla_attention(q, kv, [1], kv_lora_rank=wide, route="one_stage", block_size=1)
 
 
