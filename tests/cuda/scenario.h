@@ -119,6 +119,104 @@ inline AttentionConfig make_config(const Scenario& s, int max_batch, int64_t max
   return c;
 }
 
+// The GPU's rank partials against a float64 sum of their own, for a sample of rows: straight
+// from the latents (no pages, no plan, no CPU kernel), each row's SPEC §1 window (decode and
+// verify [0, L - qlen_b + t], draft [0, L); under the two_stage route, its stage A: the prefix
+// [0, L - qlen_b) for every row), of it the positions this rank holds ((p / I) mod N == rank),
+// values as the cache stores them. The CPU engine answers every row; this keeps
+// the suite's answer tied to float64 and not only to another kernel of the library.
+inline Comparison float64_sample(const Scenario& s, const BatchData& d, Route route, const std::vector<bf16>& out,
+                                 const std::vector<float>& lse, int samples) {
+  const int batch = int(d.lens.size()), H = s.heads, D = 576, R = 512;
+  std::vector<int64_t> first_row(size_t(batch) + 1, 0), first_token(size_t(batch) + 1, 0);
+  for (int b = 0; b < batch; ++b) {
+    first_row[size_t(b) + 1] = first_row[size_t(b)] + (d.qlens.empty() ? d.qlen : d.qlens[size_t(b)]);
+    first_token[size_t(b) + 1] = first_token[size_t(b)] + d.lens[size_t(b)];
+  }
+  const int64_t cells = first_row[size_t(batch)] * H;
+  // The longest request's last row (the longest window) and random ones.
+  std::vector<int64_t> picks;
+  const int longest = int(std::max_element(d.lens.begin(), d.lens.end()) - d.lens.begin());
+  if (first_row[size_t(longest) + 1] > first_row[size_t(longest)]) picks.push_back((first_row[size_t(longest) + 1] - 1) * H);
+  std::mt19937_64 rng(s.seed * 31 + 7);
+  for (int i = 0; i < samples && cells > 0; ++i) picks.push_back(int64_t(rng() % uint64_t(cells)));
+
+  // The cache's value of each bf16 latent, by its bits (the fp8 round trip is slow per value).
+  std::vector<double> stored(1 << 16);
+  for (uint32_t bits = 0; bits < stored.size(); ++bits)
+    stored[bits] = quantize_roundtrip(bf16_to_float(bf16{uint16_t(bits)}), s.dtype, s.kv_scale);
+
+  Comparison c;
+  double worst = -1, work = 0;
+  const double scale = 1.0 / std::sqrt(double(D));
+  std::vector<double> score, kv, o(R);
+  for (const int64_t cell : picks) {
+    if (work > 5e7) break;  // a fraction of the CPU engine's time for the same scenario
+    const int64_t row = cell / H;
+    const int h = int(cell % H);
+    const int b = int(std::upper_bound(first_row.begin(), first_row.end(), row) - first_row.begin()) - 1;
+    const int64_t t = row - first_row[size_t(b)], qb = first_row[size_t(b) + 1] - first_row[size_t(b)];
+    const int64_t L = d.lens[size_t(b)];
+    const int64_t window = L == 0                    ? 0
+                           : route == Route::two_stage ? L - qb
+                           : s.mode == Mode::draft     ? L
+                                                       : L - qb + t + 1;
+    const bf16* q = d.q.data() + size_t(cell) * D;
+    std::vector<int64_t> held;
+    for (int64_t p = 0; p < window; ++p)
+      if ((p / s.interleave) % s.world == s.rank) held.push_back(p);
+    score.assign(held.size(), 0.0);
+    double m = -std::numeric_limits<double>::infinity();
+    work += double(held.size()) * (D + R);
+    kv.resize(held.size() * D);  // the held tokens as the cache stores them
+    for (size_t k = 0; k < held.size(); ++k)
+      for (int j = 0; j < D; ++j)
+        kv[k * D + size_t(j)] = stored[d.latents[size_t((first_token[size_t(b)] + held[k]) * D + j)].bits];
+    for (size_t k = 0; k < held.size(); ++k) {
+      double acc = 0;
+      for (int j = 0; j < D; ++j) acc += double(bf16_to_float(q[j])) * kv[k * D + size_t(j)];
+      score[k] = acc * scale;
+      m = std::max(m, score[k]);
+    }
+    double sum = 0;
+    for (const double x : score) sum += std::exp(x - m);
+    std::fill(o.begin(), o.end(), 0.0);
+    for (size_t k = 0; k < held.size(); ++k) {
+      const double p = std::exp(score[k] - m) / sum;
+      for (int j = 0; j < R; ++j) o[size_t(j)] += p * kv[k * D + size_t(j)];
+    }
+    const double want_lse = held.empty() ? -std::numeric_limits<double>::infinity() : m + std::log(sum);
+
+    double num = 0, den = 0;
+    bool nan = std::isnan(lse[size_t(cell)]), zero = true;
+    for (int j = 0; j < R; ++j) {
+      const double a = bf16_to_float(out[size_t(cell * R + j)]);
+      nan = nan || std::isnan(a);
+      zero = zero && a == 0.0;
+      num += (a - o[size_t(j)]) * (a - o[size_t(j)]);
+      den += o[size_t(j)] * o[size_t(j)];
+    }
+    const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+    const double got_lse = lse[size_t(cell)];
+    const double lerr = std::isinf(want_lse) || std::isinf(got_lse)
+                            ? (got_lse == want_lse ? 0.0 : std::numeric_limits<double>::infinity())
+                            : std::fabs(got_lse - want_lse);
+    c.nan_count += nan;
+    c.nonzero_empty += held.empty() && !zero;
+    c.bad_rows += nan || rel > 1e-2 || lerr > 1e-2;
+    c.max_rel_l2 = std::max(c.max_rel_l2, nan ? std::numeric_limits<double>::infinity() : rel);
+    c.max_lse_err = std::max(c.max_lse_err, nan ? std::numeric_limits<double>::infinity() : lerr);
+    const double badness = nan ? 1e300 : std::max(rel, lerr);
+    if (badness > worst) {
+      worst = badness;
+      c.worst = "row (b " + std::to_string(b) + ", t " + std::to_string(t) + ", h " + std::to_string(h) + "), " +
+                std::to_string(held.size()) + " tokens held: rel_l2 " + std::to_string(rel) + ", lse " +
+                std::to_string(got_lse) + " vs float64 " + std::to_string(want_lse);
+    }
+  }
+  return c;
+}
+
 // A device cache the test owns (as an engine would), poisoned with 0xff (NaN in every dtype).
 struct DeviceCache {
   DeviceBuffer<uint8_t> bytes;
@@ -195,6 +293,7 @@ struct TraceCheck {
 
 struct ScenarioResult {
   Comparison cmp;
+  Comparison float64;  // a sample of rows against float64_sample's own sum
   bool cache_ok = true;
   int64_t cache_mismatch = 0;
   bool plan_ok = true;
@@ -321,7 +420,10 @@ inline ScenarioResult run_scenario(const Scenario& s, bool trace = false) {
     lse.poison();
     gpu.run(q.get(), cache.view, KvScale{s.kv_scale}, out.get(), lse.get(), stream);
     cuda_ok(cudaStreamSynchronize(stream), "attend");
-    res.cmp = compare_rows(out.download(), lse.download(), ref_out, ref_lse, 512, s.qlen, s.heads);
+    const auto got_out = out.download();
+    const auto got_lse = lse.download();
+    res.cmp = compare_rows(got_out, got_lse, ref_out, ref_lse, 512, s.qlen, s.heads);
+    res.float64 = float64_sample(s, d, res.route, got_out, got_lse, 24);
     if (trace) {
       std::vector<uint64_t> blank(kTraceEntries, 0);
       std::fill(blank.begin() + kTraceSm, blank.begin() + kTraceSm + kTraceCtas, kUnstampedSm);

@@ -2,7 +2,9 @@
 // modes x dtypes x block sizes x heads x world sizes / ranks / interleaves x routes
 // (one_stage, split_k, two_stage's stage A, auto), short rows, padding requests, and a
 // NaN-poisoned cache. Bound: rel L2 <= 1e-2 per row, |lse err| <= 1e-2, no NaN; rows with
-// lse = -inf must be exactly zero. The KV write kernel must reproduce the CPU cache bytes.
+// lse = -inf must be exactly zero. The KV write kernel must reproduce the CPU cache bytes. A
+// sample of each scenario's rows is also held to the same bound against a float64 sum of the
+// test's own (float64_sample: from the latents, not through pages or a plan).
 #include <gtest/gtest.h>
 
 #include <tuple>
@@ -170,6 +172,9 @@ TEST_P(CudaAttention, MatchesCpuKernel) {
   EXPECT_EQ(r.cmp.bad_rows, 0) << s.describe() << " (route " << to_string(r.route) << ") max rel_l2 "
                                << r.cmp.max_rel_l2 << ", max lse err " << r.cmp.max_lse_err << " | worst "
                                << r.cmp.worst;
+  EXPECT_EQ(r.float64.bad_rows + r.float64.nonzero_empty, 0)
+      << s.describe() << ": against float64, max rel_l2 " << r.float64.max_rel_l2 << ", max lse err "
+      << r.float64.max_lse_err << " | worst " << r.float64.worst;
   if (s.min_cut_pieces > 0 && default_tuning(test_tuning())) {
     EXPECT_GT(r.max_segments, s.min_cut_pieces) << s.describe() << ": the plan no longer cuts a request into the pieces "
                                                    "this scenario is for";

@@ -1,5 +1,6 @@
 // The conformance path (SPEC §5) with CUDA engines: mla_attention(..., cuda::rank_engine_factory())
-// against the same call with the CPU engines, over ranks, routes, merge forms and dtypes.
+// against the same call with the CPU engines, over ranks, routes, merge forms and dtypes, and
+// (CudaEnginesMatchCpuEngines) against the float64 reference.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 
 #include "../common/case_options.h"
 #include "cuda_helpers.h"
+#include "dcpmla/reference.h"
 #include "dcpmla/runner.h"
 
 namespace dcpmla::testing {
@@ -138,6 +140,12 @@ TEST(CudaConformance, CudaEnginesMatchCpuEngines) {
     }
     EXPECT_EQ(nan, 0) << c.name;
     EXPECT_EQ(bad, 0) << c.name << ": worst error " << worst;
+    // And the CUDA engines' answer straight against the float64 reference, at the CPU grid's bound.
+    const auto ref = reference_attention(q, kv, c.lens, B, c.qlen, c.heads, max_len, D, c.mode, c.dtype, c.kv_scale,
+                                         1.0 / std::sqrt(double(D)), R);
+    const ErrorReport err = compare(gpu.out, gpu.lse, ref.out, ref.lse, B, c.qlen, c.heads, R);
+    EXPECT_TRUE(err.within(1e-2)) << c.name << " against float64: rel " << err.max_rel_l2 << " lse "
+                                  << err.max_lse_err << " nan " << err.nan_count;
   }
 }
 
