@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -70,46 +71,54 @@ struct Comparison {
   double max_rel_l2 = 0, max_lse_err = 0;
   int64_t nan_count = 0, bad_rows = 0, nonzero_empty = 0;
   std::string worst;  // where the worst row is, for the failure message
-};
 
-// Row-by-row (rows of width R): relative L2 of out, absolute lse error (-inf == -inf is 0),
-// NaN outputs, and rows whose lse is -inf but whose out is not exactly zero.
-inline Comparison compare_rows(const std::vector<bf16>& out, const std::vector<float>& lse,
-                               const std::vector<bf16>& ref_out, const std::vector<float>& ref_lse, int R,
-                               int qlen, int heads, double bound = 1e-2) {
-  Comparison c;
-  const int64_t rows = int64_t(ref_lse.size());
-  double worst = -1;
-  for (int64_t r = 0; r < rows; ++r) {
+  // One row of width R against what it should be (want(j): value j; want_lse, -inf for an
+  // empty window): relative L2 of out (absolute where want is all zero), absolute lse error
+  // (-inf == -inf is 0), NaN, and an empty row that is not exactly zero. where() names the row
+  // for the message, called only for a new worst.
+  template <class Want, class Where>
+  void add(const bf16* got, float got_lse, Want want, double want_lse, int R, double bound, Where where) {
     double num = 0, den = 0;
-    bool nan = std::isnan(lse[size_t(r)]), zero = true;
+    bool nan = std::isnan(got_lse), zero = true;
     for (int j = 0; j < R; ++j) {
-      const double a = bf16_to_float(out[size_t(r * R + j)]), b = bf16_to_float(ref_out[size_t(r * R + j)]);
-      if (std::isnan(a)) nan = true;
-      if (a != 0.0) zero = false;
+      const double a = bf16_to_float(got[j]), b = want(j);
+      nan = nan || std::isnan(a);
+      zero = zero && a == 0.0;
       num += (a - b) * (a - b);
       den += b * b;
     }
     const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-    const float la = lse[size_t(r)], lb = ref_lse[size_t(r)];
-    double lerr = 0;
-    if (std::isinf(la) || std::isinf(lb))
-      lerr = (la == lb) ? 0.0 : std::numeric_limits<double>::infinity();
-    else
-      lerr = std::fabs(double(la) - double(lb));
-    if (nan) ++c.nan_count;
-    if (std::isinf(lb) && lb < 0 && !zero) ++c.nonzero_empty;
-    if (nan || rel > bound || lerr > bound) ++c.bad_rows;
-    c.max_rel_l2 = std::max(c.max_rel_l2, nan ? std::numeric_limits<double>::infinity() : rel);
-    c.max_lse_err = std::max(c.max_lse_err, nan ? std::numeric_limits<double>::infinity() : lerr);
+    const double lerr = std::isinf(got_lse) || std::isinf(want_lse)
+                            ? (double(got_lse) == want_lse ? 0.0 : std::numeric_limits<double>::infinity())
+                            : std::fabs(double(got_lse) - want_lse);
+    nan_count += nan;
+    nonzero_empty += std::isinf(want_lse) && want_lse < 0 && !zero;
+    bad_rows += nan || rel > bound || lerr > bound;
+    max_rel_l2 = std::max(max_rel_l2, nan ? std::numeric_limits<double>::infinity() : rel);
+    max_lse_err = std::max(max_lse_err, nan ? std::numeric_limits<double>::infinity() : lerr);
     const double score = nan ? 1e300 : std::max(rel, lerr);
-    if (score > worst) {
-      worst = score;
-      const int64_t h = r % heads, t = (r / heads) % qlen, b = r / (int64_t(heads) * qlen);
-      c.worst = "row (b " + std::to_string(b) + ", t " + std::to_string(t) + ", h " + std::to_string(h) +
-                "): rel_l2 " + std::to_string(rel) + ", lse " + std::to_string(la) + " vs " + std::to_string(lb);
+    if (score > worst_score_) {
+      worst_score_ = score;
+      worst = where() + ": rel_l2 " + std::to_string(rel) + ", lse " + std::to_string(got_lse) + " vs " +
+              std::to_string(want_lse);
     }
   }
+
+ private:
+  double worst_score_ = -1;
+};
+
+// Row-by-row (rows of width R) against the CPU kernel's answer.
+inline Comparison compare_rows(const std::vector<bf16>& out, const std::vector<float>& lse,
+                               const std::vector<bf16>& ref_out, const std::vector<float>& ref_lse, int R,
+                               int qlen, int heads, double bound = 1e-2) {
+  Comparison c;
+  for (int64_t r = 0; r < int64_t(ref_lse.size()); ++r)
+    c.add(out.data() + r * R, lse[size_t(r)], [&](int j) { return bf16_to_float(ref_out[size_t(r * R + j)]); },
+          ref_lse[size_t(r)], R, bound, [&] {
+            const int64_t h = r % heads, t = (r / heads) % qlen, b = r / (int64_t(heads) * qlen);
+            return "row (b " + std::to_string(b) + ", t " + std::to_string(t) + ", h " + std::to_string(h) + ")";
+          });
   return c;
 }
 

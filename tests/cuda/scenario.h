@@ -147,7 +147,7 @@ inline Comparison float64_sample(const Scenario& s, const BatchData& d, Route ro
     stored[bits] = quantize_roundtrip(bf16_to_float(bf16{uint16_t(bits)}), s.dtype, s.kv_scale);
 
   Comparison c;
-  double worst = -1, work = 0;
+  double work = 0;
   const double scale = 1.0 / std::sqrt(double(D));
   std::vector<double> score, kv, o(R);
   for (const int64_t cell : picks) {
@@ -186,33 +186,10 @@ inline Comparison float64_sample(const Scenario& s, const BatchData& d, Route ro
       for (int j = 0; j < R; ++j) o[size_t(j)] += p * kv[k * D + size_t(j)];
     }
     const double want_lse = held.empty() ? -std::numeric_limits<double>::infinity() : m + std::log(sum);
-
-    double num = 0, den = 0;
-    bool nan = std::isnan(lse[size_t(cell)]), zero = true;
-    for (int j = 0; j < R; ++j) {
-      const double a = bf16_to_float(out[size_t(cell * R + j)]);
-      nan = nan || std::isnan(a);
-      zero = zero && a == 0.0;
-      num += (a - o[size_t(j)]) * (a - o[size_t(j)]);
-      den += o[size_t(j)] * o[size_t(j)];
-    }
-    const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-    const double got_lse = lse[size_t(cell)];
-    const double lerr = std::isinf(want_lse) || std::isinf(got_lse)
-                            ? (got_lse == want_lse ? 0.0 : std::numeric_limits<double>::infinity())
-                            : std::fabs(got_lse - want_lse);
-    c.nan_count += nan;
-    c.nonzero_empty += held.empty() && !zero;
-    c.bad_rows += nan || rel > 1e-2 || lerr > 1e-2;
-    c.max_rel_l2 = std::max(c.max_rel_l2, nan ? std::numeric_limits<double>::infinity() : rel);
-    c.max_lse_err = std::max(c.max_lse_err, nan ? std::numeric_limits<double>::infinity() : lerr);
-    const double badness = nan ? 1e300 : std::max(rel, lerr);
-    if (badness > worst) {
-      worst = badness;
-      c.worst = "row (b " + std::to_string(b) + ", t " + std::to_string(t) + ", h " + std::to_string(h) + "), " +
-                std::to_string(held.size()) + " tokens held: rel_l2 " + std::to_string(rel) + ", lse " +
-                std::to_string(got_lse) + " vs float64 " + std::to_string(want_lse);
-    }
+    c.add(out.data() + cell * R, lse[size_t(cell)], [&](int j) { return o[size_t(j)]; }, want_lse, R, 1e-2, [&] {
+      return "row (b " + std::to_string(b) + ", t " + std::to_string(t) + ", h " + std::to_string(h) + "), " +
+             std::to_string(held.size()) + " tokens held, against float64";
+    });
   }
   return c;
 }
