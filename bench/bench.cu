@@ -258,6 +258,7 @@ struct Shape {
   int heads, qlen;
   KvDtype dtype;
   int world = 1, rank = 0;
+  int block_size = 64;  // the cache's page (--block-size)
 };
 
 // One traced call (--trace), on another cache copy than the call before it, µs from the first
@@ -452,7 +453,7 @@ Row run_shape(const Shape& s, int runs, bool baseline, bool sweep, bool trace,
   Row row;
   row.s = s;
   const Mode mode = s.qlen == 1 ? Mode::decode : Mode::verify;
-  const int block = 64;
+  const int block = s.block_size;
   const Layout layout{s.world, s.rank, 1};
   int64_t max_local = 1, total_blocks = 0;
   for (int32_t L : s.lens) {
@@ -833,6 +834,7 @@ int main(int argc, char** argv) {
   bool quick = false, no_baseline = false, sweep = false, no_ceilings = false, serving = false, trace = false;
   std::vector<std::string> only, custom;
   std::vector<double> schedule;
+  int block_size = 64;
   CLI::App app{"dcpmla_bench: the copy and GEMM ceilings, a plain baseline (gather + cuBLAS + softmax) and\n"
                "dcpmla's attention at uniform and varlen shapes, on GPU 0: device time queued behind a spin\n"
                "kernel, the mean of calls queued back to back with no event between them, CUDA-graph replay\n"
@@ -866,6 +868,11 @@ int main(int argc, char** argv) {
   app.add_option("--schedule", schedule, "The schedule's cost model: piece,cut,slack[,combine[,combine_piece]] (ScheduleCost, in tiles; combine and combine_piece ScheduleCost's defaults when left out; default: each kernel's calibration, calibrated_schedule_cost); each JSON row records the cost its plan was dealt with (\"cost_model\", which scripts/cta_fit.py compares with the trace)")
       ->delimiter(',')
       ->expected(3, 5);
+  app.add_option("--block-size", block_size,
+                 "Tokens a cache page holds, for every shape (engines page by 1, 16, 32, 64 or more); a size other "
+                 "than 64 names each row <shape>_blk<N>, so that it never stands for the default rows")
+      ->check(dcpmla::cli::integer_in(1, kMaxBlockSize))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   const bool baseline = !no_baseline, ceilings = !no_ceilings;
 
@@ -942,6 +949,10 @@ int main(int argc, char** argv) {
   std::copy_if(shapes.begin(), shapes.end(), std::back_inserter(to_run),
                [&](const Shape& s) { return wanted(s.name); });
   to_run.insert(to_run.end(), custom_shapes.begin(), custom_shapes.end());
+  for (Shape& s : to_run) {
+    s.block_size = block_size;
+    if (block_size != 64) s.name += "_blk" + std::to_string(block_size);
+  }
   for (const Shape& s : to_run) {
     rows.push_back(run_shape(s, runs, baseline, sweep, trace, cost, blas));
     const Row& r = rows.back();
@@ -973,6 +984,7 @@ int main(int argc, char** argv) {
                          {"kv_dtype", std::string(to_string(r.s.dtype))},
                          {"world", r.s.world},
                          {"rank", r.s.rank},
+                         {"block_size", r.s.block_size},
                          {"route", r.route},
                          {"variant", r.variant},
                          {"work_items", r.work_items},
