@@ -345,11 +345,11 @@ void check_memory(const Inputs& in, const AttentionOptions& o, int ranks_here, b
   const double shared = 2.0 * (double(in.rows) * in.heads * in.dim + double(in.batch) * in.max_len * in.dim +
                                double(in.tokens) * in.dim) +
                         12.0 * double(in.tokens) + 4.0 * double(in.batch) * double(in.width) + 4.0 * double(in.num_blocks);
-  // The CPU kernels' scratch on every thread: the ranks here share the cores (run_ranks).
-  const double scratch =
-      cpu_engines ? double(cpu_attention_scratch_bytes(sizing.config().dims)) *
-                        std::max(detail::parallel_threads(), ranks_here)
-                  : 0.0;
+  // The CPU kernels' scratch on every thread: each rank's thread (run_ranks) opens its own
+  // OpenMP team, so the ranks here run up to ranks_here x parallel_threads() at once.
+  const double scratch = cpu_engines ? double(cpu_attention_scratch_bytes(sizing.config().dims)) *
+                                           double(ranks_here) * detail::parallel_threads()
+                                     : 0.0;
   const double total = shared + per_rank * ranks_here + scratch;
   require(total <= double(kMaxInProcessBytes),
           "host memory (input copies; per rank: plans, cache, workspace, merge buffers; the CPU kernels' scratch)",

@@ -2,8 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
+#include "cpu/parallel.h"
+#include "dcpmla/attention.h"
 #include "dcpmla/error.h"
 #include "dcpmla/reference.h"
 #include "test_helpers.h"
@@ -198,6 +201,28 @@ TEST(Runner, EntryPointRefusesHostileSizesAndEnumsBeforeAllocating) {
     expect_error([&] { mla_attention_on_rank(q512, kv512, lens, 512, 1, 1, 1, 576, big, comm); },
                  "'host memory (input copies; per rank: plans, cache, workspace, merge buffers; the CPU kernels' scratch)' = ");
   });
+}
+
+// Each rank's thread opens its own OpenMP team, so the CPU kernels' scratch is held by up to
+// ranks x threads threads at once; it was counted for max(ranks, threads), which let a latent
+// width through whose scratch ran past the bound. Here one thread's scratch is 1.1 / (8 t) of the
+// bound: max(8, t) of them fit, 8 t do not. (It needs two threads or more to tell the two apart.)
+TEST(Runner, EveryRanksThreadsCountTheirScratch) {
+  const int threads = detail::parallel_threads(), ranks = 8;
+  if (threads < 2) GTEST_SKIP() << "one OpenMP thread: ranks x threads = max(ranks, threads)";
+  const auto scratch = [](int R) { return double(cpu_attention_scratch_bytes(LatentDims{R, 64})); };
+  const double target = 1.1 * double(kMaxInProcessBytes) / (ranks * threads), per_r = scratch(2) - scratch(1);
+  const int R = int(std::ceil((target - scratch(1)) / per_r)) + 1;
+  ASSERT_LT(double(std::max(ranks, threads)) * scratch(R), 0.9 * double(kMaxInProcessBytes));
+  ASSERT_GT(double(ranks) * threads * scratch(R), double(kMaxInProcessBytes));
+  AttentionOptions o;
+  o.world_size = ranks;
+  o.kv_lora_rank = R;
+  o.route = Route::one_stage;
+  const int D = R + 64;
+  const auto q = testing::random_normal(size_t(D), 3), kv = testing::random_normal(size_t(D), 4);
+  testing::expect_error([&] { mla_attention(q, kv, std::vector<int32_t>{1}, 1, 1, 1, 1, D, o); },
+                        "'host memory (input copies; per rank: plans, cache, workspace, merge buffers; the CPU kernels' scratch)' = ");
 }
 
 // Each rank's plans are sized by the batch even when no request has a query row: 4 M padding
