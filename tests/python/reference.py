@@ -57,27 +57,6 @@ def row_window(mode: str, seq_len: int, qlen: int, t: int) -> int:
     return seq_len - qlen + t + 1
 
 
-def rank0_tokens(seq_len: int, world: int, interleave: int) -> int:
-    """Tokens of a window of seq_len positions that rank 0 holds: positions are dealt to the
-    ranks in runs of `interleave`, rank 0 first (SPEC section 2), so rank 0 holds the most."""
-    span = world * interleave
-    return (seq_len // span) * interleave + min(seq_len % span, interleave)
-
-
-# A forced split_k in the tests runs with pieces of at least this many tokens (the library's
-# default is 256), so that rows of a few hundred tokens are cut too.
-SPLIT_MIN_SEGMENT = 16
-
-
-def cuttable(lens, qlens, world, interleave, min_segment=SPLIT_MIN_SEGMENT):
-    """Whether some request with query rows has, on rank 0, at least two pieces' worth of
-    64-token tiles: the planner cuts nothing shorter (src/plan.cpp), so a forced split_k over
-    such lengths must cut, and over shorter ones cannot."""
-    floor_tiles = -(-min_segment // 64)
-    return any(n > 0 and -(-rank0_tokens(int(L), world, interleave) // 64) >= 2 * floor_tiles
-               for L, n in zip(lens, qlens))
-
-
 def reference_attention(q, kv, seq_lens, *, mode="verify", kv_dtype="bf16", kv_scale=1.0,
                         softmax_scale=None, kv_lora_rank=512):
     """Float64 attention over global windows. Returns (out [B,qlen,H,R], lse [B,qlen,H])."""

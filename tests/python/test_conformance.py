@@ -15,7 +15,8 @@ import pytest
 
 import dcpmla
 from engine_case import DLPackOnly
-from reference import SPLIT_MIN_SEGMENT, assert_close, cuttable, rank0_tokens, reference_attention, round_bf16
+from reference import assert_close, reference_attention, round_bf16
+from split_cut import SPLIT_MIN_SEGMENT, cuttable
 
 D, R = 576, 512
 
@@ -140,7 +141,7 @@ def draw_lengths(case, rng):
         main = int(rng.integers(cap // 2, cap))
     lens = [q, short, main]
     if case.route == "split_k":
-        lens.append(next(L for L in range(q, 10**6) if rank0_tokens(L, case.world, case.interleave) > 128))
+        lens.append(next(L for L in range(q, 10**6) if dcpmla.local_length(L, case.world, 0, case.interleave) > 128))
     if case.padding:
         lens.insert(case.seed % 4, 0)
     return np.array(lens, dtype=np.int32)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dcpmla
-from reference import SPLIT_MIN_SEGMENT
+from split_cut import SPLIT_MIN_SEGMENT
 
 LENS = np.array([300, 3, 0, 41], dtype=np.int32)  # long, exactly qlen, padding, medium
 B, QLEN, H, D = len(LENS), 3, 4, 576

@@ -11,7 +11,8 @@ import pytest
 
 import dcpmla
 from conftest import vectors_dir
-from reference import SPLIT_MIN_SEGMENT, assert_close, cuttable, reference_attention
+from reference import assert_close, reference_attention
+from split_cut import SPLIT_MIN_SEGMENT, cuttable
 
 _DIR = vectors_dir()
 CASES = [c["name"] for c in json.loads((_DIR / "index.json").read_text())] if _DIR else []
