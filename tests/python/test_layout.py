@@ -69,8 +69,8 @@ def test_negative_control_numbers():
     subtracting = [n_L - (3 - 1 - t) for t in range(3)]
     assert subtracting == [3, 4, 5]
     assert list(right) != subtracting
-    # Rank 0 is off under the subtracting rule too ([4, 5, 5], not [3, 4, 5]); the right rules'
-    # shares sum to each row's window.
+    # Rank 0's share is [4, 5, 5], where subtracting from its n_r(L) = 5 would give [3, 4, 5]
+    # too; the two ranks' shares sum to each row's window.
     r0 = dcpmla.row_local_lengths("verify", 10, 3, 2, 0, 1)
     assert list(r0) == [4, 5, 5]
     assert list(r0 + right) == [8, 9, 10]
