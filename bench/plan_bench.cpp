@@ -84,6 +84,8 @@ std::vector<Shape> shapes() {
       {"c1_ragged4_q4_bs64", {4641, 45118, 1730, 1696}, 4, Mode::verify, 64, true},
       {"c2_mix64_512to16.5k_bs64", mix, 1, Mode::decode, 64, true},
       {"d_b128_local4096_bs16", std::vector<int32_t>(128, 4096), 1, Mode::decode, 16, false},
+      // Pages of one token (SGLang's default): a table entry per token.
+      {"e_b128_local4096_bs1", std::vector<int32_t>(128, 4096), 1, Mode::decode, 1, false},
   };
 }
 

@@ -733,6 +733,42 @@ TEST(Plan, SubpageIdsAtTheInt32Edge) {
   EXPECT_EQ(v.subpage_table[2], INT32_MAX - 2);  // the largest id: num_blocks x 3 - 1
 }
 
+// Every table entry of a step is copied and bounded in one pass, vectorised (with AVX2 where
+// the CPU has it): a bad id, or the largest, is found wherever it lies in the vector body or
+// its tail, and the copy is the table.
+TEST(Plan, BoundsAndCopiesEveryTableEntry) {
+  auto c = config();
+  c.block_size = 1;
+  c.limits = PlanLimits{2, 1, 1024};
+  const Planner planner(c);
+  Plan plan = planner.make_plan();
+  const int n = 301;  // entries a request: not a multiple of any vector width
+  std::vector<int32_t> lens{n, n - 37}, table(2 * size_t(n));
+  for (size_t i = 0; i < table.size(); ++i) table[i] = int32_t((i * 7919 + 13) % 100000);
+  const int32_t read_max = *std::max_element(table.begin(), table.begin() + 2 * n - 37);  // the entries read
+  for (int j = 0; j < n; ++j) {
+    for (const int b : {0, 1}) {
+      if (b == 1 && j >= n - 37) continue;  // past the second request's entries: never read
+      const size_t at = size_t(b) * n + size_t(j);
+      const std::string where = fmt::format("'block_tables[{}][{}]' = ", b, j);
+      for (const int32_t bad : {-1, INT32_MIN, INT32_MAX}) {
+        auto t = table;
+        t[at] = bad;
+        expect_error([&] { planner.plan(BatchDesc{lens, 1, t, n, Mode::decode}, plan); }, where + std::to_string(bad));
+      }
+      auto t = table;
+      t[at] = 7654321;  // the largest id, at this position
+      planner.plan(BatchDesc{lens, 1, t, n, Mode::decode}, plan);
+      EXPECT_EQ(plan.stats().max_block, 7654321) << where;
+      const PlanView v = plan.view();
+      for (int k = 0; k < lens[size_t(b)]; ++k)
+        ASSERT_EQ(v.subpage_table[int64_t(b) * v.header->table_stride + k], t[size_t(b) * n + size_t(k)]) << k;
+    }
+  }
+  planner.plan(BatchDesc{lens, 1, table, n, Mode::decode}, plan);
+  EXPECT_EQ(plan.stats().max_block, read_max);
+}
+
 TEST(Plan, RefusesBadBatches) {
   Planner planner(config());
   Plan plan = planner.make_plan();
