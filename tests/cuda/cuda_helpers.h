@@ -108,17 +108,28 @@ struct Comparison {
   double worst_score_ = -1;
 };
 
+// Packed output row `cell` (query row cell / heads, head cell % heads) named for a failure
+// message: its request b and that request's query row t, from the requests' query rows (qlens;
+// empty: qlen each, packed request by request either way).
+inline std::string row_name(int64_t cell, int heads, int qlen, const std::vector<int32_t>& qlens = {}) {
+  int64_t t = cell / heads, b = 0;
+  if (qlens.empty()) {
+    b = t / qlen;
+    t -= b * qlen;
+  } else {
+    for (; b < int64_t(qlens.size()) && t >= qlens[size_t(b)]; ++b) t -= qlens[size_t(b)];
+  }
+  return "row (b " + std::to_string(b) + ", t " + std::to_string(t) + ", h " + std::to_string(cell % heads) + ")";
+}
+
 // Row-by-row (rows of width R) against the CPU kernel's answer.
 inline Comparison compare_rows(const std::vector<bf16>& out, const std::vector<float>& lse,
                                const std::vector<bf16>& ref_out, const std::vector<float>& ref_lse, int R,
-                               int qlen, int heads, double bound = 1e-2) {
+                               int qlen, int heads, double bound = 1e-2, const std::vector<int32_t>& qlens = {}) {
   Comparison c;
   for (int64_t r = 0; r < int64_t(ref_lse.size()); ++r)
     c.add(out.data() + r * R, lse[size_t(r)], [&](int j) { return bf16_to_float(ref_out[size_t(r * R + j)]); },
-          ref_lse[size_t(r)], R, bound, [&] {
-            const int64_t h = r % heads, t = (r / heads) % qlen, b = r / (int64_t(heads) * qlen);
-            return "row (b " + std::to_string(b) + ", t " + std::to_string(t) + ", h " + std::to_string(h) + ")";
-          });
+          ref_lse[size_t(r)], R, bound, [&] { return row_name(r, heads, qlen, qlens); });
   return c;
 }
 

@@ -153,7 +153,6 @@ inline Comparison float64_sample(const Scenario& s, const BatchData& d, Route ro
   for (const int64_t cell : picks) {
     if (work > 5e7) break;  // a fraction of the CPU engine's time for the same scenario
     const int64_t row = cell / H;
-    const int h = int(cell % H);
     const int b = int(std::upper_bound(first_row.begin(), first_row.end(), row) - first_row.begin()) - 1;
     const int64_t t = row - first_row[size_t(b)], qb = first_row[size_t(b) + 1] - first_row[size_t(b)];
     const int64_t L = d.lens[size_t(b)];
@@ -187,8 +186,7 @@ inline Comparison float64_sample(const Scenario& s, const BatchData& d, Route ro
     }
     const double want_lse = held.empty() ? -std::numeric_limits<double>::infinity() : m + std::log(sum);
     c.add(out.data() + cell * R, lse[size_t(cell)], [&](int j) { return o[size_t(j)]; }, want_lse, R, 1e-2, [&] {
-      return "row (b " + std::to_string(b) + ", t " + std::to_string(t) + ", h " + std::to_string(h) + "), " +
-             std::to_string(held.size()) + " tokens held, against float64";
+      return row_name(cell, H, d.qlen, d.qlens) + ", " + std::to_string(held.size()) + " tokens held, against float64";
     });
   }
   return c;
@@ -399,7 +397,7 @@ inline ScenarioResult run_scenario(const Scenario& s, bool trace = false) {
     cuda_ok(cudaStreamSynchronize(stream), "attend");
     const auto got_out = out.download();
     const auto got_lse = lse.download();
-    res.cmp = compare_rows(got_out, got_lse, ref_out, ref_lse, 512, s.qlen, s.heads);
+    res.cmp = compare_rows(got_out, got_lse, ref_out, ref_lse, 512, d.qlen, s.heads, 1e-2, d.qlens);
     res.float64 = float64_sample(s, d, res.route, got_out, got_lse, 24);
     if (trace) {
       std::vector<uint64_t> blank(kTraceEntries, 0);

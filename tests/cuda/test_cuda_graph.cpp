@@ -95,7 +95,7 @@ void run_graph_case(const GraphCase& gc) {
       std::vector<float> l = lses[size_t(layer)]->download();
       o.resize(rows * 512);
       l.resize(rows);
-      const Comparison c = compare_rows(o, l, ro, rl, 512, dl.qlens.empty() ? dl.qlen : 1, s.heads);
+      const Comparison c = compare_rows(o, l, ro, rl, 512, dl.qlen, s.heads, 1e-2, dl.qlens);
       EXPECT_EQ(c.bad_rows, 0) << which << ", layer " << layer << " (route " << to_string(route)
                                << "): max rel_l2 " << c.max_rel_l2 << ", lse err " << c.max_lse_err << " | worst "
                                << c.worst;
