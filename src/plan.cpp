@@ -263,9 +263,9 @@ namespace {
 
 // The pass over every table entry of a step: copies n entries and returns (min(0, least),
 // max(-1, greatest)). Baseline x86-64 has no packed 32-bit min or max (SSE4.1), so the loop
-// is also compiled for AVX2 and the loader picks the clone the CPU runs: half the time on a
-// 2-core EPYC VM (118 -> 58 µs over 524 288 entries, a step of 128 x 4096 tokens in pages of
-// one token), where this pass was two thirds of a plan (docs/perf.md).
+// is also compiled for AVX2 and the loader picks the clone the CPU runs. On a 2-core EPYC VM
+// the loop alone over 524 288 entries (128 x 4096 tokens in pages of one token) took 118 µs,
+// 58 with AVX2, and whole plans 1.2-2x less time (docs/perf.md, planning).
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 __attribute__((target_clones("avx2", "default")))
 #endif
