@@ -271,20 +271,25 @@ class Attention:
         backend, index = _device(device)
         if softmax_scale is not None:
             softmax_scale = _scale("softmax_scale", softmax_scale, ", or None for D ** -0.5")
+        # Every integer is used from here on as the plain int _int returns: a numpy unsigned
+        # scalar (accepted) would wrap or raise OverflowError in the arithmetic below (NEP 50).
+        heads = _int("heads", heads)
+        block_size = _int("block_size", block_size)
         kv_lora_rank = _int("kv_lora_rank", kv_lora_rank)
         max_batch = _int("max_batch", max_batch)
         max_qlen = _int("max_qlen", max_qlen)
+        max_local_len = _int("max_local_len", max_local_len, 1, _dcpmla.max_local_kv_len)
         route = _str("route", route)
         if route == "two_stage":
             raise _error("route", repr(route), "'auto', 'one_stage' or 'split_k' (two_stage's stage B needs the "
                          "verify block's latents, which run() does not take: it would return stage A alone; "
                          "dcpmla.mla_attention runs two_stage end to end)")
         self._native = _dcpmla._Engine(
-            heads=_int("heads", heads), kv_dtype=_str("kv_dtype", kv_dtype),
-            block_size=_int("block_size", block_size), world_size=_int("world_size", world_size),
+            heads=heads, kv_dtype=_str("kv_dtype", kv_dtype),
+            block_size=block_size, world_size=_int("world_size", world_size),
             rank=_int("rank", rank), interleave=_int("interleave", interleave),
             max_batch=max_batch, max_qlen=max_qlen,
-            max_local_len=_int("max_local_len", max_local_len, 1, _dcpmla.max_local_kv_len),
+            max_local_len=max_local_len,
             softmax_scale=softmax_scale,
             kv_lora_rank=kv_lora_rank, route=route, device=backend,
             device_index=-1 if index is None else index)

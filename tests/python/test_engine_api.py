@@ -253,6 +253,28 @@ def test_plan_takes_lists_and_other_integer_arrays():
     np.testing.assert_array_equal(a[0], b[0])
 
 
+@pytest.mark.parametrize("scalar", [np.uint64, np.uint32, np.uint16, np.int64])
+def test_numpy_integer_scalars_construct_as_plain_ints(scalar):
+    """Integer arguments given as numpy scalars, unsigned among them (numpy 2 wraps or raises
+    when one is negated), build the same object as plain ints and plan and run alike."""
+    step = Step()
+    q, kv, t, num_blocks, _ = make_inputs(step)
+    cache = numpy_cache(num_blocks, step)
+    latents, slots = slots_and_latents(step, kv, t, num_blocks, 0)
+    dcpmla.write_kv(cache, latents, slots, kv_dtype=step.dtype, kv_scale=scale_of(step))
+    outs = []
+    for wrap in (int, scalar):
+        kwargs = attention_kwargs(step, 0, **LIMITS)
+        for key in ("heads", "block_size", "world_size", "interleave", "max_batch", "max_qlen", "max_local_len"):
+            kwargs[key] = wrap(kwargs[key])
+        att = dcpmla.Attention(**kwargs)
+        assert att.heads == step.heads and type(att.heads) is int
+        att.plan(np.array(step.lengths, dtype=np.int32), t, step.qlen, mode=step.mode)
+        outs.append(att.run(q, cache))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])
+
+
 def test_kv_scale_as_a_one_element_array():
     step = Step(dtype="fp8_e4m3", kv_scale=0.5)
     q, kv, t, num_blocks, ref = make_inputs(step)
