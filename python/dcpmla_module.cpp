@@ -2,6 +2,9 @@
 // the library (runner, layout: dcpmla::Error -> ValueError), in engine.cpp (the engine API's
 // tensors) and in the thin Python layer (python/dcpmla/: dtypes, ranks and shapes of arrays).
 #include <algorithm>
+#include <array>
+#include <functional>
+#include <numeric>
 #include <cstdint>
 #include <limits>
 #include <stdexcept>
@@ -12,6 +15,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/array.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -61,6 +65,86 @@ dcpmla::Backend backend_of(const std::string& device) {
   return backend;
 }
 
+// The conformance call's options, parsed and checked as given (doubles, so that no value
+// narrows to a different float silently).
+dcpmla::AttentionOptions options_of(const std::string& mode, int world_size, int interleave, int block_size,
+                                    const std::string& kv_dtype, double kv_scale, double softmax_scale,
+                                    int kv_lora_rank, const std::string& route, const std::string& merge,
+                                    const std::string& device, uint64_t seed,
+                                    const std::optional<HostArray<int32_t, 1>>& qlens,
+                                    std::optional<int> min_segment_tokens) {
+  dcpmla::AttentionOptions options;
+  options.mode = dcpmla::parse_mode(mode);
+  options.world_size = world_size;
+  options.interleave = interleave;
+  options.block_size = block_size;
+  options.kv_dtype = dcpmla::parse_kv_dtype(kv_dtype);
+  options.kv_scale = dcpmla::checked_kv_scale(kv_scale, options.kv_dtype);
+  options.softmax_scale = dcpmla::checked_softmax_scale(softmax_scale);
+  options.kv_lora_rank = kv_lora_rank;
+  options.route = dcpmla::parse_route(route);
+  options.merge = dcpmla::parse_merge_form(merge);
+  options.backend = backend_of(device);
+  options.seed = seed;
+  if (qlens) options.qlens.assign(qlens->data(), qlens->data() + qlens->size());
+  if (min_segment_tokens) options.min_segment_tokens = *min_segment_tokens;
+  return options;
+}
+
+dcpmla::RankEngineFactory engines_of(dcpmla::Backend backend) {
+#ifdef DCPMLA_HAS_CUDA
+  if (backend == dcpmla::Backend::cuda) return dcpmla::cuda::rank_engine_factory();
+#endif
+  (void)backend;
+  return {};  // the CPU engines
+}
+
+// The conformance call's extents from the shapes of q [B, qlen, H, D] (with qlens: [sum(qlens),
+// 1, H, D], and B is seq_lens') and kv [B, Lmax, D]. Narrowed to int only once they fit: q
+// [1, 1, 2^31 + 4, 2] was refused as heads = -2147483644, and 2^32 + 3 heads would be read as 3
+// (then a puzzling size mismatch).
+struct Extents {
+  int batch, qlen, heads, dim;
+  size_t rows;
+  int64_t max_len;
+};
+
+Extents extents_of(std::array<size_t, 4> q, std::array<size_t, 3> kv, size_t seq_lens,
+                   const dcpmla::AttentionOptions& options, bool packed) {
+  const auto extent = [](const char* field, size_t v) {
+    if (v > size_t(std::numeric_limits<int>::max())) dcpmla::fail(field, v, "an extent that fits int32");
+    return int(v);
+  };
+  Extents e{extent("q.shape[0]", q[0]), extent("q.shape[1]", q[1]), extent("q.shape[2]", q[2]),
+            extent("q.shape[3]", q[3]), q[0] * q[1], int64_t(kv[1])};
+  if (packed) {
+    const auto& qlens = options.qlens;
+    e.batch = extent("seq_lens.shape[0]", seq_lens);
+    e.qlen = std::max(1, qlens.empty() ? 1 : *std::max_element(qlens.begin(), qlens.end()));
+    e.rows = q[0];
+  }
+  return e;
+}
+
+// What _mla_attention would refuse before it allocates, from q's and kv's shapes, with
+// caller_bytes (the Python layer's copies of strided inputs, not yet made) in the memory bound.
+void check_mla_attention(std::array<size_t, 4> q_shape, std::array<size_t, 3> kv_shape,
+                         HostArray<int32_t, 1> seq_lens, const std::string& mode, int world_size, int interleave,
+                         int block_size, const std::string& kv_dtype, double kv_scale, double softmax_scale,
+                         int kv_lora_rank, const std::string& route, const std::string& merge,
+                         const std::string& device, uint64_t seed, std::optional<HostArray<int32_t, 1>> qlens,
+                         std::optional<int> min_segment_tokens, double caller_bytes) {
+  const dcpmla::AttentionOptions options =
+      options_of(mode, world_size, interleave, block_size, kv_dtype, kv_scale, softmax_scale, kv_lora_rank, route,
+                 merge, device, seed, qlens, min_segment_tokens);
+  const Extents e = extents_of(q_shape, kv_shape, seq_lens.shape(0), options, bool(qlens));
+  const auto count = [](const auto& shape) {
+    return std::accumulate(shape.begin(), shape.end(), uint64_t(1), std::multiplies<>());
+  };
+  dcpmla::check_mla_attention(count(q_shape), count(kv_shape), {seq_lens.data(), seq_lens.size()}, e.batch, e.qlen,
+                              e.heads, e.max_len, e.dim, options, engines_of(options.backend), caller_bytes);
+}
+
 // q [B, qlen, H, D], kv [B, Lmax, D], seq_lens [B] -> (out [B, qlen, H, R], lse [B, qlen, H],
 // the route each rank's planner took, the most pieces each rank's plan cut one request into).
 std::tuple<NumpyArray<float>, NumpyArray<float>, std::vector<std::string>, std::vector<int>> mla_attention(
@@ -69,51 +153,20 @@ std::tuple<NumpyArray<float>, NumpyArray<float>, std::vector<std::string>, std::
     const std::string& kv_dtype, double kv_scale, double softmax_scale, int kv_lora_rank,
     const std::string& route, const std::string& merge, const std::string& device,
     uint64_t seed, std::optional<HostArray<int32_t, 1>> qlens, std::optional<int> min_segment_tokens) {
-  dcpmla::AttentionOptions options;
-  options.mode = dcpmla::parse_mode(mode);
-  options.world_size = world_size;
-  options.interleave = interleave;
-  options.block_size = block_size;
-  options.kv_dtype = dcpmla::parse_kv_dtype(kv_dtype);
-  // Checked as given (doubles), so that no value narrows to a different float silently.
-  options.kv_scale = dcpmla::checked_kv_scale(kv_scale, options.kv_dtype);
-  options.softmax_scale = dcpmla::checked_softmax_scale(softmax_scale);
-  options.kv_lora_rank = kv_lora_rank;
-  options.route = dcpmla::parse_route(route);
-  options.merge = dcpmla::parse_merge_form(merge);
-  options.backend = backend_of(device);
-  options.seed = seed;
-  if (min_segment_tokens) options.min_segment_tokens = *min_segment_tokens;
-
-  // With qlens, q is [sum(qlens), 1, H, D] (the packed rows) and B is seq_lens'.
-  // Extents narrowed to int only once they fit: q [1, 1, 2^31 + 4, 2] was refused as heads =
-  // -2147483644, and 2^32 + 3 heads would be read as 3 (then a puzzling size mismatch).
-  const auto extent = [](const char* field, size_t v) {
-    if (v > size_t(std::numeric_limits<int>::max())) dcpmla::fail(field, v, "an extent that fits int32");
-    return int(v);
-  };
-  const int heads = extent("q.shape[2]", q.shape(2)), dim = extent("q.shape[3]", q.shape(3));
-  int batch = extent("q.shape[0]", q.shape(0)), qlen = extent("q.shape[1]", q.shape(1));
-  size_t rows = size_t(batch) * size_t(qlen);
-  if (qlens) {
-    options.qlens.assign(qlens->data(), qlens->data() + qlens->size());
-    batch = extent("seq_lens.shape[0]", seq_lens.shape(0));
-    qlen = std::max(1, options.qlens.empty() ? 1 : *std::max_element(options.qlens.begin(), options.qlens.end()));
-    rows = q.shape(0);
-  }
-  const int64_t max_len = int64_t(kv.shape(1));
-  dcpmla::RankEngineFactory engines;  // empty: the CPU engines
-#ifdef DCPMLA_HAS_CUDA
-  if (options.backend == dcpmla::Backend::cuda) engines = dcpmla::cuda::rank_engine_factory();
-#endif
+  const dcpmla::AttentionOptions options =
+      options_of(mode, world_size, interleave, block_size, kv_dtype, kv_scale, softmax_scale, kv_lora_rank, route,
+                 merge, device, seed, qlens, min_segment_tokens);
+  const Extents e = extents_of({q.shape(0), q.shape(1), q.shape(2), q.shape(3)},
+                               {kv.shape(0), kv.shape(1), kv.shape(2)}, seq_lens.shape(0), options, bool(qlens));
+  const dcpmla::RankEngineFactory engines = engines_of(options.backend);
   dcpmla::AttentionResult result;
   {
     nb::gil_scoped_release release;
     result = dcpmla::mla_attention({q.data(), q.size()}, {kv.data(), kv.size()},
-                                   {seq_lens.data(), seq_lens.size()}, batch, qlen, heads,
-                                   max_len, dim, options, engines);
+                                   {seq_lens.data(), seq_lens.size()}, e.batch, e.qlen, e.heads,
+                                   e.max_len, e.dim, options, engines);
   }
-  const size_t rank_dim = size_t(kv_lora_rank);
+  const size_t rank_dim = size_t(kv_lora_rank), rows = e.rows, heads = size_t(e.heads);
   // NOTE: the numpy views below take the vectors as they are; a size the shapes do not
   // describe would be read out of bounds, so it is an internal error, not a view.
   if (result.out.size() != rows * heads * rank_dim || result.lse.size() != rows * heads)
@@ -124,12 +177,11 @@ std::tuple<NumpyArray<float>, NumpyArray<float>, std::vector<std::string>, std::
   std::vector<std::string> routes;
   for (dcpmla::Route r : result.routes) routes.emplace_back(dcpmla::to_string(r));
   if (qlens)
-    return {to_numpy(std::move(result.out), {rows, size_t(heads), rank_dim}),
-            to_numpy(std::move(result.lse), {rows, size_t(heads)}), std::move(routes),
-            std::move(result.max_segments)};
-  return {to_numpy(std::move(result.out), {size_t(batch), size_t(qlen), size_t(heads), rank_dim}),
-          to_numpy(std::move(result.lse), {size_t(batch), size_t(qlen), size_t(heads)}),
-          std::move(routes), std::move(result.max_segments)};
+    return {to_numpy(std::move(result.out), {rows, heads, rank_dim}), to_numpy(std::move(result.lse), {rows, heads}),
+            std::move(routes), std::move(result.max_segments)};
+  const size_t batch = size_t(e.batch), qlen = size_t(e.qlen);
+  return {to_numpy(std::move(result.out), {batch, qlen, heads, rank_dim}),
+          to_numpy(std::move(result.lse), {batch, qlen, heads}), std::move(routes), std::move(result.max_segments)};
 }
 
 int64_t local_length(int64_t w, int world_size, int rank, int interleave) {
@@ -184,6 +236,12 @@ NB_MODULE(_dcpmla, m) {
         "with qlens, q is [sum(qlens), 1, H, D] and the results [sum(qlens), H, R] and [sum(qlens), H]. "
         "min_segment_tokens: the planner's floor of a cut request's pieces (None: the library's default; "
         "tests lower it).");
+  m.def("_check_mla_attention", &check_mla_attention, "q_shape"_a, "kv_shape"_a, "seq_lens"_a, "mode"_a,
+        "world_size"_a, "interleave"_a, "block_size"_a, "kv_dtype"_a, "kv_scale"_a, "softmax_scale"_a,
+        "kv_lora_rank"_a, "route"_a, "merge"_a, "device"_a, "seed"_a, "qlens"_a = nb::none(),
+        "min_segment_tokens"_a = nb::none(), "caller_bytes"_a = 0.0,
+        "What _mla_attention refuses before it allocates, from q's and kv's shapes alone, with caller_bytes "
+        "(the copies of strided inputs the caller is about to make) counted in the in-process memory bound.");
   m.def("local_length", &local_length, "w"_a, "world_size"_a, "rank"_a, "interleave"_a,
         "n_r(w): positions of the global window [0, w) held by `rank`.");
   m.def("row_local_lengths", &row_local_lengths, "mode"_a, "seq_len"_a, "qlen"_a, "world_size"_a,

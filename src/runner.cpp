@@ -190,7 +190,7 @@ int64_t checked_count(std::string_view field, int64_t a, int64_t b, int64_t c) {
 
 // Validates the conformance path's arguments and sizes its inputs (rows, tokens, tables),
 // allocating nothing: load() makes the copies once the memory check has passed.
-Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<const int32_t> seq_lens_in, int batch,
+Inputs prepare(uint64_t q_size, uint64_t kv_size, std::span<const int32_t> seq_lens_in, int batch,
                int qlen, int heads, int64_t max_len, int dim, const AttentionOptions& o,
                const RankEngineFactory& engines) {
   require(o.backend == Backend::cpu || bool(engines), "device", to_string(o.backend),
@@ -225,9 +225,9 @@ Inputs prepare(std::span<const float> q, std::span<const float> kv, std::span<co
   }
   require(dim >= 2, "dim", dim, ">= 2 (kv_lora_rank + rope_dim)");
   const int64_t q_values = checked_count("q", rows, heads, dim), kv_values = checked_count("kv", batch, max_len, dim);
-  require(q.size() == uint64_t(q_values), "q", fmt::format("{} values", q.size()),
+  require(q_size == uint64_t(q_values), "q", fmt::format("{} values", q_size),
           fmt::format("{} x heads x D = {}", qlens.empty() ? "batch x qlen" : "sum(qlens)", q_values));
-  require(kv.size() == uint64_t(kv_values), "kv", fmt::format("{} values", kv.size()),
+  require(kv_size == uint64_t(kv_values), "kv", fmt::format("{} values", kv_size),
           fmt::format("batch x max_len x D = {}", kv_values));
   require(seq_lens_in.size() == size_t(batch), "seq_lens", fmt::format("{} entries", seq_lens_in.size()),
           fmt::format("batch = {}", batch));
@@ -333,8 +333,9 @@ CacheConfig cache_config(const Inputs& in, const AttentionOptions& o) {
 // gathers every rank's partial, so that term grows as N^2), its plans (sized by the batch
 // even when no request has a query row: one for a CPU engine, a CUDA engine's two staging
 // copies) and, with the CPU engines, its cache shard and kernel workspace (the CUDA engines
-// keep those in device memory).
-void check_memory(const Inputs& in, const AttentionOptions& o, int ranks_here, bool cpu_engines) {
+// keep those in device memory). caller_bytes: what the caller holds for the call beside.
+void check_memory(const Inputs& in, const AttentionOptions& o, int ranks_here, bool cpu_engines,
+                  double caller_bytes = 0) {
   const int N = o.world_size;
   const Planner sizing(planner_config(rank_config(in, o, 0), o.backend, kCpuWorkers, kCpuRowsPerUnit));
   const double cells = double(in.rows) * in.heads, R = o.kv_lora_rank;
@@ -350,9 +351,12 @@ void check_memory(const Inputs& in, const AttentionOptions& o, int ranks_here, b
   const double scratch = cpu_engines ? double(cpu_attention_scratch_bytes(sizing.config().dims)) *
                                            double(ranks_here) * detail::parallel_threads()
                                      : 0.0;
-  const double total = shared + per_rank * ranks_here + scratch;
+  const double total = shared + per_rank * ranks_here + scratch + caller_bytes;
   require(total <= double(kMaxInProcessBytes),
-          "host memory (input copies; per rank: plans, cache, workspace, merge buffers; the CPU kernels' scratch)",
+          caller_bytes > 0 ? "host memory (the caller's copies of strided inputs; input copies; per rank: plans, "
+                             "cache, workspace, merge buffers; the CPU kernels' scratch)"
+                           : "host memory (input copies; per rank: plans, cache, workspace, merge buffers; the CPU "
+                             "kernels' scratch)",
           fmt::format("{:.3g} GiB for {} rank(s) here", total / double(1 << 30), ranks_here),
           fmt::format("<= {} GiB in one process (lower world_size, block_size, heads, kv_lora_rank or the batch)",
                       kMaxInProcessBytes >> 30));
@@ -472,6 +476,15 @@ AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, RankEngine
   return result;
 }
 
+Inputs checked_inputs(uint64_t q_size, uint64_t kv_size, std::span<const int32_t> seq_lens, int batch, int qlen,
+                      int heads, int64_t max_len, int dim, const AttentionOptions& options,
+                      const RankEngineFactory& engines, double caller_bytes) {
+  Inputs in = prepare(q_size, kv_size, seq_lens, batch, qlen, heads, max_len, dim, options, engines);
+  require_in_process_world(options.world_size);  // before the memory bound, which counts its ranks
+  check_memory(in, options, options.world_size, !engines, caller_bytes);
+  return in;
+}
+
 }  // namespace
 
 AttentionResult mla_attention_on_rank(std::span<const float> q, std::span<const float> kv,
@@ -484,7 +497,7 @@ AttentionResult mla_attention_on_rank(std::span<const float> q, std::span<const 
   try {
     require(comm.world_size() == options.world_size, "world_size", options.world_size,
             fmt::format("the communicator's size ({})", comm.world_size()));
-    in.emplace(prepare(q, kv, seq_lens, batch, qlen, heads, max_len, dim, options, engines));
+    in.emplace(prepare(q.size(), kv.size(), seq_lens, batch, qlen, heads, max_len, dim, options, engines));
     check_memory(*in, options, 1, !engines);
     load(*in, q, kv, options);
     engine = set_up_rank(*in, options, comm.rank(), engines);
@@ -502,13 +515,17 @@ AttentionResult mla_attention_on_rank(std::span<const float> q, std::span<const 
   }
 }
 
+void check_mla_attention(uint64_t q_size, uint64_t kv_size, std::span<const int32_t> seq_lens, int batch, int qlen,
+                         int heads, int64_t max_len, int dim, const AttentionOptions& options,
+                         const RankEngineFactory& engines, double caller_bytes) {
+  checked_inputs(q_size, kv_size, seq_lens, batch, qlen, heads, max_len, dim, options, engines, caller_bytes);
+}
+
 AttentionResult mla_attention(std::span<const float> q, std::span<const float> kv,
                               std::span<const int32_t> seq_lens, int batch, int qlen, int heads,
                               int64_t max_len, int dim, const AttentionOptions& options,
                               const RankEngineFactory& engines) {
-  Inputs in = prepare(q, kv, seq_lens, batch, qlen, heads, max_len, dim, options, engines);
-  require_in_process_world(options.world_size);  // before the memory bound, which counts its ranks
-  check_memory(in, options, options.world_size, !engines);
+  Inputs in = checked_inputs(q.size(), kv.size(), seq_lens, batch, qlen, heads, max_len, dim, options, engines, 0);
   load(in, q, kv, options);
   AttentionResult result;
   run_ranks(options.world_size, [&](int rank, Communicator& comm) {

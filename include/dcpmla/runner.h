@@ -141,4 +141,13 @@ AttentionResult mla_attention(std::span<const float> q, std::span<const float> k
                               int64_t max_len, int dim, const AttentionOptions& options,
                               const RankEngineFactory& engines = {});
 
+// What mla_attention refuses before it allocates, from the sizes of q and kv (in values; their
+// contents unread): the arguments, seq_lens and qlens, the rank limit, and kMaxInProcessBytes
+// with `caller_bytes` more: what the caller holds for the call beside the library's own (the
+// Python layer's contiguous copy of a strided q or kv), so that a call too big with that copy
+// is refused before the copy is made.
+void check_mla_attention(uint64_t q_size, uint64_t kv_size, std::span<const int32_t> seq_lens, int batch,
+                         int qlen, int heads, int64_t max_len, int dim, const AttentionOptions& options,
+                         const RankEngineFactory& engines = {}, double caller_bytes = 0);
+
 }  // namespace dcpmla

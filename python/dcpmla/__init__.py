@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import _dcpmla
-from ._checks import (_INT64_MAX, _INT64_MIN, _array, _bytes_held, _error, _host_array, _int, _int_array,
-                      _require_usable_cuda, _scale, _str)
+from ._checks import (_INT64_MAX, _INT64_MIN, _contiguous, _copy_bytes, _error, _host_array, _int, _int_array,
+                      _require_usable_cuda, _scale, _str, _typed_array)
 from ._engine import Attention, merge_states, write_kv
 
 __version__ = _dcpmla.__version__
@@ -63,13 +63,13 @@ def _one_value(x):
 def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_dtype, kv_scale,
                softmax_scale, kv_lora_rank, route, device, merge, seed, qlens=None, min_segment_tokens=None):
     # The shapes first, the values after: seq_lens and qlens are checked against the batch from
-    # their shapes before they are copied or read (a broadcast view can describe 2**40 entries).
-    # Each copy is checked beside what the other array will hold, before either is made.
+    # their shapes before they are copied or read (a broadcast view can describe 2**40 entries),
+    # and everything the library would refuse before it allocates is checked, counting the copies
+    # of strided q and kv, before they are made.
     q, kv = _host_array("q", q), _host_array("kv", kv)
-    q_held, kv_held = _bytes_held(q, np.float32), _bytes_held(kv, np.float32)
-    kv = _array("kv", kv, np.float32, 3, "[B, Lmax, D]", held=q_held)
+    kv = _typed_array("kv", kv, np.float32, 3, "[B, Lmax, D]")
     if qlens is None:
-        q = _array("q", q, np.float32, 4, "[B, qlen, H, D]", held=kv_held)
+        q = _typed_array("q", q, np.float32, 4, "[B, qlen, H, D]")
         B, _, H, D = q.shape
         what = f"the batch B of q {tuple(q.shape)}"
         if kv.shape[0] != B:
@@ -100,11 +100,11 @@ def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_
         if bad.any():
             b = int(np.argmax(bad))
             raise _error(f"qlens[{b}]", int(qlens[b]), f"in [0, {_dcpmla.max_qlen}] (request {b}'s query rows)")
-        q = _array("q", q, np.float32, 3, "[sum(qlens), H, D]", held=kv_held)
+        q = _typed_array("q", q, np.float32, 3, "[sum(qlens), H, D]")
         _, H, D = q.shape
         if q.shape[0] != int(qlens.sum(dtype=np.int64)):
             raise _error("q.shape[0]", q.shape[0], f"{int(qlens.sum(dtype=np.int64))} (sum(qlens))")
-        q = q.reshape(q.shape[0], 1, H, D)
+        q = q.reshape(q.shape[0], 1, H, D)  # a view: a unit axis added
     if kv.shape[2] != D:
         raise _error("kv.shape[2]", kv.shape[2], f"{D} (the latent dim D of q {tuple(q.shape)})")
     max_len = kv.shape[1]
@@ -115,17 +115,14 @@ def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_
     # None is resolved here, so the library's "0 means default" is never reached from Python.
     if softmax_scale is None:
         softmax_scale = D ** -0.5 if D > 0 else 1.0  # D = 0 is refused below, naming kv_lora_rank
-    softmax_scale = _scale("softmax_scale", softmax_scale, ", or None for D ** -0.5")
-
-    out, lse, routes, max_segments = _dcpmla._mla_attention(
-        q, kv, seq_lens,
+    options = dict(
         mode=_str("mode", mode),
         world_size=_int("world_size", world_size),
         interleave=_int("interleave", interleave),
         block_size=_int("block_size", block_size),
         kv_dtype=_str("kv_dtype", kv_dtype),
         kv_scale=_scale("kv_scale", _one_value(kv_scale)),
-        softmax_scale=softmax_scale,
+        softmax_scale=_scale("softmax_scale", softmax_scale, ", or None for D ** -0.5"),
         kv_lora_rank=_int("kv_lora_rank", kv_lora_rank),
         route=_str("route", route),
         merge=_str("merge", merge),
@@ -134,6 +131,9 @@ def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_
         qlens=qlens,
         min_segment_tokens=None if min_segment_tokens is None else _int("min_segment_tokens", min_segment_tokens),
     )
+    _dcpmla._check_mla_attention(q.shape, kv.shape, seq_lens, **options,
+                                 caller_bytes=float(_copy_bytes(q) + _copy_bytes(kv)))
+    out, lse, routes, max_segments = _dcpmla._mla_attention(_contiguous(q), _contiguous(kv), seq_lens, **options)
     return out, lse, list(routes), list(max_segments)
 
 

@@ -116,31 +116,26 @@ def _host_array(field, x):
         raise _error(field, type(x).__name__, f"an array ({e})") from None
 
 
-def _array(field, x, dtype, ndim, layout, held=0):
-    """A C-contiguous numpy array of exactly `dtype` and `ndim` (no silent casts). A view is
-    copied; a view that would copy more than the in-process limit (a broadcast array can
-    describe petabytes in a few bytes) is refused instead, counting `held` bytes the call
-    holds for its other arrays (_bytes_held)."""
+def _typed_array(field, x, dtype, ndim, layout):
+    """A host array of exactly `dtype` and `ndim` (no silent casts), as given: a view stays a view
+    until _contiguous copies it, once the copy's bytes (_copy_bytes) have been counted."""
     a = _host_array(field, x)
     dtype = np.dtype(dtype)
     if a.dtype != dtype:
         raise _error(f"{field}.dtype", a.dtype, f"{dtype} {layout}")
     if a.ndim != ndim:
         raise _error(f"{field}.ndim", a.ndim, f"{ndim} {layout}")
-    if not (a.flags.c_contiguous and a.flags.aligned):
-        # The library's bf16 copy of the values is held beside this one: counted with it. A
-        # misaligned view (a byte offset into another buffer) is copied too: the library reads
-        # whole float32 elements.
-        _too_big_to_copy(field, a, dtype, "copy", kept=2, held=held)
+    return a
+
+
+def _copy_bytes(a):
+    """Bytes _contiguous allocates for `a`: a view (a broadcast one describes petabytes in a few
+    bytes) or a misaligned array (the library reads whole elements) is copied."""
+    return 0 if a.flags.c_contiguous and a.flags.aligned else a.nbytes
+
+
+def _contiguous(a):
     return np.require(a, requirements=["C_CONTIGUOUS", "ALIGNED"])
-
-
-def _bytes_held(a, dtype):
-    """Bytes the call holds for host array `a` once _array has it as `dtype`: the library's bf16
-    copy of its values and, where _array must copy it, that copy. Passed as the other arrays'
-    `held`, so that two views each within the limit cannot together exceed it."""
-    copied = not (a.dtype == dtype and a.flags.c_contiguous and a.flags.aligned)
-    return a.size * (2 + (np.dtype(dtype).itemsize if copied else 0))
 
 
 def _too_big_to_copy(field, a, dtype, what, kept=0, held=0):
