@@ -4,6 +4,7 @@
 #include <array>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -375,15 +376,24 @@ std::unique_ptr<RankEngine> set_up_rank(const Inputs& in, const AttentionOptions
   return engine;
 }
 
-// FNV-1a: ranks handed different lengths must not merge their partials.
-int32_t hash_of(std::span<const int32_t> values) {
-  uint32_t h = 2166136261u;
-  for (int32_t v : values) h = (h ^ uint32_t(v)) * 16777619u;
-  return int32_t(h);
+// FNV-1a over 64-bit words (the tail zero-padded): ranks handed different inputs must not
+// merge their partials. Each step is a bijection of the running hash, so inputs that differ in
+// one word always hash apart; a word a step keeps it at some GB/s over the latents.
+template <class T>
+std::array<int32_t, 2> hash_of(std::span<const T> values) {
+  const std::span<const std::byte> bytes = std::as_bytes(values);
+  uint64_t h = 14695981039346656037ull;
+  for (size_t i = 0; i < bytes.size(); i += 8) {
+    uint64_t word = 0;
+    std::memcpy(&word, bytes.data() + i, std::min<size_t>(8, bytes.size() - i));
+    h = (h ^ word) * 1099511628211ull;
+  }
+  return {int32_t(uint32_t(h)), int32_t(uint32_t(h >> 32))};
 }
 // The rows of each request: qlens, or qlen each when none are given (the same batch either way).
-int32_t rows_hash(const Inputs& in) {
-  return hash_of(in.qlens.empty() ? std::vector<int32_t>(size_t(in.batch), in.qlen) : in.qlens);
+std::array<int32_t, 2> rows_hash(const Inputs& in) {
+  const std::vector<int32_t> rows = in.qlens.empty() ? std::vector<int32_t>(size_t(in.batch), in.qlen) : in.qlens;
+  return hash_of(std::span<const int32_t>(rows));
 }
 
 AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, RankEngine& engine, Communicator& comm) {
@@ -391,8 +401,11 @@ AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, RankEngine
   const int64_t rows = in.rows;
   const Route route = engine.current_plan().route();
   // Everything the ranks' partials depend on but the block tables (a table or block size of
-  // its own gives the same partial). Whether stage B runs must agree too; split_k or one_stage
-  // is each rank's own schedule.
+  // its own gives the same partial): the values of q and of every token below its request's
+  // length too (what lies past a length is never read, and may differ). Whether stage B runs
+  // must agree too; split_k or one_stage is each rank's own schedule.
+  const auto lens = hash_of(std::span<const int32_t>(in.seq_lens)), per_request = rows_hash(in);
+  const auto q_values = hash_of(std::span<const bf16>(in.q16)), kv_values = hash_of(std::span<const bf16>(in.latents));
   const int32_t signature[] = {in.batch,
                                qlen,
                                heads,
@@ -400,8 +413,14 @@ AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, RankEngine
                                in.dim,
                                int32_t(rows),
                                int32_t(rows >> 32),
-                               hash_of(in.seq_lens),
-                               rows_hash(in),
+                               lens[0],
+                               lens[1],
+                               per_request[0],
+                               per_request[1],
+                               q_values[0],
+                               q_values[1],
+                               kv_values[0],
+                               kv_values[1],
                                int32_t(in.mode),
                                o.interleave,
                                int32_t(o.kv_dtype),
@@ -410,8 +429,9 @@ AttentionResult run_rank(const Inputs& in, const AttentionOptions& o, RankEngine
                                int32_t(route == Route::two_stage),
                                int32_t(o.merge)};
   check_ranks_agree(comm, signature,
-                    "batch, qlen, heads, R, D, rows (low, high), seq_lens hash, rows per request hash, mode, interleave, "
-                    "kv_dtype, kv_scale bits, softmax_scale bits, two_stage, merge");
+                    "batch, qlen, heads, R, D, rows (low, high), hashes (low, high) of seq_lens, rows per request, "
+                    "q and the tokens below each length, mode, interleave, kv_dtype, kv_scale bits, "
+                    "softmax_scale bits, two_stage, merge");
 
   std::vector<bf16> part(size_t(rows * heads * R));
   std::vector<float> part_lse(size_t(rows * heads));

@@ -487,6 +487,36 @@ TEST(Comm, RanksThatDisagreeOnTheirOptionsAreRefused) {
   EXPECT_EQ(errors[0] + errors[1], "");
 }
 
+// Ranks handed other values of q, or of a token below its request's length, merged them into an
+// answer of neither (the seventieth session's audit: lse 4.00 where rank 0's inputs give 2.94 and
+// rank 1's 3.80). Refused on every rank; a token past its length is never read and may differ.
+TEST(Comm, RanksThatDisagreeOnTheirValuesAreRefused) {
+  const int heads = 2, dim = 576, qlen = 1, batch = 2;
+  const int64_t max_len = 40;
+  const auto q = testing::random_normal(size_t(batch) * qlen * heads * dim, 1);
+  const auto kv = testing::random_normal(size_t(batch) * max_len * dim, 2);
+  const std::vector<int32_t> lens{40, 33};
+  AttentionOptions o;
+  o.world_size = 2;
+  o.mode = Mode::decode;
+  o.block_size = 16;
+  // Rank 1's copy changed at one value: q's last, the last token of request 1 (position 32), or
+  // past request 1's length (position 33, never read).
+  const size_t last_token = (size_t(1) * max_len + 32) * dim + dim - 1, past = (size_t(1) * max_len + 33) * dim;
+  for (const auto& [what, in_q, at, refused] :
+       {std::tuple{"q", true, q.size() - 1, true}, std::tuple{"kv below a length", false, last_token, true},
+        std::tuple{"kv past a length", false, past, false}}) {
+    InProcessGroup group(2, std::chrono::seconds(20));
+    const auto errors = errors_on_ranks(group, [&](int r, Communicator& comm) {
+      std::vector<float> my_q = q, my_kv = kv;
+      if (r == 1) (in_q ? my_q : my_kv)[at] += 1.0f;
+      (void)mla_attention_on_rank(my_q, my_kv, lens, batch, qlen, heads, max_len, dim, o, comm);
+    });
+    for (const std::string& e : errors)
+      EXPECT_EQ(has(e, "expected the same on every rank"), refused) << what << ": '" << e << "'";
+  }
+}
+
 // A second live communicator for a rank took its peer's place at the barrier, and the
 // collective read that peer's freed buffer from an earlier call (heap-use-after-free).
 TEST(Comm, ARankHasOneLiveCommunicator) {

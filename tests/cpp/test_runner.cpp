@@ -203,6 +203,26 @@ TEST(Runner, EntryPointRefusesHostileSizesAndEnumsBeforeAllocating) {
   });
 }
 
+// check_mla_attention refuses from the sizes alone what mla_attention would, and counts the
+// caller's own copies (the Python layer's of a strided q or kv) in the same bound: 1 M tokens of
+// one request fit the bound alone (about 2.5 GiB), not beside 6 GiB the caller holds.
+TEST(Runner, TheCheckFromTheSizesCountsTheCallersBytes) {
+  const int64_t max_len = 1 << 20;
+  const std::vector<int32_t> lens{int32_t(max_len)};
+  const uint64_t q_size = 576, kv_size = uint64_t(max_len) * 576;
+  AttentionOptions o;
+  o.mode = Mode::decode;
+  EXPECT_NO_THROW(check_mla_attention(q_size, kv_size, lens, 1, 1, 1, max_len, 576, o));
+  testing::expect_error([&] { check_mla_attention(q_size, kv_size, lens, 1, 1, 1, max_len, 576, o, {}, 6.0 * (1 << 30)); },
+                        "'host memory (the caller's copies of strided inputs; input copies; per rank: plans, cache, "
+                        "workspace, merge buffers; the CPU kernels' scratch)' = ");
+  // The arguments as mla_attention checks them: a size q's shape does not describe, a length past kv's.
+  testing::expect_error([&] { check_mla_attention(q_size + 1, kv_size, lens, 1, 1, 1, max_len, 576, o); },
+                        "'q' = 577 values: expected batch x qlen x heads x D = 576");
+  testing::expect_error([&] { check_mla_attention(q_size, kv_size, lens, 1, 1, 1, max_len - 1, 576, o); },
+                        "'kv' = ");
+}
+
 // Each rank's thread opens its own OpenMP team, so the CPU kernels' scratch is held by up to
 // ranks x threads threads at once; it was counted for max(ranks, threads), which let a latent
 // width through whose scratch ran past the bound. Here one thread's scratch is 1.1 / (8 t) of the
