@@ -41,13 +41,18 @@ float softmax_scale_of(const AttentionConfig& c) {
   return 1.0f / std::sqrt(float(c.dims.dim()));
 }
 
+void require_cache_layout(KvDtype kv_dtype, int block_size, int dim, KvDtype cache_dtype, int cache_block_size,
+                          int cache_dim) {
+  if (cache_dtype != kv_dtype)
+    fail("kv_cache dtype", to_string(cache_dtype), fmt::format("{} (the Attention's kv_dtype)", to_string(kv_dtype)));
+  if (cache_block_size != block_size)
+    fail("kv_cache block_size", cache_block_size, fmt::format("{} (the Attention's block_size)", block_size));
+  if (cache_dim != dim) fail("kv_cache dim", cache_dim, fmt::format("D = {}", dim));
+}
+
 void validate_run(const PlannerConfig& c, const Plan& plan, const KvCache& cache, const KvScale& scale) {
   cache.validate();
-  if (cache.dtype != c.kv_dtype)
-    fail("kv_cache dtype", to_string(cache.dtype), fmt::format("{} (the Attention's kv_dtype)", to_string(c.kv_dtype)));
-  if (cache.block_size != c.block_size)
-    fail("kv_cache block_size", cache.block_size, fmt::format("{} (the Attention's block_size)", c.block_size));
-  if (cache.dim != c.dims.dim()) fail("kv_cache dim", cache.dim, fmt::format("D = {}", c.dims.dim()));
+  require_cache_layout(c.kv_dtype, c.block_size, c.dims.dim(), cache.dtype, cache.block_size, cache.dim);
   if (plan.stats().max_block >= cache.num_blocks)
     fail("kv_cache num_blocks", cache.num_blocks,
          fmt::format("> {} (the largest block id of the planned tables)", plan.stats().max_block));

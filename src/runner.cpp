@@ -78,12 +78,19 @@ void merge_across_ranks(Communicator& comm, MergeForm form, const bf16* o, const
   for (size_t i = 0; i < mine.size(); ++i) out[i] = float_to_bf16(mine[i]);
 }
 
+void require_rank_cache(const AttentionConfig& config, const CacheConfig& cache) {
+  config.dims.validate();
+  require_cache_layout(config.kv_dtype, config.block_size, config.dims.dim(), cache.dtype, cache.block_size, cache.dim);
+}
+
 namespace {
 
 class CpuRank final : public RankEngine {
  public:
+  // The cache is checked against the configuration first: a write of another block size would put
+  // tokens in the wrong slots before attend() refused the cache.
   CpuRank(const AttentionConfig& config, const CacheConfig& cache)
-      : config_(config), cache_(cache), attention_(config) {}
+      : config_((require_rank_cache(config, cache), config)), cache_(cache), attention_(config) {}
 
   void poison() override { cache_.poison(); }
   void write(std::span<const bf16> latents, std::span<const int64_t> positions, std::span<const int32_t> requests,

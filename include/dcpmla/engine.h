@@ -52,6 +52,12 @@ PlannerConfig planner_config(const AttentionConfig& config, Backend backend, int
 // normal float <= kMaxSoftmaxScale.
 float softmax_scale_of(const AttentionConfig& config);
 
+// The cache layout a configuration reads (its kv_dtype, block_size and D): a cache of another
+// dtype, block size or D is refused naming the field (validate_run, every run; a RankEngine that
+// owns its cache, once, when it is built).
+void require_cache_layout(KvDtype kv_dtype, int block_size, int dim, KvDtype cache_dtype, int cache_block_size,
+                          int cache_dim);
+
 // Checks a run's cache and scale against the planner and the current plan, before anything
 // runs: dtype, block size, D, and a cache that holds every block the plan's tables name.
 void validate_run(const PlannerConfig& config, const Plan& plan, const KvCache& cache, const KvScale& scale);

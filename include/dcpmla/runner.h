@@ -71,6 +71,10 @@ std::vector<int64_t> slots_of(std::span<const int64_t> positions, std::span<cons
 // The CPU rank: a PagedCache and an Attention.
 std::unique_ptr<RankEngine> make_cpu_rank(const AttentionConfig& config, const CacheConfig& cache);
 
+// A rank engine's cache against its configuration (dtype, block size, D), checked when the
+// engine is built (make_cpu_rank, the CUDA backend's rank engine): fail fast, before a write.
+void require_rank_cache(const AttentionConfig& config, const CacheConfig& cache);
+
 struct AttentionOptions {
   Mode mode = Mode::verify;
   int world_size = 1;

@@ -203,6 +203,27 @@ TEST(Runner, EntryPointRefusesHostileSizesAndEnumsBeforeAllocating) {
   });
 }
 
+// A rank engine whose cache contradicts its configuration was built, wrote its tokens at the
+// configuration's block size into a cache of another, and refused only at attend() (the
+// seventieth session's audit): refused when it is built now.
+TEST(Runner, ARankEngineRefusesACacheOfAnotherLayoutWhenBuilt) {
+  AttentionConfig config;
+  config.heads = 2;
+  config.block_size = 64;
+  const CacheConfig good{4, 64, 576, KvDtype::bf16, 1.0f};
+  EXPECT_NE(make_cpu_rank(config, good), nullptr);
+  CacheConfig cache = good;
+  cache.block_size = 16;
+  testing::expect_error([&] { (void)make_cpu_rank(config, cache); },
+                        "'kv_cache block_size' = 16: expected 64 (the Attention's block_size)");
+  cache = good;
+  cache.dtype = KvDtype::fp8_e4m3;
+  testing::expect_error([&] { (void)make_cpu_rank(config, cache); }, "'kv_cache dtype' = fp8_e4m3: expected bf16");
+  cache = good;
+  cache.dim = 512;
+  testing::expect_error([&] { (void)make_cpu_rank(config, cache); }, "'kv_cache dim' = 512: expected D = 576");
+}
+
 // check_mla_attention refuses from the sizes alone what mla_attention would, and counts the
 // caller's own copies (the Python layer's of a strided q or kv) in the same bound: 1 M tokens of
 // one request fit the bound alone (about 2.5 GiB), not beside 6 GiB the caller holds.

@@ -32,8 +32,8 @@ class CudaRank final : public RankEngine {
   CudaRank(const AttentionConfig& config, const CacheConfig& cache, int device)
       // The device is checked (dcpmla::Error naming it) and set first: every allocation below
       // lands on it.
-      : cache_config_((cache.validate(), require_device(device), check(cudaSetDevice(device), "cudaSetDevice(rank)"),
-                       cache)),
+      : cache_config_((cache.validate(), require_rank_cache(config, cache), require_device(device),
+                       check(cudaSetDevice(device), "cudaSetDevice(rank)"), cache)),
         cache_(size_t(cache.bytes()), "cudaMalloc(rank cache)"),
         stream_("cudaStreamCreate(rank)"),
         attention_(config, device) {}
