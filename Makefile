@@ -64,7 +64,8 @@ bench: build
 BENCH_PLAN_JSON ?=
 bench-plan: configure
 	cmake --build $(BUILD_DIR) --target dcpmla_plan_bench -j$(JOBS)
-	$(BUILD_DIR)/bench/dcpmla_plan_bench $(if $(BENCH_PLAN_JSON),--benchmark_out=$(BENCH_PLAN_JSON) --benchmark_out_format=json)
+	$(BUILD_DIR)/bench/dcpmla_plan_bench --benchmark_repetitions=10 --benchmark_report_aggregates_only=true \
+	  $(if $(BENCH_PLAN_JSON),--benchmark_out=$(BENCH_PLAN_JSON) --benchmark_out_format=json)
 
 # docs/perf.md's current table and the SVG plots (docs/img/), from bench/results/*.json.
 perf-table: setup
