@@ -2,13 +2,16 @@
 // before anything runs. integer_in: a plain decimal integer of type T within [lo, hi] (CLI11's
 // own conversion lets "-1" wrap to 2^64 - 1 for unsigned options, saturates values beyond the
 // type and reads a leading 0 as octal, so "--heads 016" ran 14 heads; this refuses all three
-// and names the option and the value). writable_file: an output
-// file that can be written, checked before a benchmark of minutes instead of after it.
+// and names the option and the value). number_in: a finite decimal number within [lo, hi].
+// writable_file: an output file that can be written, checked before a benchmark of minutes
+// instead of after it.
 #pragma once
 
 #include <charconv>
+#include <cstdio>
 #include <filesystem>
 #include <string>
+#include <type_traits>
 
 #include <unistd.h>
 
@@ -18,8 +21,19 @@ namespace dcpmla::cli {
 
 // No fmt: bench.cu includes this, and fmt's constexpr code does not compile in nvcc's host pass.
 template <class T>
+std::string text_of(T value) {
+  if constexpr (std::is_floating_point_v<T>) {
+    char buffer[32];
+    std::snprintf(buffer, sizeof buffer, "%g", double(value));
+    return buffer;
+  } else {
+    return std::to_string(value);
+  }
+}
+
+template <class T>
 std::string range(T lo, T hi) {
-  return "[" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+  return "[" + text_of(lo) + ", " + text_of(hi) + "]";
 }
 
 template <class T>
@@ -35,6 +49,20 @@ CLI::Validator integer_in(T lo, T hi) {
         return "'" + text + "': expected a decimal integer in " + range(lo, hi) + (leading_zero ? ", without leading zeros" : "");
       },
       "INT in " + range(lo, hi));
+}
+
+// A plain decimal number within [lo, hi]: NaN and the infinities are outside every range (CLI11's
+// own CLI::Range compares, and lets NaN through).
+inline CLI::Validator number_in(double lo, double hi) {
+  return CLI::Validator(
+      [lo, hi](std::string& text) -> std::string {
+        double value = 0;
+        const char* end = text.data() + text.size();
+        const auto [stop, ec] = std::from_chars(text.data(), end, value);
+        if (ec == std::errc() && stop == end && value >= lo && value <= hi) return {};
+        return "'" + text + "': expected a number in " + range(lo, hi);
+      },
+      "NUMBER in " + range(lo, hi));
 }
 
 inline CLI::Validator writable_file() {

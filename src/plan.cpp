@@ -31,7 +31,6 @@ constexpr std::array<Capability, 6> kCapabilities{{
 }};
 
 constexpr int64_t kMaxArenaInts = int64_t(1) << 30;
-constexpr double kMaxScheduleCost = 1e6;
 // More chunks than any GPU has SMs (times CTAs per SM) buy nothing and cost host time per step.
 constexpr int kMaxWorkers = 1 << 16;
 

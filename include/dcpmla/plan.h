@@ -52,6 +52,8 @@ struct ScheduleCost {
   double combine = 3.0;
   double combine_piece = 2.5;
 };
+// The most any ScheduleCost field may be (the planner refuses more, and NaN).
+inline constexpr double kMaxScheduleCost = 1e6;
 
 // The H200 calibration for units of rows_per_unit query rows of a kv_dtype cache, the widest
 // step the planner is sized for (max_qlen x heads) making row_groups groups: a piece costs 1
