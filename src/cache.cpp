@@ -92,9 +92,9 @@ void write_kv(const KvCache& cache, const bf16* latents, const int64_t* slots, i
 PagedCache::PagedCache(const CacheConfig& config) : config_(config) {
   config_.validate();
   require(config_.bytes() <= kMaxHostBytes, "num_blocks", config_.num_blocks,
-          fmt::format("a host cache of at most {} GiB ({} blocks of {} tokens x {} bytes is {:.3g} GiB)",
-                      kMaxHostBytes >> 30, config_.num_blocks, config_.block_size,
-                      int64_t(config_.dim) * bytes_per_value(config_.dtype), double(config_.bytes()) / double(1 << 30)));
+          fmt::format("a host cache of at most {} ({} blocks of {} tokens x {} bytes is {})",
+                      bytes_text(double(kMaxHostBytes)), config_.num_blocks, config_.block_size,
+                      int64_t(config_.dim) * bytes_per_value(config_.dtype), bytes_text(double(config_.bytes()))));
   bytes_.resize(size_t(config_.bytes()));
 }
 

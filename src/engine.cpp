@@ -86,10 +86,10 @@ Planner within_host_budget(Planner planner) {
   const double bytes = double(planner.plan_host_bytes()) + double(split_workspace_floats(planner)) * sizeof(float) +
                        double(cpu_attention_scratch_bytes(planner.config().dims)) * threads;
   require(bytes <= double(kMaxHostBytes), "host memory (plan, split-K workspace and the threads' scratch)",
-          fmt::format("{:.3g} GiB ({} threads)", bytes / double(1 << 30), threads),
-          fmt::format("<= {} GiB (lower heads, kv_lora_rank, rope_dim, limits.max_batch, limits.max_qlen or "
+          fmt::format("{} for {} threads", bytes_text(bytes), threads),
+          fmt::format("<= {} (lower heads, kv_lora_rank, rope_dim, limits.max_batch, limits.max_qlen or "
                       "limits.max_local_kv_len, or route one_stage)",
-                      kMaxHostBytes >> 30));
+                      bytes_text(double(kMaxHostBytes))));
   return planner;
 }
 

@@ -365,9 +365,9 @@ void check_memory(const Inputs& in, const AttentionOptions& o, int ranks_here, b
                              "cache, workspace, merge buffers; the CPU kernels' scratch)"
                            : "host memory (input copies; per rank: plans, cache, workspace, merge buffers; the CPU "
                              "kernels' scratch)",
-          fmt::format("{:.3g} GiB for {} rank(s) here", total / double(1 << 30), ranks_here),
-          fmt::format("<= {} GiB in one process (lower world_size, block_size, heads, kv_lora_rank or the batch)",
-                      kMaxInProcessBytes >> 30));
+          fmt::format("{} for {} rank(s) here", bytes_text(total), ranks_here),
+          fmt::format("<= {} in one process (lower world_size, block_size, heads, kv_lora_rank or the batch)",
+                      bytes_text(double(kMaxInProcessBytes))));
 }
 
 // This rank's engine with its shard written and the batch planned: everything a rank can

@@ -38,6 +38,12 @@ void require(bool ok, std::string_view field, const T& value, std::string_view e
   if (!ok) fail(field, value, expected);
 }
 
+// A size in a refusal: GiB to three digits and the exact bytes, so that a size just past a limit
+// never reads as the limit ("8 GiB: expected at most 8 GiB").
+inline std::string bytes_text(double bytes) {
+  return fmt::format("{:.3g} GiB ({:.0f} bytes)", bytes / double(int64_t(1) << 30), bytes);
+}
+
 // A pointer read or written `align` bytes at a time (a whole value; on CUDA uint4 / cp.async
 // loads and vector stores): on a device a misaligned one faults and takes the CUDA context
 // down, on the host it is undefined behaviour, so it is refused. Null passes (checked apart).

@@ -100,7 +100,11 @@ TEST(Cache, RefusesAbsurdSizes) {
   // Valid-looking sizes beyond the host cap (1.2 TB) are refused before the allocation is
   // attempted (they were a std::bad_alloc, or an OOM kill).
   testing::expect_error([] { PagedCache(CacheConfig{int64_t(1) << 24, 64, 576, KvDtype::bf16, 1.0f}); },
-                        "'num_blocks' = 16777216: expected a host cache of at most 8 GiB");
+                        "'num_blocks' = 16777216: expected a host cache of at most 8 GiB (8589934592 bytes)");
+  // Just past the cap, the message gives the bytes: "at most 8 GiB (... is 8 GiB)" read as a
+  // contradiction (the seventieth session's audit).
+  testing::expect_error([] { PagedCache(CacheConfig{116509, 64, 576, KvDtype::bf16, 1.0f}); },
+                        "116509 blocks of 64 tokens x 1152 bytes is 8 GiB (8589975552 bytes))");
 }
 
 }  // namespace dcpmla

@@ -549,7 +549,8 @@ def test_a_broadcast_copy_is_counted_with_the_librarys_memory():
     before either is allocated (two separate 8 GiB checks let one call reach 12.4 GiB; the
     seventieth session's audit)."""
     kv = np.broadcast_to(np.ones((1, 1, D), np.float32), (1, 2_800_000, D))
-    refused_without_growing(MEMORY + r".*' = 15.1 GiB for 1 rank\(s\) here: expected <= 8 GiB",
+    refused_without_growing(MEMORY + r".*' = 15.1 GiB \(\d+ bytes\) for 1 rank\(s\) here: "
+                            r"expected <= 8 GiB \(8589934592 bytes\)",
                             np.zeros((1, 1, 1, D), np.float32), kv, [2_800_000])
 
 

@@ -188,6 +188,6 @@ def test_huge_view_message_names_the_memory_and_the_size():
     kv = np.broadcast_to(np.float32(0), (10**6, 8, 576))
     start = time.monotonic()
     with pytest.raises(ValueError, match=r"field 'host memory \(the caller's copies of strided inputs; .*' = "
-                                         r"[0-9.e+]+ GiB for 1 rank\(s\) here: expected <= 8 GiB"):
+                                         r"[0-9.e+]+ GiB \(\d+ bytes\) for 1 rank\(s\) here: expected <= 8 GiB"):
         dcpmla.mla_attention(q, kv, np.full(10**6, 8, np.int32))
     assert time.monotonic() - start < 2.0

@@ -196,10 +196,9 @@ struct Attention::Impl {
       // heads the split-K partials of max_qlen 64 are hundreds of GB.
       size_t free_bytes = 0, total_bytes = 0;
       check(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo(attention workspace)");
-      require(need <= total_bytes, "split-K workspace", fmt::format("{:.3g} GiB", double(need) / double(1 << 30)),
-              fmt::format("<= the device's {:.3g} GiB (lower heads, limits.max_batch or limits.max_qlen, or route "
-                          "one_stage)",
-                          double(total_bytes) / double(1 << 30)));
+      require(need <= total_bytes, "split-K workspace", bytes_text(double(need)),
+              fmt::format("<= the device's {} (lower heads, limits.max_batch or limits.max_qlen, or route one_stage)",
+                          bytes_text(double(total_bytes))));
       return need;
     }
     require(bytes >= need, "workspace bytes", bytes, fmt::format(">= {} (workspace_bytes)", need));
