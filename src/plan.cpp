@@ -89,6 +89,7 @@ int max_heads(Backend backend) {
 }
 
 void require_heads(std::string_view field, int heads, Backend backend) {
+  require_known("backend", backend);  // an unknown one has no head range to name
   if (heads < 1 || heads > max_heads(backend))
     fail(field, heads, fmt::format("in [1, {}] on the {} backend", max_heads(backend), to_string(backend)));
 }

@@ -201,8 +201,9 @@ def _int_array(field, x, dtype, layout, ndim=1, check_shape=None, kept=0, rows_i
         raise _error(f"{field}.ndim", a.ndim, f"{ndim} {layout}")
     if check_shape is not None:
         check_shape(a.shape)
-    if isinstance(x, (list, tuple)) and a.dtype.kind in "iu" and _has_bool(x):
-        # numpy read [True, 20] as [1, 20]: the values as given, where the object path names a bool.
+    if isinstance(x, (list, tuple)) and (a.dtype.kind == "f" or (a.dtype.kind in "iu" and _has_bool(x))):
+        # numpy read [True, 20] as [1, 20], and [3, 2**63] as float64: the values as given, where the
+        # object path names a bool, a float or an int that does not fit.
         a = np.asarray(x, dtype=object)
     if max_cols is not None and a.shape[1] > max_cols:
         a = a[:, :max_cols]

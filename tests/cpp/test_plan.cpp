@@ -677,6 +677,8 @@ TEST(Plan, RefusesHostileCapacitiesCostsAndEnums) {
   expect_error([] { (void)is_supported(Backend(5), Route::one_stage, Mode::verify, KvDtype::bf16, 16); },
                "'backend' = 5");
   expect_error([] { (void)is_supported(Backend::cpu, Route(8), Mode::verify, KvDtype::bf16, 16); }, "'route' = 8");
+  // require_heads named no range for an unknown backend ("expected in [1, 0] on the ? backend").
+  expect_error([] { require_heads("heads", 0, Backend(7)); }, "'backend' = 7");
   EXPECT_TRUE(is_supported(Backend::cpu, Route::two_stage, Mode::verify, KvDtype::bf16, 16));
   EXPECT_FALSE(is_supported(Backend::cpu, Route::two_stage, Mode::decode, KvDtype::bf16, 16));
   expect_error([] { (void)calibrated_schedule_cost(64, KvDtype(9), 1); }, "'kv_dtype' = 9");

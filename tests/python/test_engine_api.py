@@ -347,8 +347,10 @@ def test_bad_plans_are_refused_and_keep_the_last_plan():
     att, q, cache, t = planned()
     with error(r"field 'seq_lens\[1\]' = 3000000000: expected a value that fits int32"):
         att.plan([37, 3_000_000_000, 5, 129], t, 3)
-    with error(r"field 'seq_lens.dtype' = float64"):
+    with error(r"field 'seq_lens\[0\]' = 37.0: expected an integer"):
         att.plan([37.0, 0, 5, 129], t, 3)
+    with error(r"field 'seq_lens.dtype' = float64"):
+        att.plan(np.array([37.0, 0, 5, 129]), t, 3)
     with error(r"field 'block_tables' = list"):
         att.plan([37, 0, 5, 129], [[1, 2], [3]], 3)
     with error(r"field 'block_tables.shape\[0\]' = 3"):

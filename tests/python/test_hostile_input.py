@@ -698,6 +698,18 @@ def test_bools_among_list_integers_are_refused():
     assert att.batch == 2  # the last good plan stands
 
 
+def test_list_integers_numpy_reads_as_floats_are_named_as_given():
+    """numpy 2 reads [3, 2**63] as float64 (an int in [2**63, 2**64) fits no int64, where 2**64
+    becomes an object array): the refusal named a float dtype the caller never passed."""
+    q, kv = np.zeros((2, 1, 1, D), np.float32), np.zeros((2, 4, D), np.float32)
+    with error(r"field 'seq_lens\[1\]' = 9223372036854775808: expected a value that fits int32"):
+        dcpmla.mla_attention(q, kv, [3, 2**63])
+    with error(r"field 'slot_mapping\[1\]' = 9223372036854775808: expected a value that fits int64"):
+        dcpmla.write_kv(np.zeros((1, 4, D), np.uint16), np.zeros((2, D), np.float32), [0, 2**63])
+    with error(r"field 'seq_lens\[1\]' = 1.5: expected an integer"):
+        dcpmla.mla_attention(q, kv, [3, 1.5])
+
+
 def test_qlens_values_are_named_before_their_sum():
     """A negative or huge qlens value was reported as q's rows against their sum."""
     q3, kv = np.zeros((3, 1, D), np.float32), np.zeros((3, 40, D), np.float32)
