@@ -489,7 +489,8 @@ def merge_states(out_parts, lse_parts, out=None, lse=None, stream=None):
     its row NaN.
 
     Args:
-        out_parts: ``[N, ..., W]`` bfloat16 (CPU: float32 or bfloat16), e.g. the all-gathered
+        out_parts: ``[N, ..., W]`` bfloat16 (CPU: float32 or bfloat16; float32 partials are
+            rounded to bf16 on entry, as run()'s already are), e.g. the all-gathered
             ``[N, B, qlen, H, 512]`` of :meth:`Attention.run`; lse_parts: ``[N, ...]`` float32.
         out, lse: ``[..., W]`` of out_parts' dtype and ``[...]`` float32, or None to allocate.
         stream: as for :meth:`Attention.run`.
