@@ -87,10 +87,12 @@ def _cuda_index(field, x):
 def _stream(stream, x, cuda_index):
     """The cudaStream_t handle a call runs on; None on the CPU (where `stream` must be None).
 
-    None: the producer's current stream: torch's current stream on the device (also when `x` is
-    None, i.e. plan(), where torch is imported), cupy's current stream, else the legacy default
-    stream (0). An explicit stream: an int handle, or an object with ``cuda_stream`` (torch) or
-    ``ptr`` (cupy)."""
+    None: the producer's current stream: torch's current stream on the device, cupy's current
+    stream, else the legacy default stream (0). When `x` is None (plan(), which takes no tensor):
+    torch's once torch has set CUDA up, else cupy's where cupy is imported (run() on a cupy array
+    queues its kernels there, and a non-blocking stream is not ordered after the legacy stream),
+    else torch's where torch is imported, else 0. An explicit stream: an int handle, or an object
+    with ``cuda_stream`` (torch) or ``ptr`` (cupy)."""
     if cuda_index is None:
         if stream is not None:
             raise _error("stream", repr(stream), "None on the cpu device")
@@ -104,11 +106,11 @@ def _stream(stream, x, cuda_index):
             raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
             if raw is not None:
                 return raw(cuda_index)
+        cupy = sys.modules.get("cupy")
+        if cupy is not None and (x is None or isinstance(x, cupy.ndarray)):
+            return cupy.cuda.get_current_stream().ptr
         if torch is not None and (x is None or isinstance(x, torch.Tensor)):
             return torch.cuda.current_stream(cuda_index).cuda_stream
-        cupy = sys.modules.get("cupy")
-        if cupy is not None and isinstance(x, cupy.ndarray):
-            return cupy.cuda.get_current_stream().ptr
         return 0
     handle = stream
     if not isinstance(stream, int):
@@ -336,8 +338,11 @@ class Attention:
                 packed by request (a mixed batch of decode rows and verify blocks), and request
                 b's rows see the windows of its own ``qlens[b]``.
             stream: CUDA only: where the plan's upload is ordered; the runs must be on it or after
-                it. None: torch's current stream when torch is imported, else the legacy default
-                stream. Never inside a graph capture: plan outside, then replay.
+                it, on this object's device (a stream of another device is refused). None: torch's
+                current stream once torch has set CUDA up, else cupy's current stream where cupy is
+                imported, else torch's where torch is imported, else the legacy default stream
+                (run()'s default is the producer's current stream: pass both explicitly when mixing
+                producers). Never inside a graph capture: plan outside, then replay.
 
         int32 C-contiguous arrays are read in place, and so are block tables whose rows lie apart
         (a ``[:B, :W]`` slice of an engine's persistent table: no copy each step); columns past

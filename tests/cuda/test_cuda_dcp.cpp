@@ -396,6 +396,25 @@ TEST(DcpStepBadInput, OneRankRefusingMakesEveryRankRefuse) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
 }
 
+// Step buffers past the device's memory were left to cudaMalloc (a CUDA error naming no field,
+// after the attention's workspace was allocated): 128 local heads on 2 ranks at max_batch 4096
+// and max_qlen 64 ask about 290 GB of step buffers beside a workspace of about 140 GB, past
+// any H100's or H200's memory. Refused by name before any allocation.
+TEST(DcpStepBadInput, StepBuffersPastTheDeviceAreRefusedByName) {
+  DCPMLA_REQUIRE_GPU();
+  const auto errors = errors_per_rank(2, [](int, DeviceCommunicator& comm) {
+    DcpConfig cfg = small_config(2);
+    cfg.heads_local = 128;
+    cfg.limits = PlanLimits{4096, 64, 4096};
+    DcpStep step(cfg, comm);
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("field 'limits' = max_batch 4096 x max_qlen 64 x heads_local 128 on 2 ranks"), std::string::npos)
+        << e;
+    EXPECT_NE(e.find("expected <= the device's"), std::string::npos) << e;
+  }
+}
+
 // A communicator over a device no machine has: every CUDA call for it fails, and no
 // collective may run.
 class UnusableDeviceComm final : public DeviceCommunicator {

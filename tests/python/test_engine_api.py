@@ -447,3 +447,31 @@ def test_torch_fp8_cache_of_the_other_format_is_refused():
     cache = torch.zeros((8, 16, D), dtype=torch.float8_e5m2)
     with error(r"field 'kv_cache.dtype' = float8_e5m2: expected a dtype holding fp8_e4m3 values"):
         att.run(torch.from_numpy(q), cache, kv_scale=0.5)
+
+
+def test_plans_default_stream_is_cupys_where_runs_is(monkeypatch):
+    """plan() takes no tensor, so its default stream is chosen by producer: with cupy imported
+    (and torch's CUDA not set up) it is cupy's current stream, where run() on a cupy array queues
+    its kernels. It was the legacy stream, which a non-blocking cupy stream is not ordered after:
+    the kernels could read the previous device plan (the seventieth session's audit). A stand-in
+    cupy module; the CUDA branch is reached with a device index, no GPU needed."""
+    import sys
+    import types
+
+    from dcpmla._engine import _stream
+
+    class FakeArray:
+        pass
+
+    current = types.SimpleNamespace(ptr=0xC0FFEE)
+    fake = types.SimpleNamespace(ndarray=FakeArray, cuda=types.SimpleNamespace(get_current_stream=lambda: current))
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        pytest.skip("torch has set CUDA up: plan()'s default is torch's stream")
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    assert _stream(None, None, 0) == 0xC0FFEE  # plan()
+    assert _stream(None, FakeArray(), 0) == 0xC0FFEE  # run() on a cupy array
+    assert _stream(7, None, 0) == 7  # an explicit handle wins
+    monkeypatch.delitem(sys.modules, "cupy")
+    if torch is None:
+        assert _stream(None, None, 0) == 0  # no producer imported: the legacy default stream

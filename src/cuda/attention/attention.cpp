@@ -139,8 +139,7 @@ AttentionVariant attention_variant(int max_qlen, int heads, KvDtype dtype, const
 
 void attention(const AttentionParams& p, cudaStream_t stream, int num_sms, bool merge, const AttentionTuning& tuning) {
   validate_attention(p);
-  require(num_sms >= 0 && num_sms <= kMaxSms, "num_sms", num_sms,
-          fmt::format("in [0, {}] (0 asks the device)", kMaxSms));
+  if (num_sms < 0 || num_sms > kMaxSms) fail("num_sms", num_sms, fmt::format("in [0, {}] (0 asks the device)", kMaxSms));
   if (num_sms == 0) num_sms = device_sms(current_device());
   launch(p, stream, num_sms, merge, compiled(attention_variant(p.plan.max_qlen, p.heads, p.kv_dtype, tuning), p.kv_dtype));
 }
@@ -259,7 +258,9 @@ Attention::~Attention() {
   try {
     const cuda::DeviceScope scope(impl_->device);
     (void)cudaDeviceSynchronize();
-  } catch (const CudaError&) {
+  } catch (const std::exception&) {
+    // CudaError, or dcpmla::Error from DeviceScope's device query where the runtime is being
+    // torn down (no device left): a destructor that threw would end the process.
   }
   (void)cudaGetLastError();
 }
@@ -281,6 +282,7 @@ void Attention::plan(const BatchDesc& batch, cudaStream_t stream, bool fit_captu
   Impl& m = *impl_;
   require_not_capturing(stream);
   require_current_device(m.device, "Attention");
+  require_stream_device(stream, m.device, "Attention");
   const int k = 1 - m.current;
   // The copy two plans back read this staging copy; in practice it finished long ago.
   check(cudaEventSynchronize(m.staged[k].get()), "cudaEventSynchronize(plan staging)");
@@ -299,10 +301,17 @@ void Attention::plan(const BatchDesc& batch, cudaStream_t stream, bool fit_captu
          fmt::format("at most {} (the rows of a run() captured into a CUDA graph, whose replays write this plan's "
                      "rows into its buffers; capture with the largest batch to replay)",
                      m.captured_rows));
-  check(cudaMemcpyAsync(m.plan_dev, m.plans[k].arena().data(), m.plans[k].used_ints() * sizeof(int32_t),
-                        cudaMemcpyHostToDevice, stream),
-        "cudaMemcpyAsync(plan upload)");
-  check(cudaEventRecord(m.staged[k].get(), stream), "cudaEventRecord(plan staging)");
+  try {
+    check(cudaMemcpyAsync(m.plan_dev, m.plans[k].arena().data(), m.plans[k].used_ints() * sizeof(int32_t),
+                          cudaMemcpyHostToDevice, stream),
+          "cudaMemcpyAsync(plan upload)");
+    check(cudaEventRecord(m.staged[k].get(), stream), "cudaEventRecord(plan staging)");
+  } catch (...) {
+    // The device copy may now hold this plan while the host's current one is the previous: run()
+    // checks its buffers against the host's, so it refuses until a plan() succeeds.
+    m.planned = false;
+    throw;
+  }
   m.current = k;
   m.planned = true;
 }

@@ -63,6 +63,14 @@ void require_current_device(int device, const char* owner) {
          fmt::format("{} (the {}'s device: make it current, cudaSetDevice, before calling it)", device, owner));
 }
 
+void require_stream_device(cudaStream_t stream, int device, const char* owner) {
+  int of = -1;
+  check(cudaStreamGetDevice(stream, &of), "cudaStreamGetDevice");
+  if (of != device)
+    fail("stream", fmt::format("a stream of device {}", of),
+         fmt::format("a stream of device {} (the {}'s)", device, owner));
+}
+
 void require_not_capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   check(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing(plan stream)");

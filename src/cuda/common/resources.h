@@ -105,6 +105,9 @@ void require_device(int device, const char* also = "");
 // device, against this object's plan and workspace (`owner` names the object). A host query,
 // no synchronisation: per step and per layer.
 void require_current_device(int device, const char* owner);
+// Refuses a stream of another device (cudaStreamGetDevice, a host query): work queued on it would
+// run against another device's memory, or its copies be taken while the event beside them fails.
+void require_stream_device(cudaStream_t stream, int device, const char* owner);
 // Refuses plan() while `stream` captures a CUDA graph: the graph would record the upload of
 // that plan's staging copy, and a replay would compute it instead of the latest plan.
 void require_not_capturing(cudaStream_t stream);

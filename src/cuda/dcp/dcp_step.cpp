@@ -132,10 +132,13 @@ void DcpStep::build(const DcpConfig& config) {
   ac.route = config.route;
   ac.min_segment_tokens = config.min_segment_tokens;
   check(cudaSetDevice(comm_.device()), "cudaSetDevice(DcpStep)");
-  attention_ = std::make_unique<cuda::Attention>(ac, comm_.device());
-  attention_->set_tuning(config.tuning);
-  softmax_scale_ = attention_->softmax_scale();
   rows_ = int64_t(config.limits.max_batch) * config.limits.max_qlen;
+  // Every buffer below is at most all_cells x (2 D + world) x 8 bytes: past 2^62 the int64 sizes
+  // would wrap, and no device holds that anyway.
+  if (double(rows_) * world_ * hl_ * (2.0 * kDim + world_) * 8.0 > 0x1p62)
+    fail("limits", fmt::format("max_batch {} x max_qlen {} x heads_local {} on {} ranks", config.limits.max_batch,
+                               config.limits.max_qlen, hl_, world_),
+         "step buffers that fit the device (lower limits.max_batch or limits.max_qlen)");
 
   // One device allocation carved into the step's buffers (256-byte aligned pieces).
   const int64_t cells = rows_ * hl_, all_cells = rows_ * int64_t(world_) * hl_;
@@ -160,6 +163,20 @@ void DcpStep::build(const DcpConfig& config) {
   };
   int64_t total = 0;
   for (int64_t s : sizes) total += align_up(s, 256);
+  // Refused by name before anything is allocated, beside the attention's workspace (which the
+  // attention's own check counts alone): at 128 local heads on 2 ranks, max_batch 4096 and
+  // max_qlen 64 ask about 290 GB of step buffers.
+  size_t free_bytes = 0, device_bytes = 0;
+  check(cudaMemGetInfo(&free_bytes, &device_bytes), "cudaMemGetInfo(DcpStep)");
+  const double need = double(total) + double(cuda::Attention::workspace_bytes(ac, comm_.device()));
+  if (need > double(device_bytes))
+    fail("limits", fmt::format("max_batch {} x max_qlen {} x heads_local {} on {} ranks: {} of step buffers and "
+                               "attention workspace", config.limits.max_batch, config.limits.max_qlen, hl_, world_,
+                               bytes_text(need)),
+         fmt::format("<= the device's {} (lower limits.max_batch or limits.max_qlen)", bytes_text(double(device_bytes))));
+  attention_ = std::make_unique<cuda::Attention>(ac, comm_.device());
+  attention_->set_tuning(config.tuning);
+  softmax_scale_ = attention_->softmax_scale();
   carve(total, sizes);
   host_ = std::make_unique<HostStagedCommunicator>(comm_, host_scratch_bytes(world_));
   warm_up();
