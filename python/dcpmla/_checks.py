@@ -138,21 +138,18 @@ def _contiguous(a):
     return np.require(a, requirements=["C_CONTIGUOUS", "ALIGNED"])
 
 
-def _too_big_to_copy(field, a, dtype, what, kept=0, held=0):
+def _too_big_to_copy(field, a, dtype, what, kept=0):
     """Refuses copying (or scanning) `a` into `dtype` beyond the in-process limit, from its shape
     alone: a broadcast view describes petabytes in a few bytes, and copying or
     reading it would run out of memory, or run for hours, before any value is checked. kept:
-    bytes per value that the library then holds beside the copy (its own check, later, does not
-    see this copy); held: bytes the call holds for its other arrays."""
+    bytes per value that the call then holds beside the copy (e.g. its result)."""
     limit = _dcpmla.max_in_process_bytes
-    nbytes = a.size * (max(a.dtype.itemsize, dtype.itemsize) + kept) + held
+    nbytes = a.size * (max(a.dtype.itemsize, dtype.itemsize) + kept)
     if nbytes > limit:
         kind = "a non-contiguous view" if not a.flags.c_contiguous else "an array"
-        held_text = f" and the library's {kept}-byte copy of each value" if kept else ""
-        if held:
-            held_text += f", beside {held / 2**30:.3g} GiB for the call's other arrays"
+        kept_text = f" and the {kept}-byte result of each value" if kept else ""
         raise _error(field, f"{kind} of shape {a.shape}, dtype {a.dtype} ({nbytes / 2**30:.3g} GiB with its "
-                     f"{what}{held_text})", f"at most {limit / 2**30:.3g} GiB (pass a C-contiguous {dtype} array)")
+                     f"{what}{kept_text})", f"at most {limit / 2**30:.3g} GiB (pass a C-contiguous {dtype} array)")
 
 
 def _index(a, flat):
