@@ -361,11 +361,11 @@ void check_memory(const Inputs& in, const AttentionOptions& o, int ranks_here, b
                                      : 0.0;
   const double total = shared + per_rank * ranks_here + scratch + caller_bytes;
   require(total <= double(kMaxInProcessBytes),
-          caller_bytes > 0 ? "host memory (the caller's copies of strided inputs; input copies; per rank: plans, "
-                             "cache, workspace, merge buffers; the CPU kernels' scratch)"
-                           : "host memory (input copies; per rank: plans, cache, workspace, merge buffers; the CPU "
-                             "kernels' scratch)",
-          fmt::format("{} for {} rank(s) here", bytes_text(total), ranks_here),
+          "host memory (input copies; per rank: plans, cache, workspace, merge buffers; the CPU kernels' scratch)",
+          fmt::format("{} for {} rank(s) here{}", bytes_text(total), ranks_here,
+                      caller_bytes > 0 ? fmt::format(", {} of it the caller's copies of strided inputs",
+                                                     bytes_text(caller_bytes))
+                                       : ""),
           fmt::format("<= {} in one process (lower world_size, block_size, heads, kv_lora_rank or the batch)",
                       bytes_text(double(kMaxInProcessBytes))));
 }
@@ -383,9 +383,9 @@ std::unique_ptr<RankEngine> set_up_rank(const Inputs& in, const AttentionOptions
   return engine;
 }
 
-// FNV-1a over 64-bit words (the tail zero-padded): ranks handed different inputs must not
-// merge their partials. Each step is a bijection of the running hash, so inputs that differ in
-// one word always hash apart; a word a step keeps it at some GB/s over the latents.
+// FNV-1a over 64-bit words (the tail zero-padded), one multiply a word: ranks handed different
+// inputs must not merge their partials. Each step is a bijection of the running hash, so inputs
+// of one length that differ in one word always hash apart.
 template <class T>
 std::array<int32_t, 2> hash_of(std::span<const T> values) {
   const std::span<const std::byte> bytes = std::as_bytes(values);

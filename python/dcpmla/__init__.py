@@ -60,16 +60,32 @@ def _one_value(x):
     return x
 
 
+def _copies_fit(q, kv):
+    """Refuses, from the shapes alone, a call whose copies of strided q and kv and the library's
+    bf16 copies of both (a floor of what check_mla_attention counts) pass the in-process limit:
+    before seq_lens is converted or read, which for a broadcast batch of 10**9 requests took
+    minutes before the exact check could run."""
+    copies, limit = _copy_bytes(q) + _copy_bytes(kv), _dcpmla.max_in_process_bytes
+    floor = copies + 2 * (q.size + kv.size)
+    if floor > limit:
+        raise _error("q and kv", f"{copies / 2**30:.3g} GiB of copies of strided arrays beside the library's "
+                     f"bf16 copies of both ({floor / 2**30:.3g} GiB, {floor} bytes)",
+                     f"at most {limit / 2**30:.3g} GiB in one process (pass C-contiguous float32 arrays, or "
+                     f"a smaller batch)")
+
+
 def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_dtype, kv_scale,
                softmax_scale, kv_lora_rank, route, device, merge, seed, qlens=None, min_segment_tokens=None):
     # The shapes first, the values after: seq_lens and qlens are checked against the batch from
     # their shapes before they are copied or read (a broadcast view can describe 2**40 entries),
-    # and everything the library would refuse before it allocates is checked, counting the copies
-    # of strided q and kv, before they are made.
+    # and where q or kv must be copied, everything the library would refuse before it allocates
+    # is checked first, the copies counted (_copies_fit, from the shapes alone, before seq_lens
+    # is even read; check_mla_attention, once it is).
     q, kv = _host_array("q", q), _host_array("kv", kv)
     kv = _typed_array("kv", kv, np.float32, 3, "[B, Lmax, D]")
+    q = _typed_array("q", q, np.float32, *((4, "[B, qlen, H, D]") if qlens is None else (3, "[sum(qlens), H, D]")))
+    _copies_fit(q, kv)
     if qlens is None:
-        q = _typed_array("q", q, np.float32, 4, "[B, qlen, H, D]")
         B, _, H, D = q.shape
         what = f"the batch B of q {tuple(q.shape)}"
         if kv.shape[0] != B:
@@ -100,7 +116,6 @@ def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_
         if bad.any():
             b = int(np.argmax(bad))
             raise _error(f"qlens[{b}]", int(qlens[b]), f"in [0, {_dcpmla.max_qlen}] (request {b}'s query rows)")
-        q = _typed_array("q", q, np.float32, 3, "[sum(qlens), H, D]")
         _, H, D = q.shape
         if q.shape[0] != int(qlens.sum(dtype=np.int64)):
             raise _error("q.shape[0]", q.shape[0], f"{int(qlens.sum(dtype=np.int64))} (sum(qlens))")
@@ -131,8 +146,9 @@ def _attention(q, kv, seq_lens, *, mode, world_size, interleave, block_size, kv_
         qlens=qlens,
         min_segment_tokens=None if min_segment_tokens is None else _int("min_segment_tokens", min_segment_tokens),
     )
-    _dcpmla._check_mla_attention(q.shape, kv.shape, seq_lens, **options,
-                                 caller_bytes=float(_copy_bytes(q) + _copy_bytes(kv)))
+    copies = _copy_bytes(q) + _copy_bytes(kv)
+    if copies:  # else _mla_attention's own check, before it allocates, is the same
+        _dcpmla._check_mla_attention(q.shape, kv.shape, seq_lens, **options, caller_bytes=float(copies))
     out, lse, routes, max_segments = _dcpmla._mla_attention(_contiguous(q), _contiguous(kv), seq_lens, **options)
     return out, lse, list(routes), list(max_segments)
 

@@ -235,8 +235,8 @@ TEST(Runner, TheCheckFromTheSizesCountsTheCallersBytes) {
   o.mode = Mode::decode;
   EXPECT_NO_THROW(check_mla_attention(q_size, kv_size, lens, 1, 1, 1, max_len, 576, o));
   testing::expect_error([&] { check_mla_attention(q_size, kv_size, lens, 1, 1, 1, max_len, 576, o, {}, 6.0 * (1 << 30)); },
-                        "'host memory (the caller's copies of strided inputs; input copies; per rank: plans, cache, "
-                        "workspace, merge buffers; the CPU kernels' scratch)' = ");
+                        "for 1 rank(s) here, 6 GiB (6442450944 bytes) of it the caller's copies of strided inputs: "
+                        "expected <= 8 GiB");
   // The arguments as mla_attention checks them: a size q's shape does not describe, a length past kv's.
   testing::expect_error([&] { check_mla_attention(q_size + 1, kv_size, lens, 1, 1, 1, max_len, 576, o); },
                         "'q' = 577 values: expected batch x qlen x heads x D = 576");

@@ -133,8 +133,8 @@ void DcpStep::build(const DcpConfig& config) {
   ac.min_segment_tokens = config.min_segment_tokens;
   check(cudaSetDevice(comm_.device()), "cudaSetDevice(DcpStep)");
   rows_ = int64_t(config.limits.max_batch) * config.limits.max_qlen;
-  // Every buffer below is at most all_cells x (2 D + world) x 8 bytes: past 2^62 the int64 sizes
-  // would wrap, and no device holds that anyway.
+  // The buffers below take less than all_cells x (2 D + world) x 8 bytes together: past 2^62
+  // their int64 sizes could wrap, and no device holds that anyway.
   if (double(rows_) * world_ * hl_ * (2.0 * kDim + world_) * 8.0 > 0x1p62)
     fail("limits", fmt::format("max_batch {} x max_qlen {} x heads_local {} on {} ranks", config.limits.max_batch,
                                config.limits.max_qlen, hl_, world_),
