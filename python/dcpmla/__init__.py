@@ -61,13 +61,13 @@ def _one_value(x):
 
 
 def _copies_fit(q, kv):
-    """Refuses, from the shapes alone, a call whose copies of strided q and kv and the library's
+    """Refuses, from the shapes alone, a call whose copies of strided q or kv and the library's
     bf16 copies of both (a floor of what check_mla_attention counts) pass the in-process limit:
     before seq_lens is converted or read, which for a broadcast batch of 10**9 requests took
     minutes before the exact check could run."""
     copies, limit = _copy_bytes(q) + _copy_bytes(kv), _dcpmla.max_in_process_bytes
     floor = copies + 2 * (q.size + kv.size)
-    if floor > limit:
+    if copies and floor > limit:  # without a copy, the library's own check comes before it allocates
         raise _error("q and kv", f"{copies / 2**30:.3g} GiB of copies of strided arrays beside the library's "
                      f"bf16 copies of both ({floor / 2**30:.3g} GiB, {floor} bytes)",
                      f"at most {limit / 2**30:.3g} GiB in one process (pass C-contiguous float32 arrays, or "
